@@ -1,0 +1,5 @@
+import sys
+
+from autopar.cli import main
+
+sys.exit(main())

@@ -1,0 +1,40 @@
+"""The `autopar` command line. Each subcommand lives in its own module exposing
+`add_parser(subparsers)`; heavy imports happen inside the handlers, so `--help` is instant."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from autopar.errors import AutoparError
+
+# subcommand modules under autopar.cli, in the order `autopar --help` lists them
+SUBCOMMANDS = ("search", "estimate", "memory")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopar",
+        description="Pick, explain and apply a parallel training plan for a PyTorch model.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"autopar.cli.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except AutoparError as e:
+        print(f"autopar: error: {e}".replace("\n", " "), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

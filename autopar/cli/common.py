@@ -1,0 +1,82 @@
+"""Flags shared by the planning subcommands, and turning them into a Workload."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from autopar.errors import AutoparError
+
+DEFAULT_CLUSTER = "dgx-a100-80g"
+DEFAULT_GLOBAL_BATCH = 512
+
+
+def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | None = DEFAULT_GLOBAL_BATCH) -> None:
+    parser.add_argument("model", metavar="MODEL", help="path to a model.py (see the model.py contract)")
+    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="keyword argument for build_model/example_batch, e.g. size=175b (repeatable)")
+    parser.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="PRESET|FILE.json",
+                        help=f"cluster preset or cluster JSON (default {DEFAULT_CLUSTER})")
+    parser.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the preset's)")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the preset's)")
+    parser.add_argument("--global-batch", type=int, default=batch_default, metavar="B",
+                        help="samples per optimizer step" + (f" (default {batch_default})" if batch_default else ""))
+    parser.add_argument("--seq-len", type=int, default=None, metavar="S",
+                        help="sequence length (passed to the model as seq_len)")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16",
+                        help="training precision (default bf16)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def parse_model_args(pairs: list[str], seq_len: int | None) -> dict:
+    out: dict = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise AutoparError(f"--model-arg expects KEY=VALUE, got '{pair}'")
+        out[key] = _parse_value(value)
+    if seq_len is not None:
+        if seq_len < 1:
+            raise AutoparError(f"--seq-len must be positive, got {seq_len}")
+        out["seq_len"] = seq_len
+    return out
+
+
+def _parse_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def load_workload(args, nodes: int | None = None, global_batch: int | None = None):
+    """Profile the model (cached) and load the cluster; flags win over the given defaults."""
+    from autopar.cluster import load_cluster
+    from autopar.profile import profile_model
+    from autopar.workload import Workload
+
+    batch = args.global_batch if args.global_batch is not None else global_batch
+    if batch is None or batch < 1:
+        raise AutoparError(f"--global-batch must be a positive integer, got {batch}")
+    for flag in ("nodes", "gpus_per_node"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise AutoparError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    cluster = load_cluster(args.cluster, nodes=args.nodes or nodes, gpus_per_node=args.gpus_per_node)
+    profile = profile_model(args.model, parse_model_args(args.model_arg, args.seq_len), dtype=args.precision)
+    return Workload(profile=profile, cluster=cluster, global_batch=batch)
+
+
+def print_json(obj) -> None:
+    json.dump(obj, sys.stdout, indent=1)
+    sys.stdout.write("\n")
+
+
+def workload_dict(workload) -> dict:
+    p, c = workload.profile, workload.cluster
+    return {"model": p.name, "params": p.params, "layers": p.num_layers, "seq_len": p.seq_len,
+            "dims": p.dims, "cluster": c.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
+            "gpu": c.gpu.name, "global_batch": workload.global_batch, "precision": p.dtype}

@@ -1,0 +1,66 @@
+"""`autopar search`: find the best plan, explain it, list the runners-up, write plan.json."""
+
+from __future__ import annotations
+
+import time
+
+from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
+
+DEFAULT_METHOD = "exhaustive"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("search", help="find the best parallel plan for a model on a cluster",
+                       description="Profile MODEL, search the plan space and print the best plan with "
+                                   "its estimate, the reasons for each choice, and the runners-up.")
+    add_workload_flags(p)
+    p.add_argument("--method", default=DEFAULT_METHOD, help=f"planner (default {DEFAULT_METHOD})")
+    p.add_argument("--top-k", type=int, default=5, metavar="K", help="plans to show (default 5)")
+    p.add_argument("-o", "--output", metavar="plan.json", help="write the best plan here")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from autopar.cost import estimate
+    from autopar.errors import AutoparError
+    from autopar.explain import explain
+    from autopar.report import alternatives_table, print_estimate, why_table
+    from autopar.search import get_planner
+
+    if args.top_k < 1:
+        raise AutoparError(f"--top-k must be at least 1, got {args.top_k}")
+    started = time.perf_counter()
+    console = Console(stderr=args.json)
+    with console.status("profiling the model"):
+        workload = load_workload(args)
+    planner = get_planner(args.method)
+    with console.status(f"searching ({args.method})"):
+        plans = planner.propose(workload, args.top_k)
+    estimates = [estimate(workload, p) for p in plans]
+    best, best_est = plans[0], estimates[0]
+    reasons = explain(workload, best)
+    if args.output:
+        best.save(args.output)
+    wall = time.perf_counter() - started
+    if args.json:
+        print_json({
+            "plan": best.to_dict(), "estimate": best_est.to_dict(),
+            "alternatives": [{"plan": p.to_dict(), "estimate": e.to_dict()}
+                             for p, e in zip(plans[1:], estimates[1:])],
+            "why": [{"knob": r.knob, "chosen": r.chosen, "instead": r.text} for r in reasons],
+            "workload": workload_dict(workload), "method": args.method,
+            "cost_model_evaluations": planner.evaluations, "wall_time_s": wall,
+        })
+        return 0
+    console.print(f"[bold]{workload.describe()}[/bold]  ·  {workload.profile.params / 1e9:.2f} B parameters")
+    if not workload.profile.has_tp_plan:
+        console.print(f"[yellow]{workload.profile.tp_note}[/yellow]")
+    print_estimate(console, best, best_est)
+    console.print(why_table(best_est, reasons))
+    if len(plans) > 1:
+        console.print(alternatives_table(best_est, list(zip(plans[1:], estimates[1:]))))
+    console.print(f"{args.method}: {planner.evaluations:,} cost-model evaluations, {wall:.2f} s"
+                  + (f"; plan written to {args.output}" if args.output else ""))
+    return 0

@@ -1,0 +1,79 @@
+"""Accelerator specs: the datasheet figures the cost model divides work by.
+
+Figures are dense (no sparsity), per device, from the vendors' datasheets (REFERENCES.md §4).
+Bandwidths are bytes/s; FLOP/s are per dtype of the matmul inputs with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    peak_flops: dict[str, float] = field(hash=False)  # dense FLOP/s per dtype: "bf16", "fp16", "fp32"
+    memory_bytes: float  # device memory, bytes (datasheet GB = 1e9)
+    hbm_bytes_per_s: float  # device-memory bandwidth, bytes/s
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "peak_flops": dict(self.peak_flops),
+                "memory_bytes": self.memory_bytes, "hbm_bytes_per_s": self.hbm_bytes_per_s}
+
+
+def _spec(name: str, half: float, fp32: float, memory_gb: float, hbm_gb_s: float, bf16: float | None = None) -> GPUSpec:
+    return GPUSpec(name, {"bf16": half if bf16 is None else bf16, "fp16": half, "fp32": fp32},
+                   memory_gb * 1e9, hbm_gb_s * 1e9)
+
+
+# V100 has no bf16 tensor cores: bf16 matmuls run at the fp32 rate at best.
+GPUS: dict[str, GPUSpec] = {
+    "v100-32g": _spec("V100-SXM2-32GB", 125e12, 15.7e12, 32, 900, bf16=15.7e12),
+    "a100-40g": _spec("A100-SXM4-40GB", 312e12, 19.5e12, 40, 1555),
+    "a100-80g": _spec("A100-SXM4-80GB", 312e12, 19.5e12, 80, 2039),
+    "h100": _spec("H100-SXM5-80GB", 989e12, 67e12, 80, 3350),
+    "h200": _spec("H200-SXM5-141GB", 989e12, 67e12, 141, 4800),
+    "l40s": _spec("L40S", 362e12, 91.6e12, 48, 864),
+    # GeForce: 165 TFLOP/s is the fp32-accumulate rate (330 with fp16 accumulation).
+    "rtx4090": _spec("RTX-4090", 165e12, 82.6e12, 24, 1008),
+    # One gloo worker process on a CPU core: nominal figures for planning local test runs;
+    # calibration replaces them with measured ones. Memory is a per-process share of host RAM.
+    "cpu": _spec("cpu-process", 50e9, 50e9, 8, 10),
+}
+
+# Substrings of torch.cuda.get_device_name() -> GPUS key; the first match wins, so more
+# specific patterns come first.
+_NAME_PATTERNS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-"), ("v100", "v100-32g"),
+                  ("l40s", "l40s"), ("4090", "rtx4090"))
+
+
+def match_gpu(device_name: str, memory_bytes: float) -> str | None:
+    """The GPUS key for a CUDA device name (memory tells an A100 40GB from an 80GB), or None."""
+    lowered = device_name.lower()
+    for pattern, key in _NAME_PATTERNS:
+        if pattern in lowered:
+            return ("a100-80g" if memory_bytes > 50e9 else "a100-40g") if key == "a100-" else key
+    return None
+
+
+# Dense tensor-core fp16/bf16 and CUDA-core fp32 FLOPs per SM per clock, by compute capability
+# (datasheet peak / (SMs x boost clock)); a newer architecture uses its nearest predecessor.
+_FLOPS_PER_SM_CLOCK = {(7, 0): (1024, 128), (8, 0): (2048, 128), (8, 6): (1024, 256),
+                       (9, 0): (4096, 256), (10, 0): (8192, 256)}
+_NOMINAL_CLOCK_HZ = 1.5e9  # when the driver reports no clock rate
+_NOMINAL_HBM_BYTES_PER_S = 1e12  # when it reports no memory clock
+
+
+def derive_gpu(props) -> GPUSpec:
+    """A spec computed from torch.cuda device properties, for GPUs not in GPUS."""
+    arch = max((cc for cc in _FLOPS_PER_SM_CLOCK if cc <= (props.major, props.minor)), default=(7, 0))
+    half, fp32 = _FLOPS_PER_SM_CLOCK[arch]
+    clock = props.clock_rate * 1e3 or _NOMINAL_CLOCK_HZ  # clock_rate is in kHz
+    sms = props.multi_processor_count
+    bf16 = half if arch >= (8, 0) else fp32  # no bf16 tensor cores before Ampere
+    # Double data rate: two transfers per memory clock over the bus width (bits).
+    hbm = 2 * props.memory_clock_rate * 1e3 * props.memory_bus_width / 8 or _NOMINAL_HBM_BYTES_PER_S
+    return GPUSpec(props.name, {"bf16": sms * clock * bf16, "fp16": sms * clock * half, "fp32": sms * clock * fp32},
+                   float(props.total_memory), hbm)

@@ -1,0 +1,64 @@
+"""Common machines, written as cluster JSON documents (the format `load_cluster` reads).
+
+Rates are one-way datasheet figures (REFERENCES.md §4), not measured throughput: the cost
+model's per-kind efficiency (fitted by calibration) turns them into what NCCL reaches.
+  nvlink  per GPU to the NVSwitch: NVLink2 150 GB/s (6 x 25), NVLink3 300, NVLink4 450
+  pcie    x16 link: Gen3 16 GB/s, Gen4 32, Gen5 64
+  upi     one link between CPU sockets: PCIe peer traffic across sockets does not stripe over
+          the several links, and NCCL's own topology model rates this path below a PCIe x16
+          (topo.h: SKL_QPI_BW 10 vs PCI_BW 12 GB/s), so it is the bottleneck of a PCIe box.
+  ib/ethernet  per NIC: 100 Gb/s = 12.5 GB/s, HDR 200 Gb/s = 25, NDR 400 Gb/s = 50.
+Latencies are per edge, typical figures: a GPU-to-GPU hop crosses two edges, so it costs 2 us
+over NVLink, 3 us under one PCIe switch, and NIC to NIC 5 us over IB plus the PCIe legs.
+"""
+
+from __future__ import annotations
+
+_LATENCY = {"nvlink": 1e-6, "pcie": 1.5e-6, "upi": 1e-6, "ib": 2.5e-6, "ethernet": 5e-6, "shm": 10e-6}
+
+
+def _preset(gpu: str, gpus_per_node: int, node: dict, **bandwidths: float) -> dict:
+    links = {kind: {"bandwidth": bandwidth, "latency": _LATENCY[kind]} for kind, bandwidth in bandwidths.items()}
+    return {"gpu": gpu, "nodes": 1, "gpus_per_node": gpus_per_node, "node": node, "links": links}
+
+
+def _dgx(gpu: str, nics: int, **bandwidths: float) -> dict:
+    """Two CPU sockets, PCIe switches each holding 2 GPUs and their NICs, GPUs on NVSwitch."""
+    node = {"intra": "nvswitch", "sockets": 2, "gpus_per_pcie_switch": 2, "nics": nics,
+            "nic_attach": "switch", "nic_kind": "ib"}
+    return _preset(gpu, 8, node, **bandwidths)
+
+
+def _pcie_box(gpu: str, gpus_per_pcie_switch: int, nic_attach: str, nic_kind: str, **bandwidths: float) -> dict:
+    """Two CPU sockets with PCIe switches of GPUs; no NVLink; two NICs."""
+    node = {"intra": "pcie", "sockets": 2, "gpus_per_pcie_switch": gpus_per_pcie_switch, "nics": 2,
+            "nic_attach": nic_attach, "nic_kind": nic_kind}
+    return _preset(gpu, 8, node, **bandwidths)
+
+
+PRESETS: dict[str, dict] = {
+    # DGX-1V's hybrid cube mesh is modelled as a switch giving each GPU its 6 NVLinks
+    # (150 GB/s): NCCL's rings over all 8 GPUs use every link, subsets of the mesh would get less.
+    # Sockets: Xeon E5 with QPI 9.6 GT/s (19.2 GB/s); 4 x 100 Gb/s EDR IB, one per 2 GPUs.
+    "dgx-v100": _dgx("v100-32g", 4, nvlink=150e9, pcie=16e9, upi=19.2e9, ib=12.5e9),
+    # Sockets: AMD EPYC joined by xGMI, one x16 link at 16 GT/s; 8 x HDR IB, one per GPU.
+    "dgx-a100-40g": _dgx("a100-40g", 8, nvlink=300e9, pcie=32e9, upi=32e9, ib=25e9),
+    "dgx-a100-80g": _dgx("a100-80g", 8, nvlink=300e9, pcie=32e9, upi=32e9, ib=25e9),
+    # Sockets: Xeon with UPI 2.0 at 16 GT/s; 8 x NDR IB, one per GPU.
+    "dgx-h100": _dgx("h100", 8, nvlink=450e9, pcie=64e9, upi=32e9, ib=50e9),
+    "dgx-h200": _dgx("h200", 8, nvlink=450e9, pcie=64e9, upi=32e9, ib=50e9),
+    # Workstation-class server: 2 GPUs per PCIe switch, 2 x 100 GbE on the CPUs; UPI 10.4 GT/s.
+    # (GeForce drivers may disable peer-to-peer; calibration's pcie efficiency absorbs that.)
+    "pcie-4090x8": _pcie_box("rtx4090", 2, "cpu", "ethernet", pcie=32e9, upi=20.8e9, ethernet=12.5e9),
+    # 4 GPUs and one 200 Gb/s HDR NIC per PCIe switch, one switch per socket.
+    "l40s-pcie": _pcie_box("l40s", 4, "switch", "ib", pcie=32e9, upi=20.8e9, ib=25e9),
+    # Local gloo runs: worker processes share one host's memory (nominal 5 GB/s per process,
+    # 20 us per hop through the loopback), a 10 GbE NIC for multi-host runs.
+    "cpu": _preset("cpu", 4, {"intra": "shm", "sockets": 1, "gpus_per_pcie_switch": 0, "nics": 1,
+                              "nic_attach": "cpu", "nic_kind": "ethernet"},
+                   shm=5e9, pcie=32e9, ethernet=1.25e9),
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS)

@@ -1,0 +1,244 @@
+"""The analytic cost model, vectorised over plans.
+
+Time follows Megatron-LM's accounting (Narayanan et al. SC'21; Korthikanti et al. 2022): per
+micro-batch, each pipeline rank runs forward, backward and any recompute of its blocks, with
+tensor-parallel all-reduces on the critical path; a pipeline of m micro-batches takes
+sum over ranks + (m - 1) x the slowest rank (the (p - 1)/m bubble for even stages, (p - 1)/(v m)
+interleaved); data-parallel gradient reduction runs in buckets under the last backward and only
+its excess is exposed; the optimizer step is memory-bound. Memory is the exact sum of weights,
+gradients, master weights and Adam moments by ZeRO stage, the activations the schedule keeps in
+flight on each rank (from the profiled saved bytes), communication buffers and a workspace.
+
+Shapes: N plans; K block kinds of the profile (embed, layer kinds, head); J representative
+pipeline ranks per plan (see SplitTable). Everything is seconds and bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.cost.arrays import DTYPE_BYTES, MESH_ORDERS, PlanArrays
+from autopar.cost.coefficients import Coefficients
+from autopar.plan import COMM_DTYPES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES
+
+PRECISION_BYTES = np.array([DTYPE_BYTES[p] for p in PRECISIONS], dtype=float)
+COMM_BYTES = np.array([DTYPE_BYTES[p] for p in COMM_DTYPES], dtype=float)
+SELECTIVE, FULL = RECOMPUTE_MODES.index("selective"), RECOMPUTE_MODES.index("full")
+GPIPE, INTERLEAVED = SCHEDULES.index("gpipe"), SCHEDULES.index("interleaved")
+
+TIME_PARTS = ("compute", "recompute", "tp_comm", "pp_p2p", "pp_bubble", "dp_comm", "optimizer", "overhead")
+MEMORY_PARTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations",
+                "comm_buffers", "workspace")
+
+
+def _kind_arrays(profile) -> dict[str, np.ndarray]:
+    names = ("params", "tp_params", "fwd_flops", "bwd_flops", "tp_fwd_flops", "saved_bytes", "saved_tp_bytes",
+             "attn_core_bytes", "attn_core_flops", "io_bytes", "out_bytes", "tp_comm_bytes")
+    out = {n: np.array([float(getattr(b, n)) for b in profile.blocks]) for n in names}
+    out["is_layer"] = np.array([0.0] + [1.0] * len(profile.layers) + [0.0])
+    return out
+
+
+def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.divide(a, b, out=np.zeros_like(a), where=b > 0)
+
+
+def _links(cluster, pa: PlanArrays, coeffs: Coefficients) -> dict[str, np.ndarray]:
+    """Effective bandwidth (bytes/s, efficiency applied) and latency of the tp, dp and pp groups,
+    derived from the cluster graph once per distinct (degrees, mesh order)."""
+    n = int(max(pa.dp.max(initial=1), pa.tp.max(initial=1), pa.pp.max(initial=1))) + 1
+    keys = ((pa.dp.astype(np.int64) * n + pa.tp) * n + pa.pp) * len(MESH_ORDERS) + pa.order
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    table = np.zeros((len(uniq), 6))
+    for row, key in enumerate(uniq.tolist()):
+        rest, order = divmod(key, len(MESH_ORDERS))
+        rest, pp = divmod(rest, n)
+        dp, tp = divmod(rest, n)
+        sizes = {"dp": int(dp), "tp": int(tp), "pp": int(pp)}
+        stride, strides = 1, {}
+        for axis in reversed(MESH_ORDERS[order]):
+            strides[axis] = stride
+            stride *= sizes[axis]
+        for col, link in enumerate((cluster.ring(sizes["tp"], strides["tp"]),
+                                    cluster.ring(sizes["dp"], strides["dp"]),
+                                    cluster.p2p(strides["pp"]) if pp > 1 else None)):
+            if link is None:
+                table[row, 2 * col:2 * col + 2] = (np.inf, 0.0)
+            else:
+                table[row, 2 * col] = link.bandwidth * coeffs.link(link.kind)
+                table[row, 2 * col + 1] = link.latency * coeffs.latency_scale
+    t = table[inverse.reshape(-1)]
+    return {"tp_bw": t[:, 0], "tp_lat": t[:, 1], "dp_bw": t[:, 2], "dp_lat": t[:, 3],
+            "pp_bw": t[:, 4], "pp_lat": t[:, 5]}
+
+
+def all_reduce_time(nbytes, n, bw, lat):
+    """Ring all-reduce: 2(n-1)/n of the data crosses each link, 2(n-1) latency steps."""
+    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+
+
+def all_gather_time(nbytes, n, bw, lat):
+    """Ring all-gather or reduce-scatter of `nbytes` in total: (n-1)/n of it per link."""
+    return (n - 1) / n * nbytes / bw + (n - 1) * lat
+
+
+def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]:
+    """Everything that does not depend on the data-parallel knobs (ZeRO, buckets, gradient dtype,
+    offload): computed once per group of plans sharing degrees, micro-batching, schedule,
+    recompute, sequence parallel, precision and mesh order."""
+    profile, cluster = workload.profile, workload.cluster
+    k = _kind_arrays(profile)
+    col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (G,) -> (G, 1)
+
+    t, b, m, v, pp = col(g.tp), col(g.mbs), col(g.nmb), col(g.v), col(g.pp)
+    sp_div = np.where(g.sp, g.tp, 1)[:, None].astype(float)  # sequence parallel shards the rest too
+    act_scale = col(PRECISION_BYTES[g.precision] / DTYPE_BYTES[profile.dtype])
+    peak = col(np.array([cluster.gpu.peak_flops[p] for p in PRECISIONS])[g.precision])
+    hbm = cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency / c.elementwise_traffic
+    links = _links(cluster, g, c)
+    tp_bw, tp_lat = col(links["tp_bw"]), col(links["tp_lat"])
+
+    # -- per block kind, per micro-batch on one GPU: (G, K) --------------------------------------
+    flops_f = b * (k["tp_fwd_flops"] / t + (k["fwd_flops"] - k["tp_fwd_flops"]))
+    flops_b = flops_f * _ratio(k["bwd_flops"], k["fwd_flops"])
+    eff = c.gemm_efficiency * flops_f / (flops_f + c.gemm_half_flops)
+    rate = peak * np.maximum(eff, 1e-9)
+    shard = _ratio(k["saved_tp_bytes"], k["saved_bytes"])
+    io_f = b * act_scale * k["io_bytes"] * (shard / t + (1 - shard) / sp_div) / hbm
+    tp_ar = np.where(t > 1, all_reduce_time(b * act_scale * k["tp_comm_bytes"], t, tp_bw, tp_lat), 0.0)
+    compute_f = flops_f / rate + io_f
+    compute_b = flops_b / rate + 2 * io_f
+    attn_io = io_f * _ratio(k["attn_core_bytes"], k["saved_bytes"])
+    selective_f = b * k["attn_core_flops"] / t / rate + attn_io
+    act_full = b * act_scale * (k["saved_tp_bytes"] / t + (k["saved_bytes"] - k["saved_tp_bytes"]) / sp_div)
+    act_sel = act_full - b * act_scale * k["attn_core_bytes"] / t
+    act_ckpt = b * act_scale * k["out_bytes"] / sp_div
+
+    # -- per representative pipeline rank: (G, J) ----------------------------------------------------
+    reps = g.splits.stacked(g.split)
+    counts, rank, n_layers, mult = reps["counts"], reps["rank"], reps["layers"], reps["mult"]
+    on = lambda per_kind: np.einsum("gjk,gk->gj", counts, per_kind)  # noqa: E731
+    on_layers = lambda per_kind: on(per_kind * k["is_layer"])  # noqa: E731
+    mode = col(g.recompute)
+    ckpt_frac = np.where(mode == FULL, _ratio(np.minimum(col(g.recompute_blocks), n_layers), n_layers), 0.0)
+
+    compute = on(compute_f + compute_b)
+    tp_comm = on(2 * tp_ar)
+    recompute = np.select([mode == FULL, mode == SELECTIVE],
+                          [ckpt_frac * on_layers(compute_f + tp_ar), on_layers(selective_f)], 0.0)
+    p2p_bytes = b * act_scale * k["out_bytes"][0] / sp_div  # boundary activations ~ the hidden states
+    p2p_one = np.where(pp > 1, p2p_bytes / col(links["pp_bw"]) + col(links["pp_lat"]), 0.0)
+    p2p = 2 * v * p2p_one * np.ones_like(compute)
+    per_mb = compute + tp_comm + recompute + p2p  # one micro-batch, forward + backward, on each rank
+
+    slowest = per_mb.max(axis=1)
+    total = (per_mb * mult).sum(axis=1)
+    m1, v1 = m[:, 0], v[:, 0]
+    pipe = np.where(v1 > 1, total / v1 + (m1 - 1 / v1) * slowest, total + (m1 - 1) * slowest)
+    at_slowest = np.argmax(per_mb, axis=1)[:, None]
+    at = lambda part: np.take_along_axis(part, at_slowest, axis=1)[:, 0] * m1  # noqa: E731
+
+    per_kind_act = np.where(mode == SELECTIVE, act_sel, act_full)
+    act_mb = (on_layers(per_kind_act) * (1 - ckpt_frac) + on_layers(act_ckpt) * ckpt_frac
+              + on(per_kind_act * (1 - k["is_layer"])))
+    sched = col(g.schedule)
+    chunks = np.minimum((pp - rank - 1) * 2 + (v - 1) * pp + 1, m * v)
+    in_flight = np.select([sched == GPIPE, sched == INTERLEAVED], [m, chunks / v], np.minimum(pp - rank, m))
+    working = np.where(ckpt_frac > 0, (act_full * k["is_layer"]).max(axis=1, keepdims=True), 0.0)
+    block_params = ((k["tp_params"] / t + k["params"] - k["tp_params"]) * k["is_layer"]).max(axis=1)
+
+    total_counts = np.array([1] + [blk.count for blk in profile.layers] + [1], dtype=float)
+    recompute_flops = np.select([mode == FULL, mode == SELECTIVE],
+                                [ckpt_frac * (counts * (k["fwd_flops"] * k["is_layer"])).sum(axis=2),
+                                 (counts * (k["attn_core_flops"] * k["is_layer"])).sum(axis=2)], 0.0)
+    return {
+        "pipe": pipe, "pp_bubble": pipe - m1 * slowest, "compute": at(compute), "recompute": at(recompute),
+        "tp_comm": at(tp_comm), "pp_p2p": at(p2p),
+        "hide_b": c.dp_overlap * on(compute_b + tp_ar), "hide_f": c.dp_overlap * on(compute_f + tp_ar),
+        "local_params": on(k["tp_params"] / t + (k["params"] - k["tp_params"])),
+        "activations": act_mb * in_flight + working, "block_params": block_params,
+        "model_flops_per_sample": np.full(len(g), float((total_counts * (k["fwd_flops"] + k["bwd_flops"])).sum())),
+        "recompute_flops_per_sample": (recompute_flops * mult).sum(axis=1),
+    }
+
+
+def _groups(pa: PlanArrays) -> tuple[np.ndarray, np.ndarray]:
+    """Index of the first plan of each group and each plan's group."""
+    if pa.group is not None:
+        _, first, inverse = np.unique(pa.group, return_index=True, return_inverse=True)
+        return first, inverse
+    key = np.stack([pa.dp, pa.tp, pa.pp, pa.mbs, pa.nmb, pa.schedule, pa.v, pa.split, pa.recompute,
+                    pa.recompute_blocks, pa.sp, pa.precision, pa.order], axis=1).astype(np.int64)
+    _, first, inverse = np.unique(key, axis=0, return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1)
+
+
+def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> dict[str, np.ndarray]:
+    """Iteration time, its breakdown, and peak memory per GPU with its breakdown, for every
+    plan in `pa`. Returns a dict of arrays of length N (keys: TIME_PARTS, MEMORY_PARTS,
+    iteration_time, peak_memory, fits, model_flops, hw_flops)."""
+    cluster = workload.cluster
+    c = coeffs if coeffs is not None else Coefficients.from_dict(cluster.coefficients)
+    first, inverse = _groups(pa)
+    part = {name: value[inverse] for name, value in _pipeline(workload, pa.take(first), c).items()}
+    col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (N,) -> (N, 1)
+
+    # -- data parallel and optimizer, per representative rank: (N, J) ----------------------------------
+    links = _links(cluster, pa, c)
+    zero, dpn = col(pa.zero), col(pa.dp)
+    dp_bw, dp_lat = col(links["dp_bw"]), col(links["dp_lat"])
+    local_params, hide_b, hide_f = part["local_params"], part["hide_b"], part["hide_f"]
+    grad_bytes = local_params * col(COMM_BYTES[pa.comm])
+    prec_bytes = col(PRECISION_BYTES[pa.precision])
+    param_bytes = local_params * prec_bytes
+    bucket = col(pa.bucket_mb) * 2**20
+    n_buckets = np.ceil(grad_bytes / bucket)
+    reduce_all = 2 * (dpn - 1) / dpn * grad_bytes / dp_bw + n_buckets * 2 * (dpn - 1) * dp_lat
+    ddp = np.maximum(reduce_all - hide_b, all_reduce_time(np.minimum(grad_bytes, bucket), dpn, dp_bw, dp_lat))
+    scatter = all_gather_time(grad_bytes, dpn, dp_bw, dp_lat)
+    scatter = np.maximum(scatter - hide_b, scatter / n_buckets)
+    gather = all_gather_time(param_bytes, dpn, dp_bw, dp_lat)
+    dp_time = np.select(
+        [zero == 0, zero == 1, zero == 2],
+        [ddp, ddp + gather, scatter + np.maximum(gather - hide_f, 0)],
+        scatter + col(pa.nmb) * np.maximum(2 * gather - hide_f - hide_b, (dpn - 1) * dp_lat))
+    dp_time = np.where(dpn > 1, dp_time, 0.0)
+    offload = np.asarray(pa.offload, dtype=bool)[:, None]
+    shard_states = np.where(zero >= 1, dpn, 1.0)
+    opt_params = local_params / shard_states
+    hbm = cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency
+    optimizer = np.where(offload,
+                         opt_params * c.optimizer_bytes_per_param / c.host_bytes_per_s
+                         + opt_params * 6 / c.host_link_bytes_per_s,  # fp32 grads down, 16-bit params up
+                         opt_params * c.optimizer_bytes_per_param / hbm)
+    at_tail = np.argmax(dp_time + optimizer, axis=1)[:, None]
+    dp_exposed = np.take_along_axis(dp_time, at_tail, axis=1)[:, 0]
+    opt_exposed = np.take_along_axis(optimizer, at_tail, axis=1)[:, 0]
+
+    # -- memory per representative rank ----------------------------------------------------------------
+    fp32 = (pa.precision == PRECISIONS.index("fp32"))[:, None]
+    weights = param_bytes / np.where(zero == 3, dpn, 1.0) \
+        + np.where(zero == 3, 2 * col(part["block_params"]) * prec_bytes, 0.0)  # two gathered blocks
+    mem = {
+        "weights": weights,
+        "gradients": param_bytes / np.where(zero >= 2, dpn, 1.0),
+        "master_weights": np.where(fp32 | offload, 0.0, local_params * 4 / shard_states),
+        "optimizer_states": np.where(offload, 0.0, local_params * 8 / shard_states),
+        "activations": part["activations"],
+        "comm_buffers": np.where((dpn > 1) & (zero <= 1), np.minimum(grad_bytes, bucket), 0.0),
+        "workspace": np.full_like(weights, c.workspace_bytes),
+    }
+    peak_rank = sum(mem.values())
+    at_peak = np.argmax(peak_rank, axis=1)[:, None]
+
+    out = {name: part[name] for name in ("compute", "recompute", "tp_comm", "pp_p2p", "pp_bubble")}
+    out.update({
+        "dp_comm": dp_exposed, "optimizer": opt_exposed, "overhead": np.full(len(pa), c.step_overhead_s),
+        "iteration_time": part["pipe"] + dp_exposed + opt_exposed + c.step_overhead_s,
+        "peak_memory": np.take_along_axis(peak_rank, at_peak, axis=1)[:, 0],
+        "model_flops": part["model_flops_per_sample"] * workload.global_batch,
+        "hw_flops": (part["model_flops_per_sample"] + part["recompute_flops_per_sample"]) * workload.global_batch,
+    })
+    out.update({name: np.take_along_axis(value, at_peak, axis=1)[:, 0] for name, value in mem.items()})
+    out["fits"] = out["peak_memory"] <= cluster.gpu.memory_bytes
+    return out

@@ -1,0 +1,27 @@
+"""Planners behind one interface; each is imported only when asked for (optional dependencies)."""
+
+from __future__ import annotations
+
+import importlib
+
+from autopar.errors import AutoparError
+from autopar.search.base import Planner
+
+_PLANNERS = {
+    "exhaustive": "autopar.search.exhaustive:ExhaustivePlanner",
+    "rules": "autopar.search.rules:RulesPlanner",
+}
+
+
+def planner_names() -> list[str]:
+    return list(_PLANNERS)
+
+
+def get_planner(name: str, **options) -> Planner:
+    if name not in _PLANNERS:
+        raise AutoparError(f"unknown planning method '{name}'; choose one of {planner_names()}")
+    module, cls = _PLANNERS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(**options)
+
+
+__all__ = ["Planner", "get_planner", "planner_names"]

@@ -1,0 +1,94 @@
+"""The oracle: every plan of the space through the vectorised cost model, in chunks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.cost import Coefficients, PlanArrays, evaluate
+from autopar.errors import NoValidPlanError
+from autopar.plan import COMM_DTYPES, SCHEDULES, Plan
+from autopar.search.base import Planner
+from autopar.search.space import BUCKETS_MB, TP_INNER, degree_choices, enumerate_plans
+
+CHUNK = 1 << 17
+TIE = 1e-3  # plans closer than this (relative) are equally fast for the cost model
+STRUCTURE = ("dp", "tp", "pp", "mbs", "recompute", "recompute_blocks", "schedule", "v", "sp")
+
+
+class ExhaustivePlanner(Planner):
+    name = "exhaustive"
+
+    def __init__(self, coeffs: Coefficients | None = None):
+        super().__init__()
+        self.coeffs = coeffs
+
+    def propose(self, workload, k: int = 1) -> list[Plan]:
+        pa, _ = self.ranked(workload, k)
+        return [pa.plan(i) for i in range(len(pa))]
+
+    def ranked(self, workload, k: int) -> tuple[PlanArrays, dict[str, np.ndarray]]:
+        """The k best plans that fit, with their cost-model results, best first. Plans within
+        0.1% of each other count as ties, broken towards the simpler plan, and a plan that
+        differs from a better one only in a data-parallel detail (ZeRO, buckets, gradient
+        dtype, offload, mesh order) is left out, so the runners-up are real alternatives."""
+        space = enumerate_plans(workload)
+        self.evaluations = len(space)
+        if len(space) == 0:
+            raise no_plan_error(workload)
+        keep_per_chunk = max(64, 32 * k)
+        rows, least_memory = [], np.inf
+        for start in range(0, len(space), CHUNK):
+            index = np.arange(start, min(start + CHUNK, len(space)))
+            res = evaluate(workload, space.take(index), self.coeffs)
+            least_memory = min(least_memory, float(res["peak_memory"].min()))
+            fit = np.flatnonzero(res["fits"])
+            rows.append(index[fit[np.argsort(res["iteration_time"][fit], kind="stable")[:keep_per_chunk]]])
+        rows = np.concatenate(rows)
+        if len(rows) == 0:
+            raise memory_error(workload, least_memory)
+        shortlist = space.take(rows)
+        res = evaluate(workload, shortlist, self.coeffs)
+        tie = np.floor(np.log(res["iteration_time"] / res["iteration_time"].min()) / np.log1p(TIE))
+        order = np.lexsort((_complexity(shortlist), tie))
+        chosen, seen = [], set()
+        for i in order:
+            key = tuple(int(getattr(shortlist, f)[i]) for f in STRUCTURE)
+            if key not in seen:
+                seen.add(key)
+                chosen.append(i)
+            if len(chosen) == k:
+                break
+        best = shortlist.take(np.array(chosen))
+        return best, evaluate(workload, best, self.coeffs)
+
+
+def _complexity(pa: PlanArrays) -> np.ndarray:
+    """How much machinery a plan needs beyond plain DDP: the tie-breaker between equal plans."""
+    return (pa.zero + (pa.comm != COMM_DTYPES.index("fp32")) + 2 * pa.offload + (pa.recompute != 0)
+            + (pa.order != TP_INNER) + (pa.schedule == SCHEDULES.index("interleaved")) + pa.sp
+            + (pa.bucket_mb != BUCKETS_MB[1]))
+
+
+def no_plan_error(workload) -> NoValidPlanError:
+    """Explain why the space is empty: the batch admits no data-parallel degree, or the GPU count
+    cannot be split into tensor x pipeline degrees the model allows."""
+    n, batch = workload.world_size, workload.global_batch
+    if not degree_choices(workload):
+        profile = workload.profile
+        model_parallel = [t * p for t in range(1, n + 1) for p in range(1, profile.num_layers + 1)
+                          if n % (t * p) == 0 and all(u % t == 0 for u in profile.tp_units or (1,))
+                          and (t == 1 or profile.has_tp_plan)]
+        dps = sorted({n // mp for mp in model_parallel})
+        return NoValidPlanError(
+            f"global batch {batch} is not divisible by any data-parallel degree possible on {n} GPUs "
+            f"(dp must be one of {dps}); use a global batch that is a multiple of {dps[0]}")
+    return NoValidPlanError(f"no plan for global batch {batch} on {n} GPUs")
+
+
+def memory_error(workload, least_bytes: float) -> NoValidPlanError:
+    gpu = workload.cluster.gpu
+    need_gpus = int(np.ceil(workload.world_size * least_bytes / gpu.memory_bytes))
+    return NoValidPlanError(
+        f"{workload.profile.name} fits no plan on {workload.world_size} x {gpu.name}: the leanest plan needs "
+        f"{least_bytes / 1e9:.1f} GB per GPU but a GPU has {gpu.memory_bytes / 1e9:.0f} GB; use about "
+        f"{need_gpus} or more GPUs, GPUs with more memory, or a smaller global batch")

@@ -1,0 +1,34 @@
+"""A workload: what is trained (model profile), where (cluster), and with which batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from autopar.cluster import Cluster
+    from autopar.profile.model_profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class Workload:
+    profile: ModelProfile
+    cluster: Cluster
+    global_batch: int
+    optimizer: str = "adam"  # adam keeps two fp32 moments per parameter
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.num_gpus
+
+    @property
+    def precision(self) -> str:
+        return self.profile.dtype
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.global_batch * self.profile.seq_len
+
+    def describe(self) -> str:
+        return (f"{self.profile.name} on {self.cluster.describe()}, global batch {self.global_batch}, "
+                f"seq {self.profile.seq_len}")
