@@ -95,13 +95,17 @@ def _data_parallel_options(workload, dp: int, tp: int) -> np.ndarray:
     return np.array(rows, dtype=float)
 
 
+INNER = ("zero", "bucket_mb", "comm", "offload", "order", "sp")  # columns of _data_parallel_options
+OUTER = ("dp", "tp", "pp", "mbs", "nmb", "schedule", "v", "precision", "split")
+
+
 def enumerate_plans(workload) -> PlanArrays:
-    """Every plan of the space as PlanArrays (vectorised over the inner knobs)."""
+    """Every plan of the space as PlanArrays: a Python loop over degrees, micro-batches and
+    schedules; NumPy over the recompute and data-parallel knobs inside each."""
     profile = workload.profile
     table = SplitTable(profile)
     precision = PRECISIONS.index(workload.precision)
-    chunks: list[np.ndarray] = []
-    groups: list[np.ndarray] = []
+    cols: dict[str, list[np.ndarray]] = {name: [] for name in OUTER + INNER + ("recompute", "recompute_blocks", "group")}
     next_group = 0
     for dp, tp, pp in degree_choices(workload):
         inner = _data_parallel_options(workload, dp, tp)
@@ -112,21 +116,23 @@ def enumerate_plans(workload) -> PlanArrays:
             nmb = workload.global_batch // (dp * mbs)
             for schedule, v in schedule_choices(workload, pp, nmb):
                 split_id = table.add(pp, v, balanced_split(profile.num_layers, pp * v))
-                rc = np.array([(RECOMPUTE_MODES.index(m), n) for m, n in recompute_choices(workload, pp, v)],
-                              dtype=float)
-                grid = np.repeat(inner, len(rc), axis=0)
-                rcs = np.tile(rc, (len(inner), 1))
-                head = np.array([dp, tp, pp, mbs, nmb, SCHEDULES.index(schedule), v, precision, split_id],
-                                dtype=float)
-                chunks.append(np.hstack([np.broadcast_to(head, (len(grid), len(head))), grid, rcs]))
-                groups.append(next_group + np.repeat(inner_group, len(rc)) * len(rc) + np.tile(np.arange(len(rc)), len(inner)))
-                next_group += (inner_group.max() + 1) * len(rc)
-    if not chunks:
+                rc = np.array([(RECOMPUTE_MODES.index(m), n) for m, n in recompute_choices(workload, pp, v)])
+                n_rc, size = len(rc), len(inner) * len(rc)
+                for name, value in zip(OUTER, (dp, tp, pp, mbs, nmb, SCHEDULES.index(schedule), v, precision,
+                                               split_id)):
+                    cols[name].append(np.full(size, value, dtype=np.int64))
+                for j, name in enumerate(INNER):
+                    cols[name].append(np.repeat(inner[:, j], n_rc))
+                cols["recompute"].append(np.tile(rc[:, 0], len(inner)))
+                cols["recompute_blocks"].append(np.tile(rc[:, 1], len(inner)))
+                cols["group"].append(next_group + np.repeat(inner_group, n_rc) * n_rc + np.tile(np.arange(n_rc),
+                                                                                               len(inner)))
+                next_group += (int(inner_group.max()) + 1) * n_rc
+    if not cols["dp"]:
         return PlanArrays.empty(table)
-    a = np.concatenate(chunks)
-    i = lambda col: a[:, col].astype(np.int64)  # noqa: E731
-    return PlanArrays(
-        dp=i(0), tp=i(1), pp=i(2), mbs=i(3), nmb=i(4), schedule=i(5), v=i(6), precision=i(7), split=i(8),
-        zero=i(9), bucket_mb=a[:, 10], comm=i(11), offload=a[:, 12].astype(bool), order=i(13),
-        sp=a[:, 14].astype(bool), recompute=i(15), recompute_blocks=i(16), splits=table,
-        group=np.concatenate(groups))
+    a = {name: np.concatenate(parts) for name, parts in cols.items()}
+    for name in ("zero", "comm", "order"):
+        a[name] = a[name].astype(np.int64)
+    for name in ("offload", "sp"):
+        a[name] = a[name].astype(bool)
+    return PlanArrays(**a, splits=table)

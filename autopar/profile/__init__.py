@@ -1,0 +1,26 @@
+"""Model profiling on the meta device: per-block parameters, FLOPs, activation memory, TP split.
+
+`profile_model` answers from the cache without importing torch or the model; the profiler
+(and torch) load only to measure."""
+
+from __future__ import annotations
+
+import os
+
+from autopar.profile import cache as profile_cache
+from autopar.profile.model_profile import BlockProfile, ModelProfile
+
+
+def profile_model(path_or_modelfile, model_args: dict | None = None, dtype: str = "bf16",
+                  cache: bool = True) -> ModelProfile:
+    """The ModelProfile of a model.py (a path, a zoo name such as "gpt", or a loaded ModelFile)."""
+    if cache and isinstance(path_or_modelfile, (str, os.PathLike)):
+        hit = profile_cache.lookup(path_or_modelfile, model_args, dtype)
+        if hit is not None:
+            return hit
+    from autopar.profile.profiler import profile_model as measure
+
+    return measure(path_or_modelfile, model_args, dtype=dtype, cache=cache)
+
+
+__all__ = ["BlockProfile", "ModelProfile", "profile_model"]

@@ -1,0 +1,131 @@
+"""What the cost model needs to know about a model, measured once on the meta device.
+
+All per-sample figures are for one sample (micro-batch 1) at the profiled sequence length and
+dtype; the cost model scales them linearly with the micro-batch size (exact for transformers,
+whose attention term is quadratic in sequence length, not in batch).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+import networkx as nx
+
+PROFILE_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """One kind of block (embedding, a repeated layer, head), measured per sample."""
+
+    kind: str  # "embed", "head", or the class name of a pipeline block
+    count: int  # consecutive identical instances this entry stands for
+    params: int  # parameters of one instance
+    tp_params: int  # of which sharded by tensor parallelism
+    fwd_flops: float  # forward FLOPs per sample (FlopCounterMode)
+    bwd_flops: float  # backward FLOPs per sample
+    tp_fwd_flops: float  # part of fwd_flops that tensor parallelism divides by t
+    saved_bytes: float  # activation bytes saved for backward per sample (parameters excluded)
+    saved_tp_bytes: float  # part of saved_bytes sharded by tensor parallelism (without sequence parallel)
+    attn_core_bytes: float  # part of saved_bytes with a seq x seq extent: what selective recompute drops
+    attn_core_flops: float  # forward FLOPs of those ops: what selective recompute redoes
+    io_bytes: float  # bytes read + written by non-matmul ops in forward (memory-bound time)
+    out_bytes: float  # bytes of the block's output per sample (pipeline p2p, checkpoint boundary)
+    tp_comm_bytes: float  # bytes all-reduced per sample in forward under TP (backward: the same)
+    tp_units: tuple[int, ...] = ()  # the tensor-parallel degree must divide each of these
+
+    def __post_init__(self):
+        object.__setattr__(self, "tp_units", tuple(int(u) for u in self.tp_units))
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """The block chain of a model (embedding, pipeline blocks, head) with its measured costs."""
+
+    name: str
+    digest: str  # hash of model.py, model args, seq_len and dtype: the cache key
+    seq_len: int  # tokens per sample (1 for models without a sequence axis)
+    dtype: str  # "bf16", "fp16" or "fp32": the dtype activations were measured in
+    blocks: tuple[BlockProfile, ...]  # embed first, head last, repeated layers grouped by count
+    has_tp_plan: bool
+    tp_note: str = ""  # why tensor parallelism is unavailable, when it is
+    dims: dict = field(default_factory=dict)  # hidden, heads, layers, vocab ... as found
+
+    def __post_init__(self):
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+
+    # -- derived figures -------------------------------------------------------------------
+    @property
+    def embed(self) -> BlockProfile:
+        return self.blocks[0]
+
+    @property
+    def head(self) -> BlockProfile:
+        return self.blocks[-1]
+
+    @property
+    def layers(self) -> tuple[BlockProfile, ...]:
+        """The pipeline blocks (everything between embedding and head), grouped."""
+        return self.blocks[1:-1]
+
+    @property
+    def num_layers(self) -> int:
+        return sum(b.count for b in self.layers)
+
+    @property
+    def layer_sequence(self) -> list[BlockProfile]:
+        """One entry per pipeline block instance, in order."""
+        return [b for b in self.layers for _ in range(b.count)]
+
+    @property
+    def params(self) -> int:
+        return sum(b.params * b.count for b in self.blocks)
+
+    @property
+    def fwd_flops(self) -> float:
+        return sum(b.fwd_flops * b.count for b in self.blocks)
+
+    @property
+    def tp_units(self) -> tuple[int, ...]:
+        return tuple(sorted({u for b in self.blocks for u in b.tp_units}))
+
+    def graph(self) -> nx.DiGraph:
+        """The block chain as a graph: one node per instance, edges carry boundary bytes."""
+        g = nx.DiGraph(name=self.name)
+        prev = None
+        index = 0
+        for entry in self.blocks:
+            for _ in range(entry.count):
+                node = f"{index}:{entry.kind}"
+                g.add_node(node, kind=entry.kind, params=entry.params, fwd_flops=entry.fwd_flops,
+                           saved_bytes=entry.saved_bytes)
+                if prev is not None:
+                    g.add_edge(prev, node, bytes=g.nodes[prev]["out_bytes"])
+                g.nodes[node]["out_bytes"] = entry.out_bytes
+                prev = node
+                index += 1
+        return g
+
+    # -- JSON ------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["schema_version"] = PROFILE_SCHEMA_VERSION
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelProfile:
+        d = dict(d)
+        version = d.pop("schema_version", None)
+        if version != PROFILE_SCHEMA_VERSION:
+            raise ValueError(f"model profile schema version {version!r}, expected {PROFILE_SCHEMA_VERSION}")
+        block_keys = {f.name for f in fields(BlockProfile)}
+        d["blocks"] = tuple(BlockProfile(**{k: v for k, v in b.items() if k in block_keys}) for b in d["blocks"])
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelProfile:
+        return cls.from_dict(json.loads(text))

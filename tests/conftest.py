@@ -1,0 +1,35 @@
+"""Shared fixtures: workloads built from the bundled models with profiles cached per session."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+
+ZOO = Path(__file__).resolve().parent.parent / "autopar" / "zoo"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _profile_cache(tmp_path_factory):
+    """Tests never read or write the user's profile cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("AUTOPAR_CACHE_DIR", str(tmp_path_factory.mktemp("autopar-cache")))
+    yield
+    mp.undo()
+
+
+@functools.lru_cache(maxsize=None)
+def profile(model: str = "gpt", dtype: str = "bf16", **model_args):
+    from autopar.profile import profile_model
+
+    return profile_model(ZOO / f"{model}.py", model_args, dtype=dtype)
+
+
+def workload(model="gpt", cluster="dgx-a100-80g", nodes=1, gpus_per_node=None, global_batch=64, dtype="bf16",
+             **model_args):
+    from autopar.cluster import load_cluster
+    from autopar.workload import Workload
+
+    return Workload(profile(model, dtype, **model_args),
+                    load_cluster(cluster, nodes=nodes, gpus_per_node=gpus_per_node), global_batch)

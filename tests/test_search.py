@@ -1,0 +1,87 @@
+"""Planners: the exhaustive oracle is optimal over the space; rules give valid plans; errors
+explain why no plan exists."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from autopar.cost import PlanArrays, estimate, evaluate
+from autopar.errors import NoValidPlanError
+from autopar.plan import Plan
+from autopar.search import get_planner, planner_names
+from autopar.search.space import enumerate_plans
+from conftest import workload
+
+
+def test_exhaustive_finds_the_fastest_fitting_plan():
+    w = workload(size="gpt2-medium", vocab=50304, nodes=2, global_batch=128)
+    space = enumerate_plans(w)
+    res = evaluate(w, space)
+    best = get_planner("exhaustive").propose(w, 3)
+    t_best = estimate(w, best[0]).iteration_time_s
+    assert t_best <= res["iteration_time"][res["fits"]].min() * (1 + 1e-3)
+    times = [estimate(w, p).iteration_time_s for p in best]
+    assert times == sorted(times) or max(times) / min(times) < 1 + 1e-3
+    assert len({p.describe() for p in best}) == 3
+
+
+def test_space_has_no_duplicates_and_only_valid_plans():
+    w = workload(size="tiny", nodes=1, global_batch=32)
+    space = enumerate_plans(w)
+    plans = [space.plan(i) for i in range(len(space))]
+    assert len(set(plans)) == len(plans)
+    for p in plans:
+        p.validate(w)
+    assert PlanArrays.from_plans(plans, w.profile).plan(len(plans) - 1) == plans[-1]
+
+
+def test_search_beats_megatron_configuration_for_gpt3_175b():
+    """Acceptance: 175B GPT, 128 nodes of dgx-a100-80g, global batch 1536; the plan found is at
+    least as fast as Megatron's own (t = 8, p = 16) under the same cost model."""
+    w = workload(size="175b", nodes=128, global_batch=1536)
+    found = estimate(w, get_planner("exhaustive").propose(w, 1)[0])
+    space = enumerate_plans(w)
+    megatron = space.take(np.flatnonzero((space.tp == 8) & (space.pp == 16)))
+    res = evaluate(w, megatron)
+    assert res["fits"].any()
+    best_megatron = res["model_flops"][0] / res["iteration_time"][res["fits"]].min() / w.world_size / 1e12
+    assert found.tflops_per_gpu >= best_megatron
+
+
+def test_rules_planner_gives_a_valid_plan_that_fits():
+    for size, nodes, batch in (("gpt2-small", 1, 64), ("175b", 16, 512)):
+        w = workload(size=size, vocab=50304, nodes=nodes, global_batch=batch)
+        plan = get_planner("rules").propose(w, 1)[0]
+        plan.validate(w)
+        assert estimate(w, plan).fits
+    big = workload(size="175b", nodes=16, global_batch=512)
+    plan = get_planner("rules").propose(big, 1)[0]
+    assert plan.pp > 1  # deep (96 blocks) and does not fit one GPU: the rules pipeline it
+
+
+def test_unknown_method_is_a_clear_error():
+    with pytest.raises(Exception, match="unknown planning method 'nope'"):
+        get_planner("nope")
+    assert {"exhaustive", "rules"} <= set(planner_names())
+
+
+def test_batch_that_no_plan_divides():
+    w = workload(size="tiny", nodes=8, global_batch=6)  # 64 GPUs, 4 layers, 4 heads: dp >= 4
+    with pytest.raises(NoValidPlanError, match="global batch 6 is not divisible by any data-parallel degree"):
+        get_planner("exhaustive").propose(w)
+
+
+def test_model_that_fits_no_plan_says_what_it_needs():
+    w = workload(size="1t", cluster="dgx-a100-80g", nodes=1, global_batch=8)
+    with pytest.raises(NoValidPlanError) as e:
+        get_planner("exhaustive").propose(w)
+    msg = str(e.value)
+    assert "fits no plan on 8 x" in msg and "GB per GPU" in msg and "GPUs" in msg
+
+
+def test_exhaustive_respects_memory():
+    w = workload(size="39.1b", nodes=4, global_batch=64)
+    for p in get_planner("exhaustive").propose(w, 5):
+        assert estimate(w, p).fits
+    assert not estimate(w, Plan(dp=32, tp=1, pp=1, micro_batch_size=2, num_micro_batches=1)).fits
