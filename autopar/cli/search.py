@@ -14,10 +14,25 @@ def add_parser(sub) -> None:
                        description="Profile MODEL, search the plan space and print the best plan with "
                                    "its estimate, the reasons for each choice, and the runners-up.")
     add_workload_flags(p)
-    p.add_argument("--method", default=DEFAULT_METHOD, help=f"planner (default {DEFAULT_METHOD})")
+    p.add_argument("--method", default=DEFAULT_METHOD,
+                   help=f"planner: exhaustive, rules, rl, optuna or random (default {DEFAULT_METHOD})")
+    p.add_argument("--policy", metavar="policy.zip", help="rl: a trained policy (default: the shipped one)")
+    p.add_argument("--trials", type=int, default=200, help="optuna/random: cost-model evaluations (default 200)")
+    p.add_argument("--storage", metavar="URL", help="optuna: study storage, e.g. sqlite:///study.db (resumable)")
+    p.add_argument("--study-name", help="optuna: study name within the storage")
+    p.add_argument("--seed", type=int, default=0, help="optuna/random/rl sampling seed (default 0)")
     p.add_argument("--top-k", type=int, default=5, metavar="K", help="plans to show (default 5)")
     p.add_argument("-o", "--output", metavar="plan.json", help="write the best plan here")
     p.set_defaults(func=run)
+
+
+def planner_options(args) -> dict:
+    """The flags that concern the chosen method, as keyword arguments of its planner."""
+    return {
+        "rl": {"policy": args.policy, "seed": args.seed},
+        "optuna": {"trials": args.trials, "storage": args.storage, "study_name": args.study_name, "seed": args.seed},
+        "random": {"trials": args.trials, "seed": args.seed},
+    }.get(args.method, {})
 
 
 def run(args) -> int:
@@ -35,7 +50,7 @@ def run(args) -> int:
     console = Console(stderr=args.json)
     with console.status("profiling the model"):
         workload = load_workload(args)
-    planner = get_planner(args.method)
+    planner = get_planner(args.method, **planner_options(args))
     with console.status(f"searching ({args.method})"):
         plans = planner.propose(workload, args.top_k)
     estimates = [estimate(workload, p) for p in plans]

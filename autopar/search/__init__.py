@@ -10,6 +10,9 @@ from autopar.search.base import Planner
 _PLANNERS = {
     "exhaustive": "autopar.search.exhaustive:ExhaustivePlanner",
     "rules": "autopar.search.rules:RulesPlanner",
+    "rl": "autopar.search.rl:RLPlanner",
+    "optuna": "autopar.search.optuna_search:OptunaPlanner",
+    "random": "autopar.search.random_search:RandomPlanner",
 }
 
 
