@@ -10,6 +10,7 @@ from autopar.cost import PlanArrays, estimate, evaluate
 from autopar.errors import NoValidPlanError
 from autopar.plan import Plan
 from autopar.search import get_planner, planner_names
+from autopar.search.exhaustive import TIE
 from autopar.search.space import enumerate_plans
 from conftest import workload
 
@@ -20,9 +21,9 @@ def test_exhaustive_finds_the_fastest_fitting_plan():
     res = evaluate(w, space)
     best = get_planner("exhaustive").propose(w, 3)
     t_best = estimate(w, best[0]).iteration_time_s
-    assert t_best <= res["iteration_time"][res["fits"]].min() * (1 + 1e-3)
+    assert t_best <= res["iteration_time"][res["fits"]].min() * (1 + TIE)
     times = [estimate(w, p).iteration_time_s for p in best]
-    assert times == sorted(times) or max(times) / min(times) < 1 + 1e-3
+    assert all(b <= a * (1 + TIE) for a, b in zip(times[1:], times))  # best first, up to ties
     assert len({p.describe() for p in best}) == 3
 
 
@@ -40,13 +41,14 @@ def test_search_beats_megatron_configuration_for_gpt3_175b():
     """Acceptance: 175B GPT, 128 nodes of dgx-a100-80g, global batch 1536; the plan found is at
     least as fast as Megatron's own (t = 8, p = 16) under the same cost model."""
     w = workload(size="175b", nodes=128, global_batch=1536)
-    found = estimate(w, get_planner("exhaustive").propose(w, 1)[0])
+    found = estimate(w, get_planner("exhaustive").propose(w, 1)[0])  # may be a simpler plan within TIE
     space = enumerate_plans(w)
     megatron = space.take(np.flatnonzero((space.tp == 8) & (space.pp == 16)))
     res = evaluate(w, megatron)
     assert res["fits"].any()
     best_megatron = res["model_flops"][0] / res["iteration_time"][res["fits"]].min() / w.world_size / 1e12
-    assert found.tflops_per_gpu >= best_megatron
+    assert found.tflops_per_gpu >= best_megatron * (1 - TIE)
+    assert found.tflops_per_gpu > best_megatron
 
 
 def test_rules_planner_gives_a_valid_plan_that_fits():

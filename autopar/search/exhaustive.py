@@ -11,7 +11,7 @@ from autopar.search.base import Planner
 from autopar.search.space import BUCKETS_MB, TP_INNER, degree_choices, enumerate_plans
 
 CHUNK = 1 << 17
-TIE = 1e-3  # plans closer than this (relative) are equally fast for the cost model
+TIE = 5e-3  # plans within 0.5% are equally fast for the cost model: the simpler one wins
 STRUCTURE = ("dp", "tp", "pp", "mbs", "recompute", "recompute_blocks", "schedule", "v", "sp")
 
 
@@ -28,7 +28,7 @@ class ExhaustivePlanner(Planner):
 
     def ranked(self, workload, k: int) -> tuple[PlanArrays, dict[str, np.ndarray]]:
         """The k best plans that fit, with their cost-model results, best first. Plans within
-        0.1% of each other count as ties, broken towards the simpler plan, and a plan that
+        0.5% (TIE) of each other count as ties, broken towards the simpler plan, and a plan that
         differs from a better one only in a data-parallel detail (ZeRO, buckets, gradient
         dtype, offload, mesh order) is left out, so the runners-up are real alternatives."""
         space = enumerate_plans(workload)
