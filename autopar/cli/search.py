@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
@@ -51,7 +52,9 @@ def run(args) -> int:
     with console.status("profiling the model"):
         workload = load_workload(args)
     planner = get_planner(args.method, **planner_options(args))
-    with console.status(f"searching ({args.method})"):
+    # optuna shows its own progress bar; a spinner beside it would flicker
+    status = contextlib.nullcontext() if args.method == "optuna" else console.status(f"searching ({args.method})")
+    with status:
         plans = planner.propose(workload, args.top_k)
     estimates = [estimate(workload, p) for p in plans]
     best, best_est = plans[0], estimates[0]

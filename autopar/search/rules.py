@@ -6,7 +6,10 @@
    fit after tensor parallelism; then the smallest degree that fits.
 3. Data parallel on everything else; ZeRO only when the state still does not fit.
 4. The largest micro-batch that fits; activation recompute only when nothing else fits.
-The cost model is used only to check memory, never to compare speed.
+When the degrees so chosen admit no plan (the batch does not divide, or nothing fits), model
+parallelism grows one step at a time in the same spirit: pipeline first for deep models,
+tensor parallel inside a node first otherwise. The cost model is used only to check memory,
+never to compare speed.
 """
 
 from __future__ import annotations
@@ -25,39 +28,53 @@ class RulesPlanner(Planner):
     name = "rules"
 
     def propose(self, workload, k: int = 1) -> list[Plan]:
+        self.evaluations = 0
+        for dp, tp, pp in self._degrees(workload):
+            chosen = self._fitting(workload, dp, tp, pp, k)
+            if chosen:
+                return chosen
+        raise NoValidPlanError(f"the rules of thumb find no plan that fits: no data / tensor / pipeline split of "
+                               f"{workload.world_size} GPUs divides the global batch {workload.global_batch} "
+                               f"and fits in memory; try --method exhaustive")
+
+    def _degrees(self, workload) -> list[tuple[int, int, int]]:
+        """(dp, tp, pp) in the rules' order: the rule's own choice, then more model parallelism."""
         profile, cluster = workload.profile, workload.cluster
         n, memory = workload.world_size, cluster.gpu.memory_bytes
         layer_state = max(b.params for b in profile.layers) * STATE_BYTES_PER_PARAM
         model_state = profile.params * STATE_BYTES_PER_PARAM
-        tps = [t for t in tp_choices(workload) if t <= cluster.gpus_per_node] or [1]
-        tp = next((t for t in tps if layer_state / t <= memory), tps[-1])
+        tps = tp_choices(workload)
+        inside = [t for t in tps if t <= cluster.gpus_per_node] or [1]
+        tp = next((t for t in inside if layer_state / t <= memory), inside[-1])
+        deep = profile.num_layers > DEEP_MODEL_BLOCKS
+        pps = [p for p in divisors(n // tp) if p <= profile.num_layers]
         pp = 1
-        if profile.num_layers > DEEP_MODEL_BLOCKS and model_state / tp > memory:
-            pps = [p for p in divisors(n // tp) if p <= profile.num_layers]
+        if deep and model_state / tp > memory:
             pp = next((p for p in pps if model_state / (tp * p) <= memory), pps[-1])
-        dp = n // (tp * pp)
-        if workload.global_batch % dp:
-            raise NoValidPlanError(f"the rules pick dp={dp} (tp={tp}, pp={pp}) but the global batch "
-                                   f"{workload.global_batch} is not divisible by {dp}; use a multiple of {dp}")
+        first = (tp, pp)
+        rest = [(t, p) for t in tps for p in divisors(n // t) if p <= profile.num_layers and (t, p) != first]
+        # grow model parallelism: fewest model-parallel GPUs first; deep models pipeline before
+        # splitting layers, shallow ones split layers (inside a node) before pipelining
+        rest.sort(key=lambda tp_pp: (tp_pp[0] * tp_pp[1], tp_pp[0] > cluster.gpus_per_node,
+                                     tp_pp[0] if deep else tp_pp[1]))
+        return [(n // (t * p), t, p) for t, p in [first, *rest]
+                if workload.global_batch % (n // (t * p)) == 0]
+
+    def _fitting(self, workload, dp: int, tp: int, pp: int, k: int) -> list[Plan]:
         candidates = []
         for zero in ((0, 1, 3) if dp > 1 else (0,)):
-            for mode, blocks in [r for r in recompute_choices(workload, pp, 1) if r[0] != "selective"][::-1]:
-                for mbs in sorted(micro_batch_choices(workload, dp), reverse=True):
+            for mode, blocks in [r for r in recompute_choices(workload, pp, 1) if r[0] != "selective"]:
+                for mbs in micro_batch_choices(workload, dp):
                     nmb = workload.global_batch // (dp * mbs)
                     if pp > 1 and nmb < pp:
                         continue
                     candidates.append(Plan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_micro_batches=nmb,
                                            zero=zero, recompute=mode, recompute_blocks=blocks,
                                            precision=workload.precision))
+        if not candidates:
+            return []
         # preference order: less ZeRO, then no recompute before recompute, then larger micro-batches
         candidates.sort(key=lambda p: (p.zero, p.recompute != "none", -p.micro_batch_size, p.recompute_blocks))
-        if not candidates:
-            raise NoValidPlanError(f"the rules found no micro-batch size for dp={dp}, pp={pp}")
-        pa = PlanArrays.from_plans(candidates, profile)
-        fits = evaluate(workload, pa)["fits"]
-        self.evaluations = len(candidates)
-        chosen = [p for p, ok in zip(candidates, fits) if ok][:k]
-        if not chosen:
-            raise NoValidPlanError(f"the rules' plan (dp={dp}, tp={tp}, pp={pp}) fits in memory with no "
-                                   f"micro-batch size, ZeRO stage or recompute setting")
-        return chosen
+        fits = evaluate(workload, PlanArrays.from_plans(candidates, workload.profile))["fits"]
+        self.evaluations += len(candidates)
+        return [p for p, ok in zip(candidates, fits) if ok][:k]

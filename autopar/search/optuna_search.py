@@ -1,0 +1,172 @@
+"""The Optuna baseline: a multivariate TPE study over the plan space, one cost-model
+evaluation per trial.
+
+A trial walks the space knob by knob (`sampling.KnobSpace`): for every knob it suggests an
+index into the knob's fixed universe, and the walk takes the valid choice nearest to it, so
+each parameter keeps one distribution across trials and every trial is a valid plan. Every
+trial suggests every knob, including the ones its plan ignores, so multivariate TPE models
+the knobs jointly. Plans that do not fit in memory are infeasible through a constraint (peak
+memory minus GPU memory). With a storage URL the study is resumable: `trials` is the study's
+total budget, so rerunning a killed search runs only the trials still missing, and processes
+sharing one study stop together at the budget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from contextlib import contextmanager
+
+from autopar.cost import PlanArrays, evaluate
+from autopar.errors import AutoparError
+from autopar.plan import Plan
+from autopar.search.base import Planner
+from autopar.search.sampling import KNOBS, KnobSpace, best_distinct, nearest
+
+CONSTRAINT = "memory_over_gb"  # peak memory per GPU minus GPU memory: feasible when <= 0
+
+
+class OptunaPlanner(Planner):
+    name = "optuna"
+
+    def __init__(self, trials: int = 200, storage: str | None = None, study_name: str | None = None,
+                 seed: int | None = 0, progress: bool = True):
+        super().__init__()
+        if trials < 1:
+            raise AutoparError(f"--trials must be at least 1, got {trials}")
+        self.trials, self.storage, self.study_name, self.seed = trials, storage, study_name, seed
+        self.progress = progress
+
+    def propose(self, workload, k: int = 1) -> list[Plan]:
+        optuna = _import_optuna()
+        space = KnobSpace(workload)
+        self.evaluations = 0
+        with _quiet(optuna):
+            study = self._study(optuna, workload)
+            complete = (optuna.trial.TrialState.COMPLETE,)
+            done = len(study.get_trials(deepcopy=False, states=complete))
+            with _progress_bar(self.progress, done, self.trials) as advance:
+                study.optimize(lambda trial: self._objective(trial, space), n_trials=max(0, self.trials - done),
+                               callbacks=[optuna.study.MaxTrialsCallback(self.trials, states=complete), advance])
+            trials = study.get_trials(deepcopy=False, states=complete)
+        plans = [Plan.from_dict(t.user_attrs["plan"]) for t in trials]
+        result = {"iteration_time": [t.value for t in trials],
+                  "fits": [t.constraints[CONSTRAINT] <= 0 for t in trials],
+                  "peak_memory": [t.user_attrs["peak_memory"] for t in trials]}
+        return best_distinct(workload, plans, result, k, "optuna")
+
+    def _objective(self, trial, space: KnobSpace) -> float:
+        universe = space.universe
+
+        def suggest(name: str) -> float:
+            return universe[name][trial.suggest_int(name, 0, len(universe[name]) - 1)]
+
+        plan = space.sample(lambda name, positions: nearest(positions, suggest(name)))
+        for name in KNOBS:
+            if name not in trial.params:
+                suggest(name)
+        workload = space.workload
+        res = evaluate(workload, PlanArrays.from_plans([plan], workload.profile))
+        self.evaluations += 1
+        peak = float(res["peak_memory"][0])
+        trial.set_user_attr("plan", plan.to_dict())
+        trial.set_user_attr("peak_memory", peak)
+        trial.set_constraint(CONSTRAINT, (peak - workload.cluster.gpu.memory_bytes) / 1e9)
+        return float(res["iteration_time"][0])
+
+    def _study(self, optuna, workload):
+        """Create the study, or load it when the storage has it (checking it is this workload's)."""
+        from sqlalchemy.exc import SQLAlchemyError  # Optuna's RDB storage is SQLAlchemy
+
+        key = _study_key(workload)
+        name = self.study_name or (f"autopar-{key}" if self.storage else None)
+        try:
+            storage = self.storage and _rdb_storage(optuna, self.storage)
+            study = optuna.create_study(storage=storage, study_name=name, load_if_exists=True, direction="minimize")
+        except (SQLAlchemyError, ImportError) as e:  # a bad URL or file, a database driver missing
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise AutoparError(f"cannot open Optuna storage {self.storage!r}: {first_line}") from None
+        made_for = study.user_attrs.get("workload_key")
+        if made_for is None and not study.trials:
+            study.set_user_attr("workload_key", key)
+            study.set_user_attr("workload", workload.describe())
+        elif made_for != key or study.direction != optuna.study.StudyDirection.MINIMIZE:
+            raise AutoparError(f"study {name!r} in {self.storage} was made for another search "
+                               f"({study.user_attrs.get('workload', 'not autopar')}); use another --study-name")
+        # a resumed study must not replay the first run's random start-up trials: offset the seed
+        seed = None if self.seed is None else self.seed + len(study.trials)
+        study.sampler = optuna.samplers.TPESampler(multivariate=True, seed=seed)
+        return study
+
+
+def _study_key(workload) -> str:
+    """A short hash of everything the study's space and objective depend on."""
+    text = json.dumps([workload.profile.digest, workload.cluster.to_dict(), workload.global_batch,
+                       workload.optimizer], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _rdb_storage(optuna, url: str):
+    """Optuna commits some 25 times a trial; on SQLite each commit waited for the disk, and a
+    200-trial study took minutes. WAL mode without a sync per commit loses nothing that was
+    committed when the process is killed (a power cut may lose the last trials)."""
+    storage = optuna.storages.RDBStorage(url)
+    if storage.engine.dialect.name == "sqlite":
+        from sqlalchemy import event
+
+        event.listen(storage.engine, "connect", _sqlite_wal)
+        storage.engine.dispose()  # reconnect with the pragmas
+    return storage
+
+
+def _sqlite_wal(connection, _record) -> None:
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def _import_optuna():
+    try:
+        import optuna
+    except ImportError:
+        raise AutoparError("the optuna method needs Optuna: pip install 'autopar[search]'") from None
+    return optuna
+
+
+@contextmanager
+def _quiet(optuna):
+    """Silence Optuna's line per trial (the progress bar replaces it), then restore it."""
+    before = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(before)
+
+
+@contextmanager
+def _progress_bar(enabled: bool, done: int, total: int):
+    """A rich bar on stderr, as a study callback; trials already in a resumed study count as done."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    with Progress(TextColumn("optuna"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+                  disable=not enabled) as bar:
+        task = bar.add_task("", total=total, completed=done)
+        best = float("inf")
+
+        def advance(study, trial) -> None:
+            nonlocal best
+            if trial.constraints[CONSTRAINT] <= 0:
+                best = min(best, trial.value)
+            bar.update(task, advance=1, description=f"best {best:.4g} s" if best < float("inf") else "none fits yet")
+
+        yield advance

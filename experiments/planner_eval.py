@@ -1,0 +1,192 @@
+"""Every planner on the held-out workloads, against the exhaustive oracle, under the cost model.
+
+For each held-out workload (`autopar.envs.workloads.heldout_workloads`) and each planner: the
+ratio of the predicted throughput of its plan to the oracle's best (oracle time / plan time;
+the best of the k plans for rl top-8; 0 when it finds no plan), the cost-model evaluations it
+spent, and its wall time. Writes to --out: results.json (per workload), table.md, and two
+figures (ratio distribution per planner; ratio against evaluations). The oracle's answers are
+cached in --out/oracle.json, so a rerun pays only for the planners.
+
+    python experiments/planner_eval.py [--limit 8] [--planners optuna-50,rules] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
+from autopar.cost import estimate
+from autopar.envs.rewards import workload_key
+from autopar.envs.workloads import HELDOUT_SEED, HELDOUT_SIZE, heldout_workloads
+from autopar.errors import AutoparError, NoValidPlanError
+from autopar.search import get_planner
+
+PLANNERS = {  # name -> (registry name, options, k: the best of the top k counts)
+    "rl-top1": ("rl", {}, 1),
+    "rl-top8": ("rl", {}, 8),
+    "optuna-50": ("optuna", {"trials": 50, "progress": False}, 1),
+    "optuna-200": ("optuna", {"trials": 200, "progress": False}, 1),
+    "rules": ("rules", {}, 1),
+    "random-50": ("random", {"trials": 50}, 1),
+    "random-200": ("random", {"trials": 200}, 1),
+}
+SEEDED = ("rl", "optuna", "random")
+TIE = 1e-3  # ratios closer than this are the same plan quality
+
+
+def make_planners(names: list[str], seed: int, policy: str | None, console: Console) -> dict:
+    """name -> (planner, k); a planner that cannot be built (no trained policy yet) is skipped."""
+    out = {}
+    for name in names:
+        kind, options, k = PLANNERS[name]
+        options = {**options, **({"seed": seed} if kind in SEEDED else {}), **({"policy": policy} if kind == "rl" else {})}
+        try:
+            out[name] = get_planner(kind, **options), k
+        except (AutoparError, ImportError) as e:
+            console.print(f"[yellow]skipping {name}: {e}[/yellow]")
+    return out
+
+
+def oracle(workload, cache: dict) -> dict:
+    """The exhaustive oracle's best time, with its evaluations and wall time (cached by workload)."""
+    key = workload_key(workload)
+    if key not in cache:
+        planner, started = get_planner("exhaustive"), time.perf_counter()
+        plan = planner.propose(workload, 1)[0]
+        cache[key] = {"time_s": estimate(workload, plan).iteration_time_s, "plan": plan.describe(),
+                      "evaluations": planner.evaluations, "wall_s": time.perf_counter() - started}
+    return cache[key]
+
+
+def run(planner, k: int, workload, oracle_time: float) -> dict:
+    started = time.perf_counter()
+    try:
+        plans = planner.propose(workload, k)
+    except NoValidPlanError:
+        return {"ratio": 0.0, "plan": None, "evaluations": planner.evaluations,
+                "wall_s": time.perf_counter() - started}
+    wall = time.perf_counter() - started
+    times = [estimate(workload, p).iteration_time_s for p in plans]
+    best = int(np.argmin(times))
+    return {"ratio": oracle_time / times[best], "plan": plans[best].describe(), "evaluations": planner.evaluations,
+            "wall_s": wall}
+
+
+def summary(results: list[dict], names: list[str]) -> list[dict]:
+    """Per planner (the oracle first): ratio median / p5 / min, failures, median evaluations and
+    wall time, and the share of workloads where it beats the rules."""
+    rules = np.array([r["planners"]["rules"]["ratio"] for r in results]) if "rules" in names else None
+    rows = []
+    for name in ["oracle"] + names:
+        runs = [r["oracle"] if name == "oracle" else r["planners"][name] for r in results]
+        ratio = np.array([1.0 if name == "oracle" else x["ratio"] for x in runs])
+        rows.append({
+            "planner": name, "median": np.median(ratio), "p5": np.percentile(ratio, 5), "min": ratio.min(),
+            "failed": int((ratio == 0).sum()), "evaluations": np.median([x["evaluations"] for x in runs]),
+            "wall_s": np.median([x["wall_s"] for x in runs]),
+            "better_than_rules": None if rules is None or name == "rules" else np.mean(ratio > rules * (1 + TIE)),
+        })
+    return rows
+
+
+COLUMNS = ("planner", "median", "p5", "min", "no plan", "evaluations", "wall s", "> rules")
+
+
+def formatted(row: dict) -> list[str]:
+    share = row["better_than_rules"]
+    return [row["planner"], f"{row['median']:.3f}", f"{row['p5']:.3f}", f"{row['min']:.3f}", str(row["failed"]),
+            f"{row['evaluations']:,.0f}", f"{row['wall_s']:.3f}", "" if share is None else f"{share:.0%}"]
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    lines = [f"**{title}**", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(formatted(r)) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def figures(results: list[dict], names: list[str], rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = [[r["planners"][n]["ratio"] for r in results] for n in names]
+    fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 4))
+    ax.boxplot(ratios, showfliers=False)
+    ax.set_xticks(range(1, len(names) + 1), names, rotation=20)
+    for i, values in enumerate(ratios, start=1):
+        ax.scatter(i + np.random.default_rng(i).uniform(-0.15, 0.15, len(values)), values, s=8, alpha=0.5)
+    ax.set_ylabel("predicted throughput / oracle's")
+    ax.set_title(f"{len(results)} held-out workloads")
+    fig.tight_layout()
+    fig.savefig(out / "ratio_distribution.png", dpi=150)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, row in zip(names, rows[1:]):
+        runs = [r["planners"][name] for r in results]
+        dots = ax.scatter([max(x["evaluations"], 1) for x in runs], [x["ratio"] for x in runs], s=8, alpha=0.3)
+        ax.scatter(max(row["evaluations"], 1), row["median"], s=60, color=dots.get_facecolor()[0][:3], edgecolor="black",
+                   label=name)
+    ax.scatter(rows[0]["evaluations"], 1.0, s=60, marker="*", color="black", label="oracle (median)")
+    ax.set_xscale("log")
+    ax.set_xlabel("cost-model evaluations per workload")
+    ax.set_ylabel("predicted throughput / oracle's")
+    ax.legend(fontsize=7, title="median (large) and workloads", title_fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "ratio_vs_evaluations.png", dpi=150)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("experiments/results/planner_eval"))
+    parser.add_argument("--limit", type=int, default=HELDOUT_SIZE, metavar="N", help="first N held-out workloads")
+    parser.add_argument("--planners", default=",".join(PLANNERS), help=f"comma-separated, of {list(PLANNERS)}")
+    parser.add_argument("--heldout-seed", type=int, default=HELDOUT_SEED)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the rl, optuna and random planners")
+    parser.add_argument("--policy", help="rl policy file (default: the shipped one)")
+    args = parser.parse_args()
+    unknown = set(args.planners.split(",")) - set(PLANNERS)
+    if unknown:
+        parser.error(f"unknown planners {sorted(unknown)}; choose from {list(PLANNERS)}")
+    console = Console()
+    planners = make_planners(args.planners.split(","), args.seed, args.policy, console)
+    names = list(planners)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cache_path = args.out / "oracle.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+
+    workloads = heldout_workloads(seed=args.heldout_seed, n=args.limit, progress=True)
+    results = []
+    for w in track(workloads, description="planning", console=console, transient=True):
+        best = oracle(w, cache)
+        cache_path.write_text(json.dumps(cache, indent=1))
+        results.append({"workload": w.describe(), "oracle": best,
+                        "planners": {name: run(p, k, w, best["time_s"]) for name, (p, k) in planners.items()}})
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+
+    rows = summary(results, names)
+    title = (f"{len(results)} held-out workloads (seed {args.heldout_seed}), planner seed {args.seed}: ratio of "
+             f"predicted throughput to the oracle's (median, p5, min); median evaluations and wall time; "
+             f"share of workloads where the planner beats the rules")
+    table = Table(title=title)
+    for column in COLUMNS:
+        table.add_column(column, justify="left" if column == "planner" else "right")
+    for row in rows:
+        table.add_row(*formatted(row))
+    console.print(table)
+    (args.out / "table.md").write_text(markdown(rows, title))
+    figures(results, names, rows, args.out)
+    console.print(f"results, table.md and figures in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The Optuna planner: its encoding reaches every plan, it comes near the oracle, proposes only
+plans that fit, resumes a killed study without losing trials, and fails with one clear line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autopar.cli import main
+from autopar.cost import estimate
+from autopar.errors import AutoparError, NoValidPlanError
+from autopar.search import get_planner
+from autopar.search.sampling import KnobSpace
+from conftest import ZOO, workload
+
+optuna = pytest.importorskip("optuna")
+TESTS = Path(__file__).resolve().parent
+
+
+def optuna_planner(**options):
+    return get_planner("optuna", progress=False, **options)
+
+
+@pytest.mark.parametrize("model", [{"size": "tiny", "nodes": 2, "global_batch": 24},
+                                   {"size": "175b", "nodes": 16, "global_batch": 512},
+                                   {"model": "llama", "size": "small", "nodes": 3, "global_batch": 96}])
+def test_every_valid_choice_has_its_own_position_in_the_universe(model):
+    """So a suggestion of exactly that position picks it: Optuna can reach every plan."""
+    space, rng = KnobSpace(workload(**model)), np.random.default_rng(0)
+
+    def check(name, positions):
+        assert len(set(positions)) == len(positions), name
+        assert np.isin(positions, space.universe[name]).all(), name
+        return int(rng.integers(len(positions)))
+
+    for _ in range(300):
+        space.sample(check)
+
+
+def test_optuna_comes_near_the_oracle():
+    w = workload(size="gpt2-small", vocab=50304, global_batch=64)
+    oracle = estimate(w, get_planner("exhaustive").propose(w, 1)[0]).iteration_time_s
+    planner = optuna_planner(trials=100, seed=0)
+    found = estimate(w, planner.propose(w, 1)[0]).iteration_time_s
+    assert planner.evaluations == 100
+    assert oracle / found >= 0.95
+
+
+def test_proposes_only_distinct_plans_that_fit_best_first():
+    w = workload(size="gpt3-13b", cluster="dgx-a100-40g", global_batch=64)  # 4% of the plans fit
+    plans = optuna_planner(trials=60, seed=0).propose(w, 4)
+    estimates = [estimate(w, p) for p in plans]
+    assert len(set(plans)) == len(plans) >= 2
+    assert all(e.fits for e in estimates)
+    assert [e.iteration_time_s for e in estimates] == sorted(e.iteration_time_s for e in estimates)
+    with pytest.raises(NoValidPlanError, match="none of the 10 plans optuna tried .* use more --trials"):
+        optuna_planner(trials=10).propose(workload(size="1t", nodes=1, global_batch=8))
+
+
+CHILD = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import autopar.search.optuna_search as optuna_search
+from conftest import workload
+
+evaluate = optuna_search.evaluate
+optuna_search.evaluate = lambda *a, **k: (time.sleep(0.1), evaluate(*a, **k))[1]  # slow enough to kill mid-way
+optuna_search.OptunaPlanner(trials={trials}, storage={url!r}, progress=False).propose(workload(size="tiny"), 1)
+"""
+
+
+def complete_trials(db: Path) -> int:
+    try:
+        with sqlite3.connect(db, timeout=5) as con:
+            return con.execute("SELECT COUNT(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0]
+    except sqlite3.OperationalError:  # not created yet
+        return 0
+
+
+def test_killed_study_resumes_without_losing_a_trial(tmp_path):
+    db, trials = tmp_path / "study.db", 30
+    url = f"sqlite:///{db}"
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(CHILD.format(tests=str(TESTS), trials=trials, url=url)))
+    child = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while complete_trials(db) < 5 and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert child.returncode == -signal.SIGKILL, child.stderr.read().decode()[-2000:]
+
+    w = workload(size="tiny")
+    (name,) = optuna.get_all_study_names(url)
+    before = {t.number: (t.params, t.value) for t in optuna.load_study(study_name=name, storage=url).trials
+              if t.state == optuna.trial.TrialState.COMPLETE}
+    assert 5 <= len(before) < trials
+    planner = optuna_planner(trials=trials, storage=url)  # the default study name is the workload's
+    plan = planner.propose(w, 1)[0]
+    after = {t.number: (t.params, t.value) for t in optuna.load_study(study_name=name, storage=url).trials
+             if t.state == optuna.trial.TrialState.COMPLETE}
+    assert len(after) == trials and planner.evaluations == trials - len(before)
+    assert all(after[n] == v for n, v in before.items())
+    assert estimate(w, plan).fits
+
+
+def test_storage_errors_are_one_line(tmp_path):
+    w = workload(size="tiny")
+    for url in (f"sqlite:///{tmp_path}/no/such/dir/study.db", "nosuchdb://x"):
+        with pytest.raises(AutoparError, match="cannot open Optuna storage") as e:
+            optuna_planner(trials=2, storage=url).propose(w)
+        assert "\n" not in str(e.value)
+    url = f"sqlite:///{tmp_path}/study.db"
+    optuna_planner(trials=2, storage=url, study_name="mine").propose(w)
+    with pytest.raises(AutoparError, match="study 'mine' .* was made for another search"):
+        optuna_planner(trials=2, storage=url, study_name="mine").propose(workload(size="tiny", global_batch=32))
+
+
+def test_cli_search_with_optuna(capsys, tmp_path):
+    argv = ["search", str(ZOO / "gpt.py"), "--model-arg", "size=tiny", "--global-batch", "64", "--method", "optuna",
+            "--trials", "20", "--storage", f"sqlite:///{tmp_path}/study.db", "--top-k", "2", "--json"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["method"] == "optuna" and first["cost_model_evaluations"] == 20 and first["estimate"]["fits"]
+    assert main(argv) == 0  # the study is complete: nothing more to run, the same answer
+    again = json.loads(capsys.readouterr().out)
+    assert again["cost_model_evaluations"] == 0 and again["plan"] == first["plan"]
