@@ -10,8 +10,9 @@ import sys
 
 from autopar.errors import AutoparError
 
-# subcommand modules under autopar.cli, in the order `autopar --help` lists them
-SUBCOMMANDS = ("search", "estimate", "memory")
+# subcommands in the order `autopar --help` lists them; each lives in the module autopar.cli.<name>
+# with dashes as underscores ("profile-cluster" -> autopar/cli/profile_cluster.py)
+SUBCOMMANDS = ("search", "estimate", "memory", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pick, explain and apply a parallel training plan for a PyTorch model.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMANDS:
-        importlib.import_module(f"autopar.cli.{name}").add_parser(sub)
+        importlib.import_module(f"autopar.cli.{name.replace('-', '_')}").add_parser(sub)
     return parser
 
 

@@ -7,7 +7,7 @@ import time
 
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
 
-DEFAULT_METHOD = "exhaustive"
+DEFAULT_METHOD = "rl"
 
 
 def add_parser(sub) -> None:
@@ -57,6 +57,7 @@ def run(args) -> int:
     with status:
         plans = planner.propose(workload, args.top_k)
     estimates = [estimate(workload, p) for p in plans]
+    confidence = getattr(planner, "last_confidence", None)  # planners that can be unsure say so
     best, best_est = plans[0], estimates[0]
     reasons = explain(workload, best)
     if args.output:
@@ -69,6 +70,8 @@ def run(args) -> int:
                              for p, e in zip(plans[1:], estimates[1:])],
             "why": [{"knob": r.knob, "chosen": r.chosen, "instead": r.text} for r in reasons],
             "workload": workload_dict(workload), "method": args.method,
+            "confidence": None if confidence is None else {"probability": confidence.probability,
+                                                           "min_step": confidence.min_step},
             "cost_model_evaluations": planner.evaluations, "wall_time_s": wall,
         })
         return 0
@@ -79,6 +82,8 @@ def run(args) -> int:
     console.print(why_table(best_est, reasons))
     if len(plans) > 1:
         console.print(alternatives_table(best_est, list(zip(plans[1:], estimates[1:]))))
+    if confidence is not None:
+        console.print(confidence.describe())
     console.print(f"{args.method}: {planner.evaluations:,} cost-model evaluations, {wall:.2f} s"
                   + (f"; plan written to {args.output}" if args.output else ""))
     return 0

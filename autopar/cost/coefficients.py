@@ -34,6 +34,12 @@ class Coefficients:
     host_link_bytes_per_s: float = 20e9  # PCIe between GPU and host for offload traffic
     workspace_bytes: float = 1.0e9  # allocator workspace, kernels' scratch, fragmentation
     step_overhead_s: float = 0.0  # fixed per-iteration cost (launch, Python, data loading)
+    # Fixed costs that dominate small runs (0 by default: Megatron-scale runs do not see them;
+    # calibration fits them, e.g. to vTrain's single-node A100 runs):
+    collective_latency_s: float = 0.0  # per collective call (launch, rendezvous): NCCL's base latency
+    block_host_s: float = 0.0  # host seconds per block per pass (kernel launches, Python); backward is
+    # two passes, recompute one. A micro-batch on a rank takes the host_overlap-norm of host and GPU time:
+    host_overlap: float = 4.0  # 1: host and GPU work add up; large: the larger of the two (fully hidden)
 
     def link(self, kind: str) -> float:
         return self.link_efficiency.get(kind, 1.0)

@@ -5,7 +5,11 @@ micro-batch, each pipeline rank runs forward, backward and any recompute of its 
 tensor-parallel all-reduces on the critical path; a pipeline of m micro-batches takes
 sum over ranks + (m - 1) x the slowest rank (the (p - 1)/m bubble for even stages, (p - 1)/(v m)
 interleaved); data-parallel gradient reduction runs in buckets under the last backward and only
-its excess is exposed; the optimizer step is memory-bound. Memory is the exact sum of weights,
+its excess is exposed; the optimizer step is memory-bound. Small runs add fixed costs the big ones
+hide: each collective call's base latency (`collective_latency_s`), and the host's kernel
+launches (`block_host_s` per block per pass), which the GPU hides only while it has more work
+queued than the host takes to launch it: a micro-batch on a rank takes the `host_overlap`-norm
+of its GPU time and its host time (the excess is reported as "overhead"). Memory is the exact sum of weights,
 gradients, master weights and Adam moments by ZeRO stage, the activations the schedule keeps in
 flight on each rank (from the profiled saved bytes), communication buffers and a workspace.
 
@@ -72,14 +76,17 @@ def _links(cluster, pa: PlanArrays, coeffs: Coefficients) -> dict[str, np.ndarra
             "pp_bw": t[:, 4], "pp_lat": t[:, 5]}
 
 
-def all_reduce_time(nbytes, n, bw, lat):
-    """Ring all-reduce: 2(n-1)/n of the data crosses each link, 2(n-1) latency steps."""
-    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+def all_reduce_time(nbytes, n, bw, lat, base=0.0):
+    """Ring all-reduce: 2(n-1)/n of the data crosses each link, 2(n-1) latency steps, plus the
+    fixed cost of one collective call (NCCL's base latency: launch and rendezvous)."""
+    t = 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+    return t + base if base else t
 
 
-def all_gather_time(nbytes, n, bw, lat):
+def all_gather_time(nbytes, n, bw, lat, base=0.0):
     """Ring all-gather or reduce-scatter of `nbytes` in total: (n-1)/n of it per link."""
-    return (n - 1) / n * nbytes / bw + (n - 1) * lat
+    t = (n - 1) / n * nbytes / bw + (n - 1) * lat
+    return t + base if base else t
 
 
 def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]:
@@ -105,7 +112,8 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     rate = peak * np.maximum(eff, 1e-9)
     shard = _ratio(k["saved_tp_bytes"], k["saved_bytes"])
     io_f = b * act_scale * k["io_bytes"] * (shard / t + (1 - shard) / sp_div) / hbm
-    tp_ar = np.where(t > 1, all_reduce_time(b * act_scale * k["tp_comm_bytes"], t, tp_bw, tp_lat), 0.0)
+    base = c.collective_latency_s
+    tp_ar = np.where(t > 1, all_reduce_time(b * act_scale * k["tp_comm_bytes"], t, tp_bw, tp_lat, base), 0.0)
     compute_f = flops_f / rate + io_f
     compute_b = flops_b / rate + 2 * io_f
     attn_io = io_f * _ratio(k["attn_core_bytes"], k["saved_bytes"])
@@ -127,9 +135,14 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     recompute = np.select([mode == FULL, mode == SELECTIVE],
                           [ckpt_frac * on_layers(compute_f + tp_ar), on_layers(selective_f)], 0.0)
     p2p_bytes = b * act_scale * k["out_bytes"][0] / sp_div  # boundary activations ~ the hidden states
-    p2p_one = np.where(pp > 1, p2p_bytes / col(links["pp_bw"]) + col(links["pp_lat"]), 0.0)
+    p2p_one = np.where(pp > 1, p2p_bytes / col(links["pp_bw"]) + (col(links["pp_lat"]) + base), 0.0)
     p2p = 2 * v * p2p_one * np.ones_like(compute)
-    per_mb = compute + tp_comm + recompute + p2p  # one micro-batch, forward + backward, on each rank
+    gpu_mb = compute + tp_comm + recompute + p2p  # one micro-batch, forward + backward, on each rank
+    host = c.block_host_s > 0
+    if host:  # the host launches every block's kernels; the GPU hides what it can
+        per_mb = _norm(gpu_mb, c.block_host_s * (3 * counts.sum(axis=2) + ckpt_frac * n_layers), c.host_overlap)
+    else:
+        per_mb = gpu_mb
 
     slowest = per_mb.max(axis=1)
     total = (per_mb * mult).sum(axis=1)
@@ -153,13 +166,20 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
                                  (counts * (k["attn_core_flops"] * k["is_layer"])).sum(axis=2)], 0.0)
     return {
         "pipe": pipe, "pp_bubble": pipe - m1 * slowest, "compute": at(compute), "recompute": at(recompute),
-        "tp_comm": at(tp_comm), "pp_p2p": at(p2p),
+        "tp_comm": at(tp_comm), "pp_p2p": at(p2p), "host": at(per_mb - gpu_mb) if host else np.zeros(len(g)),
         "hide_b": c.dp_overlap * on(compute_b + tp_ar), "hide_f": c.dp_overlap * on(compute_f + tp_ar),
         "local_params": on(k["tp_params"] / t + (k["params"] - k["tp_params"])),
         "activations": act_mb * in_flight + working, "block_params": block_params,
         "model_flops_per_sample": np.full(len(g), float((total_counts * (k["fwd_flops"] + k["bwd_flops"])).sum())),
         "recompute_flops_per_sample": (recompute_flops * mult).sum(axis=1),
     }
+
+
+def _norm(a: np.ndarray, b: np.ndarray, p: float) -> np.ndarray:
+    """(a^p + b^p)^(1/p) for non-negative a, b: a + b at p = 1, max(a, b) as p grows."""
+    top = np.maximum(a, b)
+    scale = np.where(top > 0, top, 1.0)
+    return top * ((a / scale) ** p + (b / scale) ** p) ** (1 / p)
 
 
 def _groups(pa: PlanArrays) -> tuple[np.ndarray, np.ndarray]:
@@ -193,15 +213,18 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     param_bytes = local_params * prec_bytes
     bucket = col(pa.bucket_mb) * 2**20
     n_buckets = np.ceil(grad_bytes / bucket)
+    base = c.collective_latency_s
     reduce_all = 2 * (dpn - 1) / dpn * grad_bytes / dp_bw + n_buckets * 2 * (dpn - 1) * dp_lat
-    ddp = np.maximum(reduce_all - hide_b, all_reduce_time(np.minimum(grad_bytes, bucket), dpn, dp_bw, dp_lat))
-    scatter = all_gather_time(grad_bytes, dpn, dp_bw, dp_lat)
+    if base:
+        reduce_all = reduce_all + n_buckets * base
+    ddp = np.maximum(reduce_all - hide_b, all_reduce_time(np.minimum(grad_bytes, bucket), dpn, dp_bw, dp_lat, base))
+    scatter = all_gather_time(grad_bytes, dpn, dp_bw, dp_lat, base)
     scatter = np.maximum(scatter - hide_b, scatter / n_buckets)
-    gather = all_gather_time(param_bytes, dpn, dp_bw, dp_lat)
+    gather = all_gather_time(param_bytes, dpn, dp_bw, dp_lat, base)
     dp_time = np.select(
         [zero == 0, zero == 1, zero == 2],
         [ddp, ddp + gather, scatter + np.maximum(gather - hide_f, 0)],
-        scatter + col(pa.nmb) * np.maximum(2 * gather - hide_f - hide_b, (dpn - 1) * dp_lat))
+        scatter + col(pa.nmb) * np.maximum(2 * gather - hide_f - hide_b, (dpn - 1) * dp_lat + base))
     dp_time = np.where(dpn > 1, dp_time, 0.0)
     offload = np.asarray(pa.offload, dtype=bool)[:, None]
     shard_states = np.where(zero >= 1, dpn, 1.0)
@@ -233,7 +256,8 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
 
     out = {name: part[name] for name in ("compute", "recompute", "tp_comm", "pp_p2p", "pp_bubble")}
     out.update({
-        "dp_comm": dp_exposed, "optimizer": opt_exposed, "overhead": np.full(len(pa), c.step_overhead_s),
+        "dp_comm": dp_exposed, "optimizer": opt_exposed,
+        "overhead": part["host"] + c.step_overhead_s if c.block_host_s > 0 else np.full(len(pa), c.step_overhead_s),
         "iteration_time": part["pipe"] + dp_exposed + opt_exposed + c.step_overhead_s,
         "peak_memory": np.take_along_axis(peak_rank, at_peak, axis=1)[:, 0],
         "model_flops": part["model_flops_per_sample"] * workload.global_batch,

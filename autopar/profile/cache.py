@@ -20,7 +20,8 @@ ZOO = Path(__file__).resolve().parent.parent / "zoo"
 
 
 def _zoo_digest() -> str:
-    """Zoo models share code in the zoo package, so their profiles depend on all of it."""
+    """Bundled models (the zoo, and the trace importers' models built on it) share the zoo's
+    code, so their profiles depend on all of it."""
     h = hashlib.sha256()
     for f in sorted(ZOO.glob("*.py")):
         h.update(f.read_bytes())
@@ -30,7 +31,7 @@ def _zoo_digest() -> str:
 def profile_digest(path: Path, source_digest: str, model_args: dict, dtype: str) -> str:
     """Cache key: model file bytes (and the zoo's code for zoo models), model arguments, dtype
     and profiler version."""
-    shared = _zoo_digest() if Path(path).resolve().parent == ZOO else ""
+    shared = _zoo_digest() if ZOO.parent in Path(path).resolve().parents else ""
     key = json.dumps([source_digest, shared, sorted(model_args.items()), dtype, PROFILER_VERSION], default=str)
     return hashlib.sha256(key.encode()).hexdigest()
 

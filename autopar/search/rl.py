@@ -1,0 +1,69 @@
+"""The RL planner: a trained policy picks each knob in one forward pass.
+
+Top-1 is the greedy decode; top-k beam-decodes (or samples, with `decode="sample"`) k distinct
+plans and ranks them with the cost model. Cost-model calls are only those the masks need (a
+handful of lean completions per decision) plus the ranking. The policy's confidence in each
+returned plan is kept: the product of the probabilities of its decisions and the least of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.cost import PlanArrays, evaluate
+from autopar.plan import Plan
+from autopar.search.base import Planner
+from autopar.search.exhaustive import memory_error, no_plan_error
+
+DECODERS = ("beam", "sample")
+
+
+@dataclass(frozen=True)
+class Confidence:
+    probability: float  # the policy's probability of the whole plan (product over its decisions)
+    min_step: float  # the probability of its least certain decision
+
+    def describe(self) -> str:
+        return f"policy confidence {self.probability:.0%} (least certain decision {self.min_step:.0%})"
+
+
+class RLPlanner(Planner):
+    name = "rl"
+
+    def __init__(self, policy=None, seed: int = 0, decode: str = "beam"):
+        from autopar.errors import AutoparError
+        from autopar.policies.load import load_policy
+
+        super().__init__()
+        if decode not in DECODERS:
+            raise AutoparError(f"unknown decode {decode!r}; choose one of {list(DECODERS)}")
+        self.actor = load_policy(policy)  # checks the space signature: fail before any search
+        self.seed, self.decode = seed, decode
+        self.last_confidence: Confidence | None = None  # of the best plan of the last propose()
+        self.confidences: list[Confidence] = []  # of every plan of the last propose(), in order
+
+    def propose(self, workload, k: int = 1) -> list[Plan]:
+        from autopar.envs.features import workload_features
+        from autopar.envs.knobs import PlanSpace
+        from autopar.policies.decode import beam_search, sample
+
+        space = PlanSpace(workload)
+        first = space.step(())
+        if not first.allowed.any():
+            raise memory_error(workload, float(first.memory.min())) if first.values else no_plan_error(workload)
+        features = workload_features(workload)
+        if k > 1 and self.decode == "sample":
+            decoded = sample(self.actor, space, features, k, np.random.default_rng(self.seed))
+        else:
+            decoded = beam_search(self.actor, space, features, k)
+        plans = [space.plan(d.prefix) for d in decoded]
+        order = np.arange(len(plans))
+        if len(plans) > 1:
+            times = evaluate(workload, PlanArrays.from_plans(plans, workload.profile))["iteration_time"]
+            order = np.argsort(times, kind="stable")
+        self.evaluations = space.evaluations + (len(plans) if len(plans) > 1 else 0)
+        self.confidences = [Confidence(decoded[i].probability, decoded[i].min_step) for i in order]
+        self.last_confidence = self.confidences[0]
+        return [plans[i] for i in order]

@@ -1,0 +1,67 @@
+"""Turning a policy into plans: greedy, beam and sampled decoding over the masked action
+probabilities, with the probability the policy gave each plan (its confidence)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from autopar.envs.features import observation
+from autopar.envs.knobs import KNOBS, PlanSpace
+
+
+@dataclass(frozen=True)
+class Decoded:
+    prefix: tuple  # the knob values
+    probability: float = 1.0  # product of the policy's probabilities of its choices
+    min_step: float = 1.0  # the least of those probabilities: the least certain decision
+
+    @property
+    def complete(self) -> bool:
+        return len(self.prefix) == len(KNOBS)
+
+
+def _expand(actor, space: PlanSpace, workload_vector, beams: list[Decoded]) -> list[Decoded]:
+    """Every allowed continuation of every beam by one decision, with its probability (not yet
+    advanced over forced knobs: only the continuations kept need their next step evaluated)."""
+    infos = [space.step(b.prefix) for b in beams]
+    obs = np.stack([observation(space, b.prefix, workload_vector) for b in beams])
+    probs = actor.probabilities(obs, np.stack([info.mask() for info in infos]))
+    out = []
+    for beam, info, p in zip(beams, infos, probs):
+        for value, slot, ok in zip(info.values, info.slots, info.allowed):
+            if ok:
+                out.append(Decoded(beam.prefix + (value,), beam.probability * float(p[slot]),
+                                   min(beam.min_step, float(p[slot]))))
+    return out
+
+
+def beam_search(actor, space: PlanSpace, workload_vector, width: int) -> list[Decoded]:
+    """The `width` most probable complete decisions sequences (width 1: greedy decoding)."""
+    pool = [Decoded(space.advance(()))]
+    while not all(d.complete for d in pool):
+        live = [d for d in pool if not d.complete]
+        pool = [d for d in pool if d.complete] + _expand(actor, space, workload_vector, live)
+        best = sorted(pool, key=lambda d: -d.probability)[:width]
+        pool = [replace(d, prefix=space.advance(d.prefix)) for d in best]
+    return pool
+
+
+def sample(actor, space: PlanSpace, workload_vector, k: int, rng: np.random.Generator,
+           max_draws: int | None = None) -> list[Decoded]:
+    """Up to k distinct sequences drawn from the policy (at most max_draws draws, default 8k)."""
+    found: dict[tuple, Decoded] = {}
+    for _ in range(max_draws or 8 * k):
+        d = Decoded(space.advance(()))
+        while not d.complete:
+            info = space.step(d.prefix)
+            obs = observation(space, d.prefix, workload_vector)[None]
+            p = actor.probabilities(obs, info.mask()[None])[0]
+            slot = int(rng.choice(len(p), p=p))
+            d = replace(d, prefix=space.advance(d.prefix + (info.value_at(slot),)),
+                        probability=d.probability * float(p[slot]), min_step=min(d.min_step, float(p[slot])))
+        found.setdefault(d.prefix, d)
+        if len(found) == k:
+            break
+    return sorted(found.values(), key=lambda d: -d.probability)

@@ -1,0 +1,223 @@
+"""Training a planning policy: MaskablePPO on the environment, with progress, evaluation against
+the oracle, resumable checkpoints and the metadata that makes a policy file self-describing.
+
+Layout next to the output `policy.zip`: `policy.json` (the metadata sidecar) and
+`policy.zip.ckpt/` (`step_<N>.zip` checkpoints, each a usable policy, and `progress.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from autopar.policies.files import latest_checkpoint, numpy_actor, versions, write_policy
+from autopar.policies.load import POLICY_FORMAT
+
+# fine-tuning settings: a small learning rate and entropy bonus keep PPO from undoing the imitation
+PPO_SETTINGS = dict(n_epochs=6, learning_rate=1e-4, gamma=1.0, gae_lambda=0.95, ent_coef=0.002, clip_range=0.2)
+MINIBATCH = 256
+NET_ARCH = dict(pi=[128], vf=[128])
+
+
+@dataclass
+class TrainConfig:
+    timesteps: int = 100_000
+    workloads: str = "1024"  # pool size of the sampler, or a JSON file of WorkloadSpec dicts
+    output: str = "policy.zip"
+    seed: int = 0
+    eval_every: int = 20_000
+    eval_workloads: int = 24
+    checkpoint_every: int = 20_000
+    resume: bool = False
+    n_steps: int = 2048  # environment steps per PPO rollout
+    imitation_epochs: int = 50  # behaviour cloning of the oracle's plans before PPO (0: none)
+    dagger_rounds: int = 2  # then rounds of labelling the policy's own greedy decisions
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(f"{self.output}.ckpt")
+
+
+# -- workloads ---------------------------------------------------------------------------------------------
+def load_pool(spec: str, seed: int, progress: bool) -> list:
+    """The training workloads: `spec` is a pool size for the sampler or a JSON file of specs."""
+    from autopar.envs.workloads import WorkloadSpec, training_workloads
+    from autopar.errors import AutoparError
+
+    if spec.isdigit():
+        return training_workloads(int(spec), seed=seed, progress=progress)
+    try:
+        items = json.loads(Path(spec).read_text())
+        return [WorkloadSpec.from_dict(d).build() for d in items]
+    except (OSError, json.JSONDecodeError, TypeError, AttributeError) as e:
+        raise AutoparError(f"--workloads must be a number or a JSON list of workload specs; {spec}: {e}") from None
+
+
+def validation_set(pool: list, n: int, seed: int) -> list:
+    """n workloads of the training distribution that are not in the pool (another seed)."""
+    from autopar.envs.workloads import training_workloads
+
+    keys = {(w.profile.digest, w.cluster.name, w.cluster.nodes, w.cluster.gpus_per_node, w.global_batch) for w in pool}
+    return [w for w in training_workloads(n + len(pool) // 8, seed=seed + 7919)
+            if (w.profile.digest, w.cluster.name, w.cluster.nodes, w.cluster.gpus_per_node, w.global_batch)
+            not in keys][:n]
+
+
+def validation_figures(model, workloads: list, reward) -> dict:
+    """Median, 5th percentile and least ratio to the oracle of the greedy plans."""
+    ratios = greedy_ratios(numpy_actor(model), workloads, reward)
+    return {"timesteps": int(model.num_timesteps), "median": float(np.median(ratios)),
+            "p5": float(np.percentile(ratios, 5)), "min": float(ratios.min())}
+
+
+def greedy_ratios(actor, workloads: list, reward) -> np.ndarray:
+    """The ratio to the oracle of the greedy plan of each workload."""
+    from autopar.envs.features import workload_features
+    from autopar.envs.knobs import PlanSpace
+    from autopar.policies.decode import beam_search
+
+    out = []
+    for w in workloads:
+        space = PlanSpace(w)
+        best = beam_search(actor, space, workload_features(w), 1)[0]
+        out.append(reward(w, space.plan(best.prefix)))
+    return np.array(out)
+
+
+# -- training -----------------------------------------------------------------------------------------------
+def _callbacks(cfg: TrainConfig, console, validation, reward, history: list, started_steps: int):
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class Trainer(BaseCallback):
+        """Progress bar, periodic evaluation against the oracle, checkpoints."""
+
+        def _on_training_start(self) -> None:
+            self.progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"),
+                                     console=console)
+            self.progress.start()
+            self.task = self.progress.add_task("train", total=cfg.timesteps, completed=started_steps, note="")
+            self.rewards: list[float] = []
+            self.next_eval = (self.num_timesteps // cfg.eval_every + 1) * cfg.eval_every
+            self.next_ckpt = (self.num_timesteps // cfg.checkpoint_every + 1) * cfg.checkpoint_every
+
+        def _on_step(self) -> bool:
+            for done, info_reward in zip(self.locals["dones"], self.locals["rewards"]):
+                if done:
+                    self.rewards = (self.rewards + [float(info_reward)])[-500:]
+            if self.num_timesteps % 256 == 0:
+                self.progress.update(self.task, completed=self.num_timesteps,
+                                     note=f"reward {np.mean(self.rewards or [0]):.3f}" + self._last_eval())
+            if self.num_timesteps >= self.next_eval:
+                self.next_eval += cfg.eval_every
+                if validation:
+                    self.evaluate()
+            if self.num_timesteps >= self.next_ckpt:
+                self.next_ckpt += cfg.checkpoint_every
+                self.checkpoint()
+            return True
+
+        def _last_eval(self) -> str:
+            return f"  val median {history[-1]['median']:.3f}" if history else ""
+
+        def evaluate(self) -> None:
+            history.append(validation_figures(self.model, validation, reward))
+            self.progress.console.print(f"step {self.num_timesteps:,}: validation ratio to the oracle median "
+                                        f"{history[-1]['median']:.3f}, p5 {history[-1]['p5']:.3f}")
+
+        def checkpoint(self) -> None:
+            cfg.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            write_policy(self.model, cfg.checkpoint_dir / f"step_{self.num_timesteps}.zip",
+                         metadata(cfg, self.model, history))
+            (cfg.checkpoint_dir / "progress.json").write_text(json.dumps({"history": history}, indent=1))
+
+        def _on_training_end(self) -> None:
+            self.progress.update(self.task, completed=self.num_timesteps)
+            self.progress.stop()
+
+    return Trainer()
+
+
+def metadata(cfg: TrainConfig, model, history: list, seconds: float | None = None) -> dict:
+    from autopar.envs import ENV_ID
+    from autopar.envs.features import observation_size
+    from autopar.envs.knobs import MAX_ACTIONS, space_signature
+
+    return {"format": POLICY_FORMAT, "env_id": ENV_ID, "space_signature": space_signature(),
+            "observation_size": observation_size(), "max_actions": MAX_ACTIONS, "versions": versions(),
+            "command": "autopar train " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["train"]
+            else " ".join(shlex.quote(a) for a in sys.argv), "config": asdict(cfg), "ppo": PPO_SETTINGS,
+            "net_arch": NET_ARCH, "timesteps": int(model.num_timesteps), "train_seconds": seconds,
+            "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs".strip(),
+            "eval": {"validation": history[-1] if history else None, "history": history}}
+
+
+def train(cfg: TrainConfig, console) -> dict:
+    """Train (or resume) and write the policy and its sidecar; returns the metadata."""
+    import torch
+    from sb3_contrib import MaskablePPO
+    from stable_baselines3.common.monitor import Monitor
+    from stable_baselines3.common.vec_env import DummyVecEnv
+    from torch import nn
+
+    from autopar.envs.parallel_plan_env import ParallelPlanEnv
+    from autopar.envs.rewards import CostModelReward
+    from autopar.policies.extractor import PlanFeaturesExtractor
+    from autopar.policies.imitation import imitation
+
+    torch.set_num_threads(1)  # small networks: more threads only contend with the environment
+    started = time.perf_counter()
+    pool = load_pool(cfg.workloads, cfg.seed, progress=True)
+    reward = CostModelReward()
+    from rich.progress import track
+
+    for w in track(pool, description="oracle for each training workload", console=console, transient=True):
+        reward.oracle.time(w)
+    validation = validation_set(pool, cfg.eval_workloads, cfg.seed) if cfg.eval_workloads else []
+    for w in validation:
+        reward.oracle.time(w)
+    env = DummyVecEnv([lambda: Monitor(ParallelPlanEnv(pool, reward))])
+    env.seed(cfg.seed)
+
+    resume = latest_checkpoint(cfg.checkpoint_dir) if cfg.resume else None
+    progress_file = cfg.checkpoint_dir / "progress.json"
+    history = json.loads(progress_file.read_text())["history"] if resume and progress_file.is_file() else []
+    if resume:
+        model = MaskablePPO.load(resume[0], env=env, device="cpu")
+        console.print(f"resuming from {resume[0]} ({resume[1]:,} timesteps done)", soft_wrap=True)
+    else:
+        model = MaskablePPO("MlpPolicy", env, seed=cfg.seed, device="cpu", verbose=0, n_steps=cfg.n_steps,
+                            batch_size=min(MINIBATCH, cfg.n_steps), **PPO_SETTINGS,
+                            policy_kwargs=dict(features_extractor_class=PlanFeaturesExtractor, net_arch=NET_ARCH,
+                                               activation_fn=nn.ReLU))
+        if cfg.imitation_epochs:
+            def report(round_: int, decisions: int, loss: float) -> None:
+                if validation:
+                    history.append(validation_figures(model, validation, reward))
+                console.print(f"imitation round {round_}: {decisions:,} expert decisions, loss {loss:.3f}"
+                              + (f"; validation median ratio {history[-1]['median']:.3f}, p5 {history[-1]['p5']:.3f}"
+                                 if validation else ""))
+
+            with console.status("imitating the oracle (behaviour cloning, then DAgger)"):
+                imitation(model, pool, reward.oracle, cfg.imitation_epochs, cfg.dagger_rounds, cfg.seed, report)
+    remaining = cfg.timesteps - model.num_timesteps
+    if remaining > 0:
+        model.learn(total_timesteps=remaining, reset_num_timesteps=False,
+                    callback=_callbacks(cfg, console, validation, reward, history, model.num_timesteps))
+    if validation and (not history or history[-1]["timesteps"] != model.num_timesteps):
+        history.append(validation_figures(model, validation, reward))
+    meta = metadata(cfg, model, history, time.perf_counter() - started)
+    output = Path(cfg.output)
+    write_policy(model, output, meta)
+    output.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta

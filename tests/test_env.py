@@ -1,0 +1,121 @@
+"""The planning environment: Gymnasium and SB3 conformance, masks that keep exactly the fitting
+plans of the space reachable, seeding, reward backends, and the workload sets."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autopar.cost import estimate, evaluate
+from autopar.envs import ENV_ID
+from autopar.envs.knobs import KNOBS, MAX_ACTIONS, PlanSpace
+from autopar.envs.parallel_plan_env import ParallelPlanEnv
+from autopar.envs.rewards import INVALID_REWARD
+from autopar.search.space import enumerate_plans
+from conftest import workload
+
+
+def small_workloads():
+    return [workload(size="tiny", nodes=1, global_batch=32),
+            workload("llama", size="tiny", nodes=1, gpus_per_node=6, global_batch=24)]
+
+
+def test_env_passes_gymnasium_and_sb3_checks():
+    from gymnasium.utils.env_checker import check_env
+    from stable_baselines3.common.env_checker import check_env as sb3_check_env
+
+    env = gym.make(ENV_ID, workloads=small_workloads())
+    check_env(env.unwrapped)
+    sb3_check_env(env.unwrapped)
+    assert env.action_space.n == MAX_ACTIONS
+
+
+def test_seeded_resets_repeat_and_a_given_workload_is_used():
+    a, b = ParallelPlanEnv(small_workloads()), ParallelPlanEnv(small_workloads())
+    obs_a = [a.reset(seed=3)[0]] + [a.reset()[0] for _ in range(4)]
+    obs_b = [b.reset(seed=3)[0]] + [b.reset()[0] for _ in range(4)]
+    assert all(np.array_equal(x, y) for x, y in zip(obs_a, obs_b))
+    w = workload("resnet", size="tiny", nodes=1, gpus_per_node=4, global_batch=16)
+    a.reset(options={"workload": w})
+    assert a.plan_space.workload is w
+
+
+def test_masked_action_ends_the_episode_with_a_penalty():
+    env = ParallelPlanEnv(small_workloads())
+    env.reset(seed=0)
+    masked = np.flatnonzero(~env.action_masks())
+    _, reward, terminated, _, info = env.step(int(masked[0]))
+    assert terminated and reward == INVALID_REWARD and info["invalid_action"]
+
+
+def test_reward_backend_is_pluggable():
+    calls = []
+
+    def measured(w, plan):  # stands in for the executor's MeasuredReward
+        calls.append(plan)
+        return 0.5
+
+    env = ParallelPlanEnv(small_workloads(), reward=measured)
+    env.reset(seed=1)
+    done, reward, info = False, None, {}
+    while not done:
+        _, reward, done, _, info = env.step(int(np.flatnonzero(env.action_masks())[0]))
+    assert reward == 0.5 and calls == [info["plan"]]
+
+
+MODELS = [("gpt", "tiny"), ("llama", "tiny"), ("resnet", "tiny"), ("gpt", "gpt2-medium"), ("bert", "bert-large")]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=st.sampled_from(MODELS), cluster=st.sampled_from(["cpu", "pcie-4090x8", "dgx-a100-40g"]),
+       gpus=st.integers(1, 8), per_gpu=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**16))
+def test_masks_allow_exactly_the_fitting_plans(model, cluster, gpus, per_gpu, seed):
+    """Every sequence the masks allow is a valid plan that fits; every fitting plan of the
+    exhaustive enumeration is reachable through the masks (checked on a sample of each)."""
+    family, size = model
+    w = workload(family, size=size, cluster=cluster, nodes=1, gpus_per_node=gpus, global_batch=gpus * per_gpu)
+    space, rng = PlanSpace(w), np.random.default_rng(seed)
+    plans = enumerate_plans(w)
+    fits = np.flatnonzero(evaluate(w, plans)["fits"]) if len(plans) else np.zeros(0, dtype=int)
+    assert space.step(()).allowed.any() == (len(fits) > 0)
+    if not len(fits):
+        return
+    for _ in range(10):
+        prefix = ()
+        while len(prefix) < len(KNOBS):
+            info = space.step(prefix)
+            prefix += (info.values[rng.choice(np.flatnonzero(info.allowed))],)
+        plan = space.plan(prefix)
+        plan.validate(w)
+        assert estimate(w, plan).fits
+    for i in rng.choice(fits, size=min(25, len(fits)), replace=False):
+        prefix = PlanSpace.prefix_of(plans.plan(i))
+        for s in range(len(KNOBS)):
+            info = space.step(prefix[:s])
+            assert info.allowed[info.values.index(prefix[s])], (plans.plan(i).describe(), KNOBS[s])
+
+
+def test_heldout_set_is_fixed_and_apart_from_training():
+    from autopar.envs.workloads import HELDOUT_CLUSTERS, HELDOUT_NODES, TRAIN_NODES, heldout_specs, training_specs
+
+    held = heldout_specs(n=4)
+    assert held == heldout_specs(n=4)
+    train = training_specs(n=4, seed=1)
+    assert not {s.cluster for s in train} & set(HELDOUT_CLUSTERS)
+    assert all(s.nodes in (1, *TRAIN_NODES) for s in train)
+    trained_sizes = {dict(s.model_args).get("size") for s in train}
+    for spec in held:
+        assert spec.cluster in HELDOUT_CLUSTERS or spec.nodes in HELDOUT_NODES
+        assert len(dict(spec.model_args)) > 2 or dict(spec.model_args)["size"] not in trained_sizes  # custom shape
+
+
+def test_workload_without_a_fitting_plan_is_refused():
+    from autopar.errors import NoValidPlanError
+
+    env = ParallelPlanEnv()
+    with pytest.raises(NoValidPlanError):
+        env.reset(options={"workload": workload(size="gpt3-13b", cluster="pcie-4090x8", nodes=1, gpus_per_node=1,
+                                                global_batch=8)})

@@ -1,0 +1,113 @@
+"""Training and loading policies: a smoke training run, resume after a kill, the NumPy actor
+matching the torch policy, and clear errors for files that are not usable policies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+
+import numpy as np
+import pytest
+
+from autopar.cli import main
+from autopar.policies.load import ACTOR_ENTRY, META_ENTRY, POLICY_FORMAT, PolicyError, load_policy
+
+POOL = [{"model": "gpt", "model_args": {"size": "tiny"}, "cluster": "dgx-a100-80g", "gpus_per_node": 4,
+         "global_batch": 16},
+        {"model": "llama", "model_args": {"size": "tiny"}, "cluster": "pcie-4090x8", "gpus_per_node": 6,
+         "global_batch": 24}]
+SMALL = ["--timesteps", "384", "--n-steps", "128", "--checkpoint-every", "128", "--eval-workloads", "0"]
+
+
+@pytest.fixture(scope="module")
+def pool_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pool") / "pool.json"
+    path.write_text(json.dumps(POOL))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(pool_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("policy") / "p.zip"
+    assert main(["train", "--workloads", str(pool_file), "-o", str(out), *SMALL]) == 0
+    return out
+
+
+def test_smoke_training_writes_a_policy_with_metadata(trained):
+    meta = json.loads(trained.with_suffix(".json").read_text())
+    assert meta["env_id"] == "autopar/ParallelPlan-v0" and meta["timesteps"] == 384
+    assert {"torch", "stable-baselines3", "sb3-contrib", "gymnasium"} <= set(meta["versions"])
+    assert meta["command"].startswith("autopar train") or "pytest" in meta["command"]
+    assert load_policy(trained).meta["space_signature"] == meta["space_signature"]
+    assert sorted(p.name for p in (trained.parent / "p.zip.ckpt").glob("step_*.zip")) == \
+        ["step_128.zip", "step_256.zip", "step_384.zip"]
+
+
+def test_numpy_actor_matches_the_torch_policy(trained, pool_file):
+    import torch
+    from sb3_contrib import MaskablePPO
+
+    from autopar.envs.parallel_plan_env import ParallelPlanEnv
+    from autopar.envs.workloads import WorkloadSpec
+
+    env = ParallelPlanEnv([WorkloadSpec.from_dict(d).build() for d in POOL])
+    obs, masks = [], []
+    for seed in range(4):
+        o, _ = env.reset(seed=seed)
+        obs.append(o)
+        masks.append(env.action_masks())
+    obs, masks = np.array(obs), np.array(masks)
+    model = MaskablePPO.load(trained, device="cpu")
+    with torch.no_grad():
+        dist = model.policy.get_distribution(torch.as_tensor(obs), action_masks=masks)
+        expected = dist.distribution.probs.numpy()
+    np.testing.assert_allclose(load_policy(trained).probabilities(obs, masks), expected, atol=1e-5)
+
+
+def test_resume_after_a_kill_continues_from_the_last_checkpoint(pool_file, tmp_path, capsys):
+    out = tmp_path / "r.zip"
+    base = ["train", "--workloads", str(pool_file), "-o", str(out), "--n-steps", "128", "--checkpoint-every", "128",
+            "--eval-workloads", "0"]
+    proc = subprocess.Popen([sys.executable, "-m", "autopar", *base, "--timesteps", "100000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 90
+    while time.time() < deadline and not list((tmp_path / "r.zip.ckpt").glob("step_256.zip")):
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = max(int(p.stem.split("_")[1]) for p in (tmp_path / "r.zip.ckpt").glob("step_*.zip"))
+    assert done >= 256 and not out.exists()
+    assert main([*base, "--timesteps", str(done + 128), "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert "resuming from" in printed and f"step_{done}.zip" in printed
+    assert json.loads(out.with_suffix(".json").read_text())["timesteps"] == done + 128
+
+
+def _fake_policy(path, **meta):
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(META_ENTRY, json.dumps({"format": POLICY_FORMAT, **meta}))
+        archive.writestr(ACTOR_ENTRY, b"")
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("missing", "not found"), ("text", "not a zip archive"), ("empty zip", "is not an autopar policy"),
+    ("other space", "trained for plan-space signature 'feedc0de'")])
+def test_unusable_policy_files_are_one_line_errors(kind, message, tmp_path, capsys):
+    path = tmp_path / "policy.zip"
+    if kind == "text":
+        path.write_text("not a policy")
+    elif kind == "empty zip":
+        zipfile.ZipFile(path, "w").close()
+    elif kind == "other space":
+        _fake_policy(path, space_signature="feedc0de")
+    with pytest.raises(PolicyError, match=message):
+        load_policy(path)
+    assert main(["search", "gpt", "--model-arg", "size=tiny", "--nodes", "1", "--global-batch", "16",
+                 "--method", "rl", "--policy", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err

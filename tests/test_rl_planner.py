@@ -1,0 +1,60 @@
+"""The RL planner with the shipped policy: valid plans that fit, distinct top-k ranked by the cost
+model, the policy's confidence, far fewer cost-model calls than the oracle, and the CLI path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar.cli import main
+from autopar.cost import estimate
+from autopar.errors import AutoparError
+from autopar.policies.load import default_policy_path, read_meta
+from autopar.search import get_planner
+from autopar.search.space import enumerate_plans
+from conftest import workload
+
+
+@pytest.fixture(scope="module")
+def small():
+    return workload(size="gpt2-medium", vocab=50304, nodes=1, global_batch=64)
+
+
+def test_shipped_policy_is_small_and_documents_its_training():
+    path = default_policy_path()
+    assert path.stat().st_size + path.with_suffix(".json").stat().st_size <= 5 * 2**20
+    meta = read_meta(path)
+    assert meta["command"].startswith("autopar train") and meta["eval"]["validation"]["median"] > 0.9
+
+
+def test_top1_is_a_fitting_plan_with_a_confidence(small):
+    planner = get_planner("rl")
+    [plan] = planner.propose(small, 1)
+    plan.validate(small)
+    assert estimate(small, plan).fits
+    confidence = planner.last_confidence
+    assert 0 < confidence.probability <= confidence.min_step <= 1
+    assert "policy confidence" in confidence.describe()
+    assert 0 < planner.evaluations < len(enumerate_plans(small)) / 4
+
+
+@pytest.mark.parametrize("decode", ["beam", "sample"])
+def test_top_k_plans_are_distinct_and_ranked_by_the_cost_model(small, decode):
+    planner = get_planner("rl", decode=decode, seed=1)
+    plans = planner.propose(small, 4)
+    assert len(set(plans)) == len(plans) >= 2
+    times = [estimate(small, p).iteration_time_s for p in plans]
+    assert times == sorted(times) and len(planner.confidences) == len(plans)
+
+
+def test_unknown_decode_is_refused():
+    with pytest.raises(AutoparError, match="unknown decode"):
+        get_planner("rl", decode="nope")
+
+
+def test_search_cli_uses_the_policy(capsys):
+    assert main(["search", "gpt", "--model-arg", "size=tiny", "--nodes", "1", "--global-batch", "32",
+                 "--method", "rl", "--top-k", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "rl" and out["estimate"]["fits"] and out["cost_model_evaluations"] > 0
