@@ -10,4 +10,7 @@ It samples 1,024 training workloads, computes each one's exhaustive oracle once 
 the autopar cache directory), imitates the oracle's decisions (behaviour cloning, then DAgger
 rounds on the policy's own decisions) and fine-tunes with MaskablePPO on the cost-model reward.
 `autopar.policies.load.load_policy` reads a policy for planning (NumPy only, no torch).
+
+`autopar train --traces TRACES --cluster ...` (`traces.py`) fine-tunes it for one cluster and the job
+mix of its traces, on the calibrated cost model (docs/traces-and-calibration.md).
 """

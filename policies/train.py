@@ -162,8 +162,14 @@ def metadata(cfg: TrainConfig, model, history: list, seconds: float | None = Non
             "eval": {"validation": history[-1] if history else None, "history": history}}
 
 
-def train(cfg: TrainConfig, console) -> dict:
-    """Train (or resume) and write the policy and its sidecar; returns the metadata."""
+def train(cfg: TrainConfig, console, *, pool: list | None = None, validation: list | None = None,
+          start_from=None, finish=None) -> dict:
+    """Train (or resume) and write the policy and its sidecar; returns the metadata.
+
+    pool / validation: the training and validation workloads (default: from `cfg.workloads` and the
+    zoo sampler). start_from: a policy file whose weights (and PPO settings) training starts from
+    instead of chance, e.g. the shipped policy for fine-tuning; its timestep count restarts at 0.
+    finish: `finish(model) -> dict`, called after training; its keys are added to the metadata."""
     import torch
     from sb3_contrib import MaskablePPO
     from stable_baselines3.common.monitor import Monitor
@@ -177,13 +183,14 @@ def train(cfg: TrainConfig, console) -> dict:
 
     torch.set_num_threads(1)  # small networks: more threads only contend with the environment
     started = time.perf_counter()
-    pool = load_pool(cfg.workloads, cfg.seed, progress=True)
+    pool = pool if pool is not None else load_pool(cfg.workloads, cfg.seed, progress=True)
     reward = CostModelReward()
     from rich.progress import track
 
     for w in track(pool, description="oracle for each training workload", console=console, transient=True):
         reward.oracle.time(w)
-    validation = validation_set(pool, cfg.eval_workloads, cfg.seed) if cfg.eval_workloads else []
+    if validation is None:
+        validation = validation_set(pool, cfg.eval_workloads, cfg.seed) if cfg.eval_workloads else []
     for w in validation:
         reward.oracle.time(w)
     env = DummyVecEnv([lambda: Monitor(ParallelPlanEnv(pool, reward))])
@@ -196,10 +203,17 @@ def train(cfg: TrainConfig, console) -> dict:
         model = MaskablePPO.load(resume[0], env=env, device="cpu")
         console.print(f"resuming from {resume[0]} ({resume[1]:,} timesteps done)", soft_wrap=True)
     else:
-        model = MaskablePPO("MlpPolicy", env, seed=cfg.seed, device="cpu", verbose=0, n_steps=cfg.n_steps,
-                            batch_size=min(MINIBATCH, cfg.n_steps), **PPO_SETTINGS,
-                            policy_kwargs=dict(features_extractor_class=PlanFeaturesExtractor, net_arch=NET_ARCH,
-                                               activation_fn=nn.ReLU))
+        if start_from is not None:
+            model = MaskablePPO.load(start_from, env=env, device="cpu", n_steps=cfg.n_steps,
+                                     batch_size=min(MINIBATCH, cfg.n_steps))
+            model.num_timesteps = 0
+            model.set_random_seed(cfg.seed)
+            console.print(f"starting from the weights of {start_from}", soft_wrap=True)
+        else:
+            model = MaskablePPO("MlpPolicy", env, seed=cfg.seed, device="cpu", verbose=0, n_steps=cfg.n_steps,
+                                batch_size=min(MINIBATCH, cfg.n_steps), **PPO_SETTINGS,
+                                policy_kwargs=dict(features_extractor_class=PlanFeaturesExtractor,
+                                                   net_arch=NET_ARCH, activation_fn=nn.ReLU))
         if cfg.imitation_epochs:
             def report(round_: int, decisions: int, loss: float) -> None:
                 if validation:
@@ -217,6 +231,11 @@ def train(cfg: TrainConfig, console) -> dict:
     if validation and (not history or history[-1]["timesteps"] != model.num_timesteps):
         history.append(validation_figures(model, validation, reward))
     meta = metadata(cfg, model, history, time.perf_counter() - started)
+    if start_from is not None and not resume:
+        meta["started_from"] = str(start_from)
+    if finish is not None:
+        meta.update(finish(model))
+        meta["train_seconds"] = time.perf_counter() - started
     output = Path(cfg.output)
     write_policy(model, output, meta)
     output.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")

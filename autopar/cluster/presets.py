@@ -54,9 +54,12 @@ PRESETS: dict[str, dict] = {
     "l40s-pcie": _pcie_box("l40s", 4, "switch", "ib", pcie=32e9, upi=20.8e9, ib=25e9),
     # Local gloo runs: worker processes share one host's memory (nominal 5 GB/s per process,
     # 20 us per hop through the loopback), a 10 GbE NIC for multi-host runs.
-    "cpu": _preset("cpu", 4, {"intra": "shm", "sockets": 1, "gpus_per_pcie_switch": 0, "nics": 1,
-                              "nic_attach": "cpu", "nic_kind": "ethernet"},
-                   shm=5e9, pcie=32e9, ethernet=1.25e9),
+    # A CPU process runs every matmul at about the same fraction of its peak however small, unlike
+    # a GPU that needs large GEMMs to fill its SMs: the GPU-fitted size dependence does not apply.
+    "cpu": {**_preset("cpu", 4, {"intra": "shm", "sockets": 1, "gpus_per_pcie_switch": 0, "nics": 1,
+                                 "nic_attach": "cpu", "nic_kind": "ethernet"},
+                      shm=5e9, pcie=32e9, ethernet=1.25e9),
+            "coefficients": {"gemm_efficiency": 1.0, "gemm_half_flops": 1e6}},
 }
 
 

@@ -84,13 +84,14 @@ def _data_parallel_options(workload, dp: int, tp: int) -> np.ndarray:
         return np.array([(0, BUCKETS_MB[1], COMM_DTYPES.index("fp32"), 0, TP_INNER, sp) for sp in sp_opts],
                         dtype=float)
     comms = [COMM_DTYPES.index("fp32")]
-    if precision != "fp32":
+    gloo = workload.cluster.node.intra == "shm"  # CPU processes: gloo has no bf16, the host is the device
+    if precision == "fp16" or (precision == "bf16" and not gloo):
         comms.append(COMM_DTYPES.index(precision))
     orders = (TP_INNER, DP_INNER) if tp > 1 else (TP_INNER,)
     rows = []
     for zero in (0, 1, 2, 3):
         buckets = BUCKETS_MB if zero <= 1 else (BUCKETS_MB[1],)
-        offloads = (0, 1) if zero >= 2 else (0,)
+        offloads = (0, 1) if zero >= 2 and not gloo else (0,)
         rows += itertools.product([zero], buckets, comms, offloads, orders, sp_opts)
     return np.array(rows, dtype=float)
 

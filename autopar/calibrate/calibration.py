@@ -1,0 +1,162 @@
+"""The calibration procedure behind `autopar calibrate`: read traces, optionally fit collectives
+from all-reduce tables, estimate held-out error by group-wise cross-validation or a hold-out
+split, fit on every row, and score other trace files the fit never saw.
+
+Protocol (what the reported figures mean):
+  1. Collectives: with all-reduce tables, the link efficiency of their link kind, latency_scale
+     and collective_latency_s are fitted to them and then held fixed.
+  2. Held-out error: rows are grouped by model (name and dims); with --folds K each group is in
+     exactly one test fold and the coefficients are refitted on the other folds; with --holdout F
+     whole groups holding at least a fraction F of the rows are held out. Traces of one model
+     only are split by run (each run is a different plan) instead. The figures (MAPE, max
+     error, Spearman, worst rows, best-pick ratios) are computed on test rows only.
+  3. The coefficients written to the cluster JSON are fitted on all rows.
+  4. --evaluate files are predicted with those coefficients; nothing in them is fitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopar.calibrate import metrics
+from autopar.calibrate.dataset import Dataset, build_dataset, load_traces
+from autopar.calibrate.fit import FitResult, default_parameters, fit, needed_rows
+from autopar.errors import AutoparError
+
+COLLECTIVE_PARAMS = ("latency_scale", "collective_latency_s")
+
+
+@dataclass
+class CalibrationResult:
+    fit: FitResult
+    cluster: object  # the calibrated Cluster
+    start: object  # Coefficients the fit started from
+    validation: dict  # how the held-out figures were obtained, and the figures
+    evaluations: dict = field(default_factory=dict)  # path -> figures
+    collectives: object = None  # CollectiveFit, when all-reduce tables were given
+    problems: list = field(default_factory=list)  # malformed trace lines (file:line: message)
+    skipped: list = field(default_factory=list)  # records not used (outcome not ok)
+    # per row, for plots: (Dataset, predicted seconds) of the held-out (or fitted) rows and of
+    # each --evaluate file
+    rows: tuple = ()
+    evaluated_rows: dict = field(default_factory=dict)
+
+
+def _row(ds: Dataset, i: int, predicted: float) -> dict:
+    lab = ds.labels[i]
+    return {"source": lab["source"], "model": lab["model"], "gpus": lab["gpus"], "plan": lab["plan"],
+            "measured_s": float(ds.measured[i]), "predicted_s": float(predicted),
+            "error": float(predicted / ds.measured[i] - 1)}
+
+
+def score(ds: Dataset, predicted: np.ndarray, worst: int = 5) -> dict:
+    """MAPE, max error, Spearman, the worst rows and the per-group best-pick ratios."""
+    keys = [ds.group_key(i) for i in range(len(ds))]
+    out = metrics.summary(predicted, ds.measured, keys)
+    out["worst"] = [_row(ds, i, predicted[i]) for i in metrics.worst(predicted, ds.measured, worst)]
+    for g in out["groups"]:
+        g["pick_plan"] = ds.labels[g["pick"]]["plan"]
+        g["best_plan"] = ds.labels[g["best"]]["plan"]
+        g["pick"] = ds.labels[g["pick"]]["source"]
+        g["best"] = ds.labels[g["best"]]["source"]
+    return out
+
+
+def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | None = None, evaluate=(),
+              allreduce=(), params=None, seed: int = 0, progress=None) -> CalibrationResult:
+    """Calibrate `cluster` (preset name, cluster JSON path or Cluster) on trace files."""
+    from autopar.cluster import Cluster, load_cluster
+    from autopar.cost.coefficients import Coefficients
+
+    say = progress or (lambda msg: None)
+    base = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+    if folds is not None and holdout is not None:
+        raise AutoparError("give --folds or --holdout, not both")
+    records, sources, problems = load_traces(traces)
+    if not records:
+        first = "; ".join(map(str, problems[:3])) + ("; ..." if len(problems) > 3 else "")
+        raise AutoparError(f"no readable trace records in {', '.join(map(str, traces))}"
+                           + (f" ({len(problems)} malformed line(s): {first})" if problems else " (empty)"))
+    say(f"{len(records)} trace records; profiling their models")
+    ds = build_dataset(records, base, sources)
+    start = Coefficients.from_dict(base.coefficients)
+
+    collectives, fixed = None, []
+    if allreduce:
+        from autopar.calibrate.collectives import fit_allreduce, read_allreduce_table
+
+        tables = [read_allreduce_table(p) for p in allreduce]
+        collectives = fit_allreduce(tables, base, start)
+        start = Coefficients.from_dict({**start.to_dict(), **collectives.coefficients(),
+                                        "link_efficiency": {**start.link_efficiency,
+                                                            collectives.kind: collectives.efficiency}})
+        fixed = [f"link_efficiency.{collectives.kind}", *COLLECTIVE_PARAMS]
+        say(f"collectives from {len(tables)} all-reduce table(s): {collectives.kind} efficiency "
+            f"{collectives.efficiency:.3f}, per-call latency {collectives.collective_latency_s * 1e6:.1f} us "
+            f"(table MAPE {collectives.mape:.1%})")
+
+    keys = [ds.labels[i]["model"] for i in range(len(ds))]
+    unit = "model"
+    if len(set(keys)) == 1:  # one model: hold out whole runs (each run is a different plan)
+        keys, unit = [ds.labels[i]["source"] for i in range(len(ds))], "run (the traces hold one model)"
+    splits = []
+    if folds or holdout:
+        from autopar.calibrate.folds import group_holdout, group_kfold
+
+        splits = group_kfold(keys, folds, seed) if folds else [group_holdout(keys, holdout, seed)]
+    # as many coefficients as the smallest fit (a training fold, or all rows) supports
+    smallest = min([len(train) for train, _ in splits] + [len(ds)])
+    names = list(params) if params else default_parameters(ds, start, fixed, rows=smallest)
+    if smallest < needed_rows(len(names)):
+        where = "" if smallest == len(ds) else f" ({smallest} in the smallest training fold)"
+        raise AutoparError(f"too few measured rows to calibrate: {len(ds)} usable row(s) (outcome ok){where}, but "
+                           f"fitting {len(names)} coefficients needs at least {needed_rows(len(names))} "
+                           f"(2 per coefficient); collect more traces (autopar traces collect) or fit fewer "
+                           f"coefficients (--params)")
+
+    if splits:
+        predicted = np.full(len(ds), np.nan)
+        per_fold = []
+        for n, (train, test) in enumerate(splits, start=1):
+            say(f"fold {n}/{len(splits)}: fitting {len(names)} coefficients on {len(train)} rows, "
+                f"testing on {len(test)} rows of {len(set(keys[i] for i in test))} held-out {unit.split()[0]}(s)")
+            part = ds.subset(train)
+            if len(part) < needed_rows(len(names)):
+                raise AutoparError(f"too few rows to fit in fold {n}: {len(part)}, need {needed_rows(len(names))}")
+            result = fit(part, start, names)
+            test_ds = ds.subset(test)
+            predicted[test] = test_ds.predict(result.coefficients)
+            per_fold.append({"fold": n, "held_out": sorted(set(keys[i] for i in test)), "rows": int(len(test)),
+                             "mape": metrics.mape(predicted[test], ds.measured[test])})
+        held = np.flatnonzero(~np.isnan(predicted))
+        held_ds = ds.subset(held)
+        validation = {"method": f"{folds}-fold cross-validation by {unit}" if folds else
+                      f"hold-out of {holdout:g} of the rows, by {unit}",
+                      "seed": seed, "folds": per_fold, **score(held_ds, predicted[held])}
+        rows = (held_ds, predicted[held])
+    else:
+        validation = None
+
+    say(f"fitting {len(names)} coefficients on all {len(ds)} rows")
+    final = fit(ds, start, names)
+    if validation is None:
+        rows = (ds, ds.predict(final.coefficients))
+        validation = {"method": "in-sample (no --folds or --holdout: these rows were fitted)", **score(*rows)}
+
+    import dataclasses
+
+    calibrated = dataclasses.replace(base, name=f"{base.name}-calibrated", coefficients=final.coefficients.to_dict())
+    evaluations, evaluated_rows = {}, {}
+    for path in evaluate:
+        recs, srcs, probs = load_traces([path])
+        problems += probs
+        if not recs:
+            raise AutoparError(f"--evaluate {path}: no readable trace records")
+        other = build_dataset(recs, base, srcs)
+        say(f"evaluating {len(other)} rows of {path}")
+        evaluated_rows[str(path)] = (other, other.predict(final.coefficients))
+        evaluations[str(path)] = score(*evaluated_rows[str(path)])
+    return CalibrationResult(final, calibrated, start, validation, evaluations, collectives,
+                             [str(p) for p in problems], ds.skipped, rows, evaluated_rows)

@@ -1,0 +1,215 @@
+"""Trace records as a calibration data set: measured times, and the cost model's predictions for
+any coefficients, computed group by group so that one prediction of every row is a handful of
+vectorised `evaluate` calls.
+
+Rows are grouped by (model profile, cluster size): the cost model's iteration time does not
+depend on the workload's global batch except through each plan's micro-batch count, which the
+plan carries, so one Workload and one PlanArrays serve every plan of a group.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from autopar.errors import AutoparError
+
+
+@dataclass
+class Group:
+    workload: object  # Workload
+    plans: object  # PlanArrays
+    rows: np.ndarray  # indices into the data set's rows
+
+
+@dataclass
+class Dataset:
+    """Measured rows (outcome ok) with what the cost model needs to predict them."""
+
+    measured: np.ndarray  # seconds per iteration
+    groups: list[Group]
+    labels: list[dict]  # per row: model, shape, gpus, nodes, plan text, source
+    base_cluster: object = None  # the Cluster the rows were sized from
+    skipped: list[str] = field(default_factory=list)  # why some records were not used
+
+    def __len__(self) -> int:
+        return len(self.measured)
+
+    def predict(self, coeffs) -> np.ndarray:
+        """Iteration time the cost model predicts for every row with these coefficients."""
+        from autopar.cost import evaluate
+
+        out = np.empty(len(self.measured))
+        for g in self.groups:
+            out[g.rows] = evaluate(g.workload, g.plans, coeffs)["iteration_time"]
+        return out
+
+    def subset(self, index) -> Dataset:
+        """The rows at `index` (indices or a boolean mask), in that order."""
+        index = np.flatnonzero(index) if np.asarray(index).dtype == bool else np.asarray(index, dtype=int)
+        where = np.full(len(self.measured), -1)
+        where[index] = np.arange(len(index))
+        groups = []
+        for g in self.groups:
+            keep = np.flatnonzero(where[g.rows] >= 0)
+            if len(keep):
+                groups.append(Group(g.workload, g.plans.take(keep), where[g.rows[keep]]))
+        return Dataset(self.measured[index], groups, [self.labels[i] for i in index], self.base_cluster)
+
+    def group_key(self, i: int) -> str:
+        """Runs of one model on one cluster size: the unit for 'which plan is best'."""
+        lab = self.labels[i]
+        return f"{lab['model']} on {lab['gpus']} GPUs, batch {lab['global_batch']}"
+
+    def max_block_flops(self) -> float:
+        """The largest forward FLOPs of one pipeline block (a layer: embedding and head excluded) on
+        one GPU for one micro-batch, over all rows."""
+        best = 0.0
+        for g in self.groups:
+            pa = g.plans
+            for b in g.workload.profile.layers:
+                per = b.tp_fwd_flops / pa.tp + (b.fwd_flops - b.tp_fwd_flops)
+                best = max(best, float((pa.mbs * per).max(initial=0.0)))
+        return best
+
+    def max_buckets(self) -> int:
+        """The most gradient buckets any data-parallel row reduces in (an upper estimate:
+        the whole model's gradient over the model-parallel degrees)."""
+        from autopar.cost.arrays import DTYPE_BYTES_BY_CODE
+
+        most = 0
+        for g in self.groups:
+            pa = g.plans
+            dp = pa.dp > 1
+            if dp.any():
+                grads = g.workload.profile.params * DTYPE_BYTES_BY_CODE[pa.comm] / (pa.tp * pa.pp)
+                most = max(most, int(np.ceil(grads / (pa.bucket_mb * 2**20))[dp].max()))
+        return most
+
+    def link_kinds(self) -> set[str]:
+        """Link kinds that some row's tensor-, data- or pipeline-parallel group communicates over."""
+        kinds = set()
+        for g in self.groups:
+            cluster, pa = g.workload.cluster, g.plans
+            strides = {}
+            for i in range(len(pa)):
+                plan = pa.plan(i)
+                strides = plan.strides()
+                for axis, size in (("tp", plan.tp), ("dp", plan.dp)):
+                    if size > 1:
+                        kinds.add(cluster.ring(size, strides[axis]).kind)
+                if plan.pp > 1:
+                    kinds.add(cluster.p2p(strides["pp"]).kind)
+        return kinds
+
+
+def model_label(model: dict) -> str:
+    dims = model.get("dims") or {}
+    if {"hidden", "layers"} <= set(dims):
+        return f"{model.get('name', 'model')} h{dims['hidden']} l{dims['layers']}"
+    return str(model.get("name", "model"))
+
+
+def build_dataset(records, cluster, sources: list[str] | None = None) -> Dataset:
+    """A Dataset of the records with outcome "ok" on `cluster` (a Cluster, or a preset name / cluster
+    JSON path), each sized to its record's nodes and GPUs per node. Profiles are loaded once per
+    model and precision (from the profile cache when warm)."""
+    from autopar.cluster import Cluster, load_cluster
+    from autopar.cost import PlanArrays
+    from autopar.plan import Plan
+    from autopar.profile import profile_model
+    from autopar.traces.vtrain import resolve_model_path
+    from autopar.workload import Workload
+
+    base = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+    profiles: dict[tuple, object] = {}
+    clusters: dict[tuple, object] = {}
+    buckets: dict[tuple, dict] = {}
+    measured, labels, skipped = [], [], []
+    for n, record in enumerate(records):
+        source = sources[n] if sources else f"record {n + 1}"
+        if record.outcome != "ok":
+            skipped.append(f"{source}: outcome {record.outcome}")
+            continue
+        model = record.model
+        path = resolve_model_path(str(model.get("path") or model.get("name")))
+        args = model.get("args")
+        if args is None:
+            raise AutoparError(f"{source}: the record's model has no 'args' (the model arguments it was profiled "
+                               f"with), so its profile cannot be rebuilt")
+        plan = Plan.from_dict(record.plan)
+        key = (path, json.dumps(args, sort_keys=True), plan.precision)
+        if key not in profiles:
+            try:
+                profiles[key] = profile_model(path, args, dtype=plan.precision)
+            except AutoparError as e:
+                raise AutoparError(f"{source}: cannot profile the record's model {path!r}: {e}") from None
+        size = (int(record.cluster.get("nodes", 1)), int(record.cluster.get("gpus_per_node", base.gpus_per_node)))
+        if size not in clusters:
+            clusters[size] = base.with_nodes(*size)
+        batch = int(record.workload["global_batch"])
+        workload = Workload(profiles[key], clusters[size], batch)
+        try:
+            plan.validate(workload)
+        except AutoparError as e:
+            raise AutoparError(f"{source}: {e}") from None
+        bucket = buckets.setdefault(key + size, {"workload": workload, "plans": [], "rows": []})
+        bucket["plans"].append(plan)
+        bucket["rows"].append(len(measured))
+        measured.append(float(record.measured["median_step_s"]))
+        dims = model.get("dims") or {}
+        labels.append({"model": model_label(model), "params": model.get("params"), "gpus": size[0] * size[1],
+                       "nodes": size[0], "global_batch": batch, "plan": plan.describe(), "source": source,
+                       "shape": dims.get("hidden"), "layers": dims.get("layers")})
+    groups = [Group(b["workload"], PlanArrays.from_plans(b["plans"], b["workload"].profile), np.array(b["rows"]))
+              for b in buckets.values()]
+    return Dataset(np.array(measured), groups, labels, base, skipped)
+
+
+def load_traces(paths, strict: bool = False):
+    """(records, per-record source "file:line", problems) of trace files; problems are malformed
+    lines (reported, not fatal: the other lines are used)."""
+    from autopar.traces.record import read_records
+
+    records, sources, problems = [], [], []
+    for path in paths:
+        if not Path(path).is_file():
+            raise AutoparError(f"trace file {path} not found")
+        recs, probs = _read_with_lines(path, read_records)
+        records += [r for r, _ in recs]
+        sources += [f"{path}:{line}" for _, line in recs]
+        problems += probs
+    return records, sources, problems
+
+
+def _read_with_lines(path, read_records):
+    """read_records, plus the line number of each good record (for messages naming rows)."""
+    records, problems = read_records(path)
+    bad = {p.line for p in problems}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [n for n, text in enumerate(f.read().splitlines(), start=1) if text.strip() and n not in bad]
+    if len(lines) != len(records):  # should not happen; fall back to record numbers
+        lines = list(range(1, len(records) + 1))
+    return list(zip(records, lines)), problems
+
+
+def job_mix(paths, cluster) -> list[tuple[object, int]]:
+    """(Workload, runs) for each distinct workload (model profile, cluster size, global batch) the
+    trace files describe: the job mix a policy trained for this cluster should cover (for
+    `autopar train --traces`). `cluster` is usually the calibrated cluster JSON."""
+    from autopar.workload import Workload
+
+    records, sources, _ = load_traces(paths)
+    ds = build_dataset(records, cluster, sources)
+    mix: dict[tuple, list] = {}
+    for g in ds.groups:
+        for i in g.rows:
+            batch = ds.labels[i]["global_batch"]
+            key = (g.workload.profile.digest, g.workload.cluster.nodes, g.workload.cluster.gpus_per_node, batch)
+            if key not in mix:
+                mix[key] = [Workload(g.workload.profile, g.workload.cluster, batch), 0]
+            mix[key][1] += 1
+    return [(w, n) for w, n in mix.values()]

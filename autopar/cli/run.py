@@ -1,0 +1,172 @@
+"""`autopar run`: train a plan for a few steps through torchrun, measure it, record a trace.
+
+Prints the median step time, throughput, peak memory per rank and the loss curve beside the
+cost model's prediction for the same plan, and appends one trace record (`--trace`). A plan
+for another world size is refused before anything starts. The exit status is 0 only when
+the run finished; the trace records oom / timeout / error outcomes too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from autopar.cli.common import parse_model_args
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("run", help="train a plan for a few steps, measure it and record a trace",
+                       description="Launch PLAN on MODEL with torchrun, train on the model's example batch, "
+                                   "and print measured step time, throughput, peak memory and losses beside "
+                                   "the cost model's prediction.")
+    p.add_argument("plan", metavar="plan.json", help="a plan file, as `autopar search -o` writes")
+    p.add_argument("model", metavar="MODEL", help="path to a model.py, or a zoo model name (gpt, llama, ...)")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for build_model/example_batch, e.g. size=tiny (repeatable)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="ranks on this node (default 1)")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (multi-node)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (multi-node)")
+    p.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (multi-node)")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="auto: NCCL when CUDA is available, else gloo")
+    p.add_argument("--trace", metavar="traces.jsonl", help="append the run's trace record here")
+    p.add_argument("--timeout", type=float, metavar="S", help="end the job after S seconds (outcome 'timeout')")
+    p.add_argument("--cluster", metavar="PRESET|FILE.json",
+                   help="the cluster to record and predict for (default: detected from this machine)")
+    p.add_argument("--seed", type=int, default=0, help="initial weights and batch seed (default 0)")
+    p.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--check-parity", action="store_true",
+                   help="also train the model in one process and report the largest relative loss difference")
+    p.set_defaults(func=run)
+
+
+def _spec(args):
+    from autopar.errors import AutoparError
+    from autopar.executor.launch import LaunchSpec
+
+    for flag in ("steps", "nproc_per_node", "nnodes"):
+        if getattr(args, flag) < 1:
+            raise AutoparError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.warmup < 0 or not 0 <= args.node_rank < args.nnodes:
+        raise AutoparError(f"need --warmup >= 0 and 0 <= --node-rank < --nnodes, got {args.warmup}, "
+                           f"{args.node_rank}, {args.nnodes}")
+    if args.timeout is not None and args.timeout <= 0:
+        raise AutoparError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    return LaunchSpec(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
+                      master_addr=args.master_addr, master_port=args.master_port, backend=args.backend,
+                      timeout_s=args.timeout, steps=args.steps, warmup=args.warmup, seed=args.seed,
+                      optimizer=args.optimizer, lr=args.lr, check_parity=args.check_parity)
+
+
+def _cluster(args, spec):
+    from autopar.cluster import detect, load_cluster
+
+    if args.cluster:
+        return load_cluster(args.cluster, nodes=spec.nnodes, gpus_per_node=spec.nproc_per_node)
+    return detect().with_nodes(spec.nnodes, spec.nproc_per_node)
+
+
+def _prediction(model, model_args: dict, plan, cluster) -> tuple[dict | None, dict, str]:
+    """The cost model's figures for this plan on this cluster, the model profile's dims, and a
+    note when there is no prediction (a model the profiler cannot handle, a plan it rejects).
+    The prediction is an aside: whatever goes wrong in it, the run goes ahead."""
+    from autopar.cost import estimate
+    from autopar.profile import profile_model
+    from autopar.workload import Workload
+
+    try:
+        profile = profile_model(model, model_args, dtype=plan.precision)
+        est = estimate(Workload(profile=profile, cluster=cluster, global_batch=plan.global_batch), plan)
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        return None, {}, f"no prediction: {type(e).__name__}: {e}"
+    return {"iteration_time_s": est.iteration_time_s, "peak_memory_gb": est.peak_memory_bytes / 1e9}, \
+        dict(profile.dims), ""
+
+
+def _model_info(model_file, model_args: dict, dims: dict) -> dict:
+    digest = hashlib.sha256(f"{model_file.digest}{json.dumps(model_args, sort_keys=True)}".encode()).hexdigest()
+    params = sum(p.numel() for p in model_file.build(**model_args).parameters())  # meta: free
+    return {"name": model_file.name, "path": str(model_file.path), "digest": digest, "args": model_args,
+            "dims": dims, "params": params}
+
+
+def _record(plan, spec, cluster, model, predicted, launched):
+    from autopar.executor.mesh import resolve_backend
+    from autopar.traces import TraceRecord, current_versions
+
+    result = launched.result or {}
+    backend = result.get("backend", resolve_backend(spec.backend))
+    gpu = result.get("device", cluster.gpu.name)
+    return TraceRecord(
+        cluster={"name": cluster.name, "nodes": spec.nnodes, "gpus_per_node": spec.nproc_per_node, "gpu": gpu,
+                 "backend": backend},
+        model=model, workload={"global_batch": plan.global_batch,
+                               "seq_len": result.get("seq_len", model["dims"].get("seq_len"))},
+        plan=plan.to_dict(), outcome=launched.outcome, measured=result.get("measured", {}),
+        predicted=predicted, error=launched.error, versions=current_versions(backend))
+
+
+def _show(console, record, launched, note: str) -> None:
+    from rich.table import Table
+
+    m, pred = record.measured, record.predicted
+    title = f"autopar run: {launched.outcome} in {launched.wall_s:.1f} s"
+    if m:
+        table = Table(title=title, title_justify="left")
+        table.add_column("")
+        table.add_column("measured", justify="right")
+        table.add_column("predicted", justify="right")
+        tokens = record.workload["global_batch"] * record.workload["seq_len"]
+        unit = "tokens/s" if record.workload["seq_len"] > 1 else "samples/s"
+        table.add_row("median step", f"{m['median_step_s'] * 1e3:,.1f} ms",
+                      f"{pred['iteration_time_s'] * 1e3:,.1f} ms" if pred else "-")
+        table.add_row(f"throughput ({unit})", f"{m['tokens_per_s']:,.0f}",
+                      f"{tokens / pred['iteration_time_s']:,.0f}" if pred else "-")
+        table.add_row("peak memory (max rank)", f"{max(m['peak_memory_bytes']) / 1e9:.3f} GB",
+                      f"{pred['peak_memory_gb']:.3f} GB" if pred else "-")
+        table.add_row("peak memory per rank", " ".join(f"{b / 1e9:.2f}" for b in m["peak_memory_bytes"]) + " GB", "")
+        table.add_row("loss per step", " ".join(f"{x:.4f}" for x in m["losses"]), "")
+        if "parity_max_rel_diff" in m:
+            table.add_row("parity vs 1 process", f"max rel. diff {m['parity_max_rel_diff']:.1e}", "")
+        console.print(table)
+    else:
+        console.print(title, style="bold")
+    if note:
+        console.print(note, style="yellow", markup=False)
+    if launched.error:
+        console.print(launched.error, style="red", markup=False, highlight=False)
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from autopar.executor.data_parallel import check_backend
+    from autopar.executor.launch import check_world_size, launch
+    from autopar.executor.mesh import resolve_backend
+    from autopar.modelfile import load_model_file
+    from autopar.plan import Plan
+    from autopar.traces import append_record
+
+    plan = Plan.load(args.plan)
+    spec = _spec(args)
+    check_world_size(plan, spec)
+    check_backend(plan, resolve_backend(spec.backend))
+    model_args = parse_model_args(args.model_arg, None)
+    model_file = load_model_file(args.model)
+    console = Console()
+    cluster = _cluster(args, spec)
+    predicted, dims, note = _prediction(args.model, model_args, plan, cluster)
+    model = _model_info(model_file, model_args, dims)
+    launched = launch(args.plan, args.model, model_args, spec)
+    if args.node_rank != 0:  # rank 0, its measurement and the trace live on node 0
+        console.print(f"node {args.node_rank}: {launched.outcome}" + (f": {launched.error}" if launched.error else ""))
+        return 0 if launched.outcome == "ok" else 1
+    record = _record(plan, spec, cluster, model, predicted, launched)
+    if args.trace:
+        append_record(args.trace, record)
+    _show(console, record, launched, note)
+    return 0 if launched.outcome == "ok" else 1

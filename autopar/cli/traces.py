@@ -1,0 +1,150 @@
+"""`autopar traces`: import public measurement sets as traces, summarise a trace file, and
+collect traces by running plans with the executor."""
+
+from __future__ import annotations
+
+from autopar.cli.common import DEFAULT_CLUSTER, print_json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("traces", help="import, inspect and collect traces (measured runs)",
+                       description="Traces are JSON Lines files with one measured run per line (schema: "
+                                   "autopar/traces/record.py). They are what `autopar calibrate` fits.")
+    tsub = p.add_subparsers(dest="traces_command", metavar="ACTION", required=True)
+
+    imp = tsub.add_parser("import", help="convert a public measurement set into a trace file",
+                          description="Convert a measurement set into trace records.")
+    isub = imp.add_subparsers(dest="format", metavar="FORMAT", required=True)
+    vt = isub.add_parser("vtrain", help="vTrain's ground-truth CSV (GPT on A100, Megatron-DeepSpeed)",
+                         description="Import vTrain's ground_truth_single.csv / ground_truth_multi.csv "
+                                     "(Bang et al., MICRO 2024): each row becomes a trace record with the "
+                                     "Megatron-DeepSpeed configuration as a plan (full activation recompute, "
+                                     "1F1B, fp16, no ZeRO, no gradient bucketing), on CLUSTER sized to the "
+                                     "row's GPU count (8 GPUs per node). vTrain's own simulator: MAPE 8.37% "
+                                     "single-node, 14.73% multi-node.")
+    vt.add_argument("csv", metavar="FILE.csv", help="a vTrain ground-truth CSV")
+    vt.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="PRESET|FILE.json",
+                    help=f"the cluster the runs were on (default {DEFAULT_CLUSTER})")
+    vt.add_argument("-o", "--output", required=True, metavar="traces.jsonl", help="trace file to write")
+    vt.add_argument("--vocab", type=int, default=51200,
+                    help="vocabulary size (default 51200: GPT-2's 50257 padded as Megatron pads it at tp = 8)")
+    vt.add_argument("--precision", choices=("fp16", "bf16"), default="fp16", help="training precision (default fp16)")
+    vt.add_argument("--no-predict", action="store_true",
+                    help="do not store the cost model's prediction in each record")
+    vt.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
+    vt.set_defaults(func=run_import_vtrain)
+
+    col = tsub.add_parser("collect", help="run K plans of a model with the executor and append their traces",
+                          description="Pick K plans of MODEL (the cost model's best for each process count, then "
+                                      "distinct structures at random), run each for a few steps through "
+                                      "`autopar run` (torchrun; gloo on CPU, NCCL on GPUs) and append every "
+                                      "record, failures included, to the trace file.")
+    col.add_argument("model", metavar="MODEL", help="path to a model.py, or a zoo model name (gpt, llama, ...)")
+    col.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                     help="keyword argument for build_model/example_batch (repeatable)")
+    col.add_argument("--plans", type=int, required=True, metavar="K", help="number of plans to run")
+    col.add_argument("--global-batch", type=int, default=16, metavar="B", help="samples per step (default 16)")
+    col.add_argument("--nproc", default="2,4", metavar="N,...",
+                     help="process counts to spread the plans over (default 2,4)")
+    col.add_argument("--cluster", metavar="PRESET|FILE.json",
+                     help="cluster the plans are chosen for (default: the cpu preset on gloo, else detected)")
+    col.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                     help="training precision (default fp32)")
+    col.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
+    col.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    col.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    col.add_argument("--timeout", type=float, default=300.0, metavar="S", help="per run (default 300 s)")
+    col.add_argument("--seed", type=int, default=0, help="plan sampling seed (default 0)")
+    col.add_argument("-o", "--output", required=True, metavar="traces.jsonl", help="trace file to append to")
+    col.add_argument("--json", action="store_true", help="print the runs as JSON")
+    col.set_defaults(func=run_collect)
+
+    show = tsub.add_parser("show", help="summarise a trace file",
+                           description="Records by outcome, cluster and model; measured step times; the "
+                                       "stored predictions' error; malformed lines with their line numbers.")
+    show.add_argument("file", metavar="FILE", help="a trace file (.jsonl)")
+    show.add_argument("--json", action="store_true", help="print one JSON object")
+    show.set_defaults(func=run_show)
+
+
+def run_import_vtrain(args) -> int:
+    from rich.console import Console
+
+    from autopar.errors import AutoparError
+    from autopar.traces.vtrain import import_vtrain, write_records
+
+    if args.vocab < 1:
+        raise AutoparError(f"--vocab must be positive, got {args.vocab}")
+    console = Console(stderr=True)
+    with console.status("importing (one profile per model shape)"):
+        records = import_vtrain(args.csv, args.cluster, vocab=args.vocab, precision=args.precision,
+                                predict=not args.no_predict)
+    write_records(args.output, records)
+    shapes = sorted({(r.model["args"]["hidden"], r.model["args"]["layers"]) for r in records})
+    sizes = sorted({(r.cluster["nodes"], r.cluster["gpus_per_node"]) for r in records})
+    errors = [abs(r.predicted["iteration_time_s"] / r.measured["median_step_s"] - 1) for r in records if r.predicted]
+    summary = {"input": args.csv, "output": args.output, "records": len(records), "model_shapes": len(shapes),
+               "cluster_sizes": [f"{n}x{g}" for n, g in sizes],
+               "uncalibrated_mape": sum(errors) / len(errors) if errors else None}
+    if args.json:
+        print_json(summary)
+        return 0
+    out = Console()
+    out.print(f"wrote {len(records)} records to {args.output}: {len(shapes)} model shape(s) on "
+              f"{', '.join(summary['cluster_sizes'])} (nodes x GPUs per node) of {args.cluster}")
+    if errors:
+        out.print(f"cost model with {args.cluster}'s coefficients (not calibrated): "
+                  f"MAPE {summary['uncalibrated_mape']:.1%}")
+    return 0
+
+
+def run_show(args) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from autopar.errors import AutoparError
+    from autopar.traces.summary import print_summary, summarize
+
+    if not Path(args.file).is_file():
+        raise AutoparError(f"trace file {args.file} not found")
+    summary = summarize(args.file)
+    if args.json:
+        print_json(summary)
+    else:
+        print_summary(summary, Console())
+    return 0
+
+
+def run_collect(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from autopar.cli.common import parse_model_args
+    from autopar.errors import AutoparError
+    from autopar.traces.collect import collect
+
+    try:
+        nprocs = [int(n) for n in args.nproc.split(",") if n.strip()]
+    except ValueError:
+        raise AutoparError(f"--nproc expects process counts like 2,4; got {args.nproc!r}") from None
+    for flag in ("plans", "global_batch", "steps"):
+        if getattr(args, flag) < 1:
+            raise AutoparError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    err = Console(stderr=True)
+    runs = collect(args.model, parse_model_args(args.model_arg, None), args.global_batch, args.plans, nprocs,
+                   cluster=args.cluster, precision=args.precision, output=args.output, steps=args.steps,
+                   warmup=args.warmup, seed=args.seed, timeout_s=args.timeout, backend=args.backend,
+                   progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    if args.json:
+        print_json({"output": args.output, "runs": runs})
+        return 0
+    table = Table(title=f"appended {len(runs)} run(s) to {args.output}")
+    for col in ("ranks", "plan", "outcome", "measured (ms)", "predicted (ms)"):
+        table.add_column(col)
+    for r in runs:
+        table.add_row(str(r["ranks"]), r["plan"], r["outcome"],
+                      f"{r['measured_s'] * 1e3:.1f}" if r["measured_s"] else "-",
+                      f"{r['predicted_s'] * 1e3:.1f}" if r["predicted_s"] else "-")
+    Console().print(table)
+    return 0

@@ -1,0 +1,29 @@
+"""The executor: applies a Plan with PyTorch's own distributed stack (DESIGN §8).
+
+Public API (imported lazily, so `import autopar.executor` costs nothing until used):
+
+* `apply(plan, build_model, optimizer, loss_fn, *, tp_plan, blocks, seed)` -> `ParallelModel`
+  with `train_step(inputs, targets)`, `local_batch(...)`, `global_losses(...)`;
+* `make_loader(dataset, plan, topo)`: a DistributedSampler loader of this rank's batches;
+* `save_checkpoint(par, path, step)` / `load_checkpoint(par, path)`: DCP checkpoints that
+  resume under another plan;
+* `autopar.executor.launch.launch(plan_path, model, model_args, LaunchSpec(...))`: torchrun a
+  plan's workers (what `autopar run` does);
+* `MeasuredReward`: the measured reward backend of the RL environment.
+"""
+
+from importlib import import_module
+
+_EXPORTS = {
+    "apply": "train_step", "ParallelModel": "train_step", "make_loader": "data",
+    "save_checkpoint": "state", "load_checkpoint": "state", "MeasuredReward": "reward",
+    "reference_losses": "parity",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'autopar.executor' has no attribute {name!r}")
+    return getattr(import_module(f"autopar.executor.{_EXPORTS[name]}"), name)

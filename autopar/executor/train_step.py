@@ -1,0 +1,229 @@
+"""`apply`: a plan applied to a model, and the train step that hides micro-batching and the
+pipeline schedule.
+
+The order is torchtitan's: mesh, pipeline cut, tensor parallel, activation checkpointing, data
+parallel (DDP / ZeRO-1 / FSDP2), optimizer. Every rank builds the whole model from the same
+seed and keeps its part, so any plan starts from the same weights as a single-process run
+and its losses can be compared with one (DESIGN §8).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from autopar.errors import PlanError
+from autopar.executor.checkpointing import apply_ac
+from autopar.executor.data import local_share
+from autopar.executor.data_parallel import apply_dp, build_optimizer, check_backend, localised_tp_leaves
+from autopar.executor.mesh import Topology, build_mesh, init_distributed
+from autopar.executor.pipeline import blocks_name, build_schedule, cut_stages, rank_view, stage_ids
+from autopar.executor.precision import autocast, grad_scaler
+from autopar.executor.tensor_parallel import apply_tp
+from autopar.modelfile import materialize, resolve_tp_plan
+from autopar.plan import Plan
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _default_blocks(model: nn.Module) -> nn.ModuleList | None:
+    """`model.layers` (torchtitan layout), else the longest ModuleList, as the model.py contract says."""
+    if isinstance(getattr(model, "layers", None), nn.ModuleList):
+        return model.layers
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=len, default=None)
+
+
+def _real_blocks(container: nn.ModuleList | None) -> list[tuple[nn.ModuleList, int]]:
+    """(container, index) of the blocks a stage really runs (not another stage's placeholder)."""
+    if container is None:
+        return []
+    return [(container, i) for i, b in enumerate(container) if not isinstance(b, nn.Identity)]
+
+
+def _split(tensors: tuple, n: int) -> list[tuple]:
+    return list(zip(*(t.tensor_split(n) for t in tensors)))
+
+
+@dataclass
+class ParallelModel:
+    """A model trained under a plan on this rank.
+
+    `model` holds this rank's parameters under the whole model's names (for the optimizer,
+    checkpoints and inspection); `parts` are the modules that run (one per pipeline chunk,
+    wrapped for data parallelism). With DDP and tensor parallelism together, DDP keeps the TP
+    parameters as DTensor attributes between steps; the optimizer's param_groups always hold
+    the parameters themselves (`tp_leaves`).
+    """
+
+    plan: Plan
+    topo: Topology
+    model: nn.Module
+    parts: list[nn.Module]
+    optimizer: torch.optim.Optimizer
+    loss_fn: LossFn
+    schedule: object | None = None
+    scaler: object | None = None
+    has_first_stage: bool = True
+    has_last_stage: bool = True
+    tp_leaves: list = field(default_factory=list)  # DDP + TP: see data_parallel.localised_tp_leaves
+
+    @property
+    def device(self) -> torch.device:
+        return self.topo.device
+
+    def local_batch(self, inputs, targets):
+        """This rank's share of a global batch, on this rank's device."""
+        share = local_share((tuple(inputs), targets), self.plan, self.topo.rank("dp"))
+        return tuple(t.to(self.device) for t in share[0]), _to(share[1], self.device)
+
+    def train_step(self, inputs: Sequence[torch.Tensor] | torch.Tensor, targets) -> torch.Tensor | None:
+        """One optimizer step on this rank's local batch (micro_batch_size x num_micro_batches samples).
+
+        Returns the mean loss over the local batch (detached), or None on a pipeline rank that
+        does not hold the last stage; `global_losses` turns these into global-batch losses.
+        """
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._pipeline_step(inputs, targets) if self.schedule is not None else self._plain_step(inputs, targets)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return loss
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def _plain_step(self, inputs, targets) -> torch.Tensor:
+        (model,) = self.parts
+        n = self.plan.num_micro_batches
+        micro_targets = _split(_as_tuple(targets), n)
+        if isinstance(targets, torch.Tensor):
+            micro_targets = [t for (t,) in micro_targets]
+        total = torch.zeros((), device=self.device)
+        for i, (micro, target) in enumerate(zip(_split(inputs, n), micro_targets)):
+            # DDP reduces gradients only after the last micro-batch
+            sync = contextlib.nullcontext()
+            if i < n - 1 and isinstance(model, DistributedDataParallel):
+                sync = model.no_sync()
+            with sync:
+                with autocast(self.plan, self.device):
+                    loss = self.loss_fn(model(*micro), target) / n
+                self._scaled(loss).backward()
+            total += loss.detach()
+        return total
+
+    def _pipeline_step(self, inputs, targets) -> torch.Tensor | None:
+        losses = [] if self.has_last_stage else None
+        args = inputs if self.has_first_stage else ()
+        target = targets if self.has_last_stage else None
+        with autocast(self.plan, self.device):
+            self.schedule.step(*args, target=target, losses=losses)
+        if losses is None:
+            return None
+        scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+        return torch.stack([l.detach().float() for l in losses]).mean() / scale
+
+    def global_losses(self, losses: Sequence[torch.Tensor | None]) -> list[float]:
+        """Global-batch mean losses of steps, from every rank's `train_step` results (a collective:
+        call it on every rank). Averages over dp; the last pipeline stage supplies the value."""
+        local = torch.stack([l.float().reshape(()) if l is not None else torch.zeros(())
+                             for l in losses]) if losses else torch.zeros(0)
+        if not self.has_last_stage:
+            local = torch.zeros_like(local)
+        local = local.to(self.device)
+        dist.all_reduce(local)  # every tp rank of the last stage holds the same value
+        return (local / (self.plan.dp * self.plan.tp)).tolist()
+
+
+def _as_tuple(targets) -> tuple:
+    return tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
+
+
+def _to(targets, device):
+    if isinstance(targets, torch.Tensor):
+        return targets.to(device)
+    return type(targets)(t.to(device) for t in targets)
+
+
+def build_full_model(build_model: Callable[[], nn.Module], seed: int) -> nn.Module:
+    """The whole model on the CPU with the weights `seed` gives: the same on every rank and in the
+    single-process reference."""
+    torch.manual_seed(seed)
+    model = build_model()
+    if any(p.is_meta for p in model.parameters()):
+        materialize(model, "cpu")
+    return model
+
+
+def apply(plan: Plan, build_model: Callable[[], nn.Module],
+          optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], loss_fn: LossFn, *,
+          tp_plan: dict[str, str] | Callable[[nn.Module], dict[str, str]] | None = None,
+          blocks: Callable[[nn.Module], nn.ModuleList] | None = None, seed: int = 0,
+          backend: str = "auto", timeout_s: float | None = None) -> ParallelModel:
+    """Apply `plan` on this rank (launched by torchrun, or alone for a one-rank plan).
+
+    build_model: returns the whole model, on the meta device (then initialised with its
+        `init_weights()` / `reset_parameters()`) or on the CPU. Called after seeding, on every rank.
+    optimizer: makes the optimizer from a list of parameters, e.g.
+        `lambda params: torch.optim.AdamW(params, lr=3e-4)`.
+    loss_fn: `loss_fn(output, target)`, a mean over the micro-batch.
+    tp_plan: {module name (with * wildcards): style}, or a function of the model giving it;
+        needed when plan.tp > 1 (styles: `autopar.modelfile.TP_STYLES`).
+    blocks: returns the repeated blocks (nn.ModuleList) to pipeline and checkpoint;
+        default `model.layers`, else the longest ModuleList.
+    seed: the initial weights (the same on every rank and in `parity.reference_losses`).
+    backend: "auto" (NCCL with CUDA, else gloo), "nccl" or "gloo", when the process group is
+        not initialised yet; timeout_s: its collective timeout.
+    """
+    device = init_distributed(backend, timeout_s)
+    topo = build_mesh(plan, device)
+    check_backend(plan, dist.get_backend())
+    model = build_full_model(build_model, seed)
+    find_blocks = blocks or _default_blocks
+    block_list = find_blocks(model)
+    tp_map = {}
+    if plan.tp > 1:
+        if tp_plan is None:
+            raise PlanError(f"the plan has tp={plan.tp} but no tp_plan was given for the model; pass "
+                            f"tp_plan=... or use a plan with tp=1")
+        tp_map = resolve_tp_plan(model, tp_plan(model) if callable(tp_plan) else tp_plan)
+        if not tp_map:
+            raise PlanError(f"the plan has tp={plan.tp} but the model's tp_plan is empty; use a plan with tp=1")
+    pp_rank = topo.rank("pp")
+    if plan.pp > 1:
+        if block_list is None:
+            raise PlanError("pipeline parallelism needs the model's repeated blocks (an nn.ModuleList); use pp=1")
+        name = blocks_name(model, block_list)
+        inner = cut_stages(model, block_list, plan, pp_rank)
+        containers = [getattr(part, name) for part in inner]
+    else:
+        inner, containers = [model], [block_list]
+    del model
+    torch.manual_seed(seed + 1 + pp_rank + plan.pp * topo.rank("dp"))  # dropout: same on tp peers
+    for part, container in zip(inner, containers):
+        part.to(device)
+        if plan.tp > 1:
+            apply_tp(part, topo.mesh["tp"], tp_map, container, plan.sequence_parallel)
+    apply_ac([held for container in containers for held in _real_blocks(container)], plan)
+    parts = [apply_dp(part, [c[i] for c, i in _real_blocks(container)], plan, topo)
+             for part, container in zip(inner, containers)]
+    view = rank_view(inner, name) if plan.pp > 1 else inner[0]
+    opt = build_optimizer(list(view.parameters()), optimizer, plan, topo)
+    scaler = grad_scaler(plan, device)
+    result = ParallelModel(plan, topo, view, parts, opt, loss_fn, scaler=scaler, tp_leaves=localised_tp_leaves(view))
+    if plan.pp > 1:
+        ids = stage_ids(plan, pp_rank)
+        result.has_first_stage = 0 in ids
+        result.has_last_stage = plan.stages - 1 in ids
+        result.schedule = build_schedule(parts, plan, pp_rank, device, topo.group("pp"),
+                                         lambda out, tgt: result._scaled(loss_fn(out, tgt)))
+    return result

@@ -1,0 +1,123 @@
+"""One rank of `autopar run`: torchrun starts `python -m autopar.executor.worker` per rank.
+
+The worker applies the plan, trains warm-up + timed steps on the model's example batch, and
+rank 0 writes the measurement (every rank's step times and peak memory, the global-batch
+losses) as JSON for the launcher. Errors propagate: `record` writes them to torchrun's error
+file, so the launcher can show the failing rank's message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+from functools import partial
+
+OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}  # --optimizer: torch.optim class
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m autopar.executor.worker")
+    p.add_argument("--plan", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--model-args", default="{}", help="JSON object of model arguments")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--timeout", type=float, default=None, help="process-group timeout in seconds")
+    p.add_argument("--check-parity", action="store_true")
+    p.add_argument("--result", required=True, help="where rank 0 writes the measurement JSON")
+    return p.parse_args(argv)
+
+
+LAUNCHER_PID = "AUTOPAR_LAUNCHER_PID"  # set by `launch` for its workers
+
+
+def _die_with_launcher() -> None:
+    """An orphaned rank must not keep training (and holding a GPU) once its launcher is killed:
+    the kernel signals it when its parent dies, and a launcher gone already means exit now."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(os.environ.get(LAUNCHER_PID, os.getppid())):
+        sys.exit("autopar worker: the launcher is gone")
+
+
+def failure_note(result_path, rank) -> str:
+    """Where a failing rank notes its error and when it happened, next to the result file."""
+    return f"{result_path}.rank{rank}.failure"
+
+
+def main(argv=None) -> None:
+    """Bind to the launcher first, then import torch (seconds) and train. `record` writes an
+    uncaught error to torchrun's error file; the failure note adds a precise time, so the
+    launcher can tell the rank that failed first from peers that failed because of it (error
+    files carry whole seconds only)."""
+    _die_with_launcher()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    args = parse_args(argv)
+    try:
+        record(_train)(args)
+    except Exception as e:
+        with open(failure_note(args.result, os.environ.get("RANK", "0")), "w", encoding="utf-8") as f:
+            json.dump({"time": time.time(), "message": f"{type(e).__name__}: {e}"}, f)
+        raise
+
+
+def _train(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from autopar.executor.measure import peak_memory_bytes, summarize, synchronize, tokens_per_sample
+    from autopar.executor.parity import max_relative_difference, reference_losses
+    from autopar.executor.train_step import apply
+    from autopar.modelfile import load_model_file
+    from autopar.plan import Plan
+
+    plan = Plan.load(args.plan)
+    model_file = load_model_file(args.model)
+    model_args = json.loads(args.model_args)
+    build = partial(model_file.build, **model_args)
+    optimizer = partial(getattr(torch.optim, OPTIMIZERS[args.optimizer]), lr=args.lr)
+    par = apply(plan, build, optimizer, model_file.loss_fn,
+                tp_plan=model_file.tp_plan if model_file.has_tp_plan else None, blocks=model_file.blocks,
+                seed=args.seed, backend=args.backend, timeout_s=args.timeout)
+    torch.manual_seed(args.seed)
+    inputs, targets = model_file.example_batch(plan.global_batch, device="cpu", **model_args)
+    local_inputs, local_targets = par.local_batch(inputs, targets)
+    times, losses = [], []
+    for _ in range(args.warmup + args.steps):
+        synchronize(par.device)
+        start = time.perf_counter()
+        losses.append(par.train_step(local_inputs, local_targets))
+        synchronize(par.device)
+        times.append(time.perf_counter() - start)
+    global_losses = par.global_losses(losses)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (times[args.warmup:], peak_memory_bytes(par.device)))
+    if dist.get_rank() == 0:
+        measured = summarize([t for t, _ in gathered], [m for _, m in gathered], plan.global_batch,
+                             tokens_per_sample(inputs))
+        measured["losses"] = global_losses
+        if args.check_parity:
+            batches = [(inputs, targets)] * len(global_losses)
+            reference = reference_losses(build, optimizer, model_file.loss_fn, batches, seed=args.seed)
+            measured["parity_max_rel_diff"] = max_relative_difference(global_losses, reference)
+        result = {"measured": measured, "seq_len": tokens_per_sample(inputs), "backend": dist.get_backend(),
+                  "device": torch.cuda.get_device_name(par.device) if par.device.type == "cuda" else "cpu"}
+        with open(args.result, "w", encoding="utf-8") as f:
+            json.dump(result, f)
+    dist.barrier()  # no rank closes its connections while a peer still uses them
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

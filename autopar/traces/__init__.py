@@ -1,0 +1,14 @@
+"""Traces of measured runs (JSON Lines) and the tools that read them."""
+
+from autopar.traces.record import (
+    OUTCOMES,
+    TRACE_SCHEMA_VERSION,
+    TraceProblem,
+    TraceRecord,
+    append_record,
+    current_versions,
+    read_records,
+)
+
+__all__ = ["OUTCOMES", "TRACE_SCHEMA_VERSION", "TraceProblem", "TraceRecord", "append_record",
+           "current_versions", "read_records"]

@@ -1,0 +1,104 @@
+"""Collect traces: run a spread of plans of one model with the executor and append their records.
+
+For calibration the plans should differ in what the cost model has to get right (degrees,
+micro-batch size, recompute, ZeRO stage), and the set should include what the planner would pick,
+so that "does the calibrated planner pick the measured best?" has an answer. `choose_plans`
+takes the cost model's best plan for each process count, then a seeded random sample of plans
+with distinct structure (dp, tp, pp, micro-batch, recompute mode, ZeRO stage) among those that fit
+and that the backend can run. Each plan runs through `autopar run` in a child process (the
+executor's measured-reward backend), so a failing plan costs its own run only; every run,
+failures included, is appended to the trace file.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.errors import AutoparError
+from autopar.plan import RECOMPUTE_MODES
+
+STRUCTURE = ("dp", "tp", "pp", "mbs", "recompute", "zero")
+
+
+def choose_plans(workload, k: int, seed: int = 0, backend: str = "gloo") -> list:
+    """Up to k plans of the workload: the cost model's best first, then distinct structures at
+    random (seeded). Plans that do not fit, offload the optimizer, interleave, or reduce gradients
+    in a dtype the backend lacks are left out; full recompute checkpoints every block."""
+    from autopar.executor.data_parallel import check_backend
+    from autopar.search.exhaustive import ExhaustivePlanner
+    from autopar.search.space import enumerate_plans
+
+    space = enumerate_plans(workload)
+    if len(space) == 0:
+        raise AutoparError(f"no plan for global batch {workload.global_batch} on {workload.world_size} ranks")
+    from autopar.cost import evaluate
+
+    res = evaluate(workload, space)
+    full = RECOMPUTE_MODES.index("full")
+    all_blocks = space.recompute_blocks == np.array([space.splits.entries[i]["layers"].max() for i in space.split])
+    keep = (res["fits"] & ~space.offload & (space.v == 1) & ((space.recompute != full) | all_blocks)
+            & (space.bucket_mb == 25.0))
+    index = np.flatnonzero(keep)
+    if len(index) == 0:
+        raise AutoparError(f"no plan of {workload.profile.name} fits {workload.world_size} ranks of "
+                           f"{workload.cluster.name}")
+    chosen, seen = [], set()
+
+    def add(i) -> None:
+        plan = space.plan(int(i))
+        key = tuple(int(getattr(space, f)[i]) for f in STRUCTURE)
+        if key in seen:
+            return
+        try:
+            check_backend(plan, backend)
+        except AutoparError:
+            return
+        seen.add(key)
+        chosen.append(plan)
+
+    best = ExhaustivePlanner().propose(workload, 1)[0]
+    chosen.append(best)
+    seen.add((best.dp, best.tp, best.pp, best.micro_batch_size, RECOMPUTE_MODES.index(best.recompute), best.zero))
+    for i in np.random.default_rng(seed).permutation(index):
+        if len(chosen) >= k:
+            break
+        add(i)
+    return chosen
+
+
+def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4), *, cluster=None,
+            precision: str = "fp32", output, steps: int = 5, warmup: int = 2, seed: int = 0,
+            timeout_s: float = 300.0, backend: str = "auto", progress=None) -> list[dict]:
+    """Run `plans` plans spread over the process counts, append every record to `output`, and
+    return one summary per run (plan, outcome, measured and predicted step time)."""
+    from autopar.cluster import detect, load_cluster
+    from autopar.executor.mesh import resolve_backend
+    from autopar.executor.reward import MeasuredReward
+    from autopar.profile import profile_model
+    from autopar.workload import Workload
+
+    say = progress or (lambda msg: None)
+    nprocs = sorted(set(int(n) for n in nprocs))
+    if plans < 1 or not nprocs or nprocs[0] < 1:
+        raise AutoparError(f"need --plans >= 1 and process counts >= 1, got {plans} and {nprocs}")
+    backend = resolve_backend(backend)
+    profile = profile_model(model, model_args, dtype=precision)
+    base = load_cluster(cluster) if cluster else (load_cluster("cpu") if backend == "gloo" else detect())
+    share = [plans // len(nprocs) + (1 if i < plans % len(nprocs) else 0) for i in range(len(nprocs))]
+    runs = []
+    for n, k in zip(nprocs, share):
+        if k == 0:
+            continue
+        workload = Workload(profile, base.with_nodes(1, n), global_batch)
+        chosen = choose_plans(workload, k, seed, backend)
+        reward = MeasuredReward(model, model_args, steps=steps, warmup=warmup, nproc=n, timeout_s=timeout_s,
+                                backend=backend, trace_path=output)
+        for j, plan in enumerate(chosen, start=1):
+            say(f"{n} ranks, plan {j}/{len(chosen)}: {plan.describe()}")
+            out = reward(plan)
+            record = out["record"] or {}
+            measured = (record.get("measured") or {}).get("median_step_s")
+            predicted = (record.get("predicted") or {}).get("iteration_time_s")
+            runs.append({"ranks": n, "plan": plan.describe(), "outcome": record.get("outcome", "launcher died"),
+                         "measured_s": measured, "predicted_s": predicted, "error": record.get("error")})
+    return runs

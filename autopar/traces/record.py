@@ -1,0 +1,164 @@
+"""Trace records: one JSON line per measured run, the raw material of calibration.
+
+A trace file is JSON Lines, one object per line, appended by `autopar run` and the measured
+reward backend. Schema version 1, every key always present:
+
+    schema_version  int     TRACE_SCHEMA_VERSION; readers refuse other versions
+    time            str     ISO 8601 UTC time the run ended, e.g. "2025-01-31T12:00:00+00:00"
+    cluster         object  name, nodes, gpus_per_node, gpu (device name, "cpu" on CPU), backend
+    model           object  name, path, digest (sha256 of model.py and its args), dims (hidden,
+                            heads, layers, vocab, ... as known), params (parameter count)
+    workload        object  global_batch (samples per step), seq_len (tokens per sample, 1 when
+                            the model has no sequence axis)
+    plan            object  Plan.to_dict(), the plan's own versioned JSON
+    measured        object  step_times_s (seconds of each timed step, after warm-up),
+                            median_step_s, tokens_per_s (samples/s when seq_len is 1),
+                            peak_memory_bytes (one entry per rank: CUDA max_memory_allocated, or
+                            the process RSS high-water mark on CPU), losses (global-batch mean
+                            loss of every step, warm-up included); empty when no step finished
+    predicted       object|null  the cost model's iteration_time_s and peak_memory_gb for the
+                            same workload and plan, when it was available
+    outcome         str     "ok", "oom" (out of device memory), "timeout", or "error"
+    error           str|null  the failure message, null when outcome is "ok"
+    versions        object  autopar, torch, python, backend
+
+Appends are atomic: each record is written with a single `os.write` on a descriptor opened with
+O_APPEND and held under an exclusive `flock`, so concurrent writers never interleave and a
+killed writer leaves either the whole line or nothing. `read_records` reports each malformed
+line with its line number and still returns the good ones, so one bad line never costs a
+calibration run its data.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass, field, fields
+from datetime import UTC, datetime
+from importlib import metadata
+from typing import Any
+
+from autopar.errors import AutoparError
+
+TRACE_SCHEMA_VERSION = 1
+OUTCOMES = ("ok", "oom", "timeout", "error")
+
+
+def _package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def current_versions(backend: str = "") -> dict[str, str]:
+    """Software versions of this process, stamped on every record."""
+    return {"autopar": _package_version("autopar"), "torch": _package_version("torch"),
+            "python": platform.python_version(), "backend": backend}
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+@dataclass
+class TraceRecord:
+    """One measured run. See the module docstring for the meaning of each field."""
+
+    cluster: dict[str, Any]
+    model: dict[str, Any]
+    workload: dict[str, Any]
+    plan: dict[str, Any]
+    outcome: str
+    measured: dict[str, Any] = field(default_factory=dict)
+    predicted: dict[str, Any] | None = None
+    error: str | None = None
+    versions: dict[str, str] = field(default_factory=current_versions)
+    time: str = field(default_factory=_now)
+    schema_version: int = TRACE_SCHEMA_VERSION
+
+    def __post_init__(self):
+        if self.outcome not in OUTCOMES:
+            raise AutoparError(f"trace outcome must be one of {list(OUTCOMES)}, got {self.outcome!r}")
+        if self.outcome == "ok" and "median_step_s" not in self.measured:
+            raise AutoparError("a trace record with outcome 'ok' needs measured.median_step_s")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: Any) -> TraceRecord:
+        if not isinstance(d, dict):
+            raise AutoparError(f"a trace record must be a JSON object, got {type(d).__name__}")
+        version = d.get("schema_version")
+        if version != TRACE_SCHEMA_VERSION:
+            raise AutoparError(f"trace schema_version is {version!r}, this autopar reads version "
+                               f"{TRACE_SCHEMA_VERSION}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise AutoparError(f"unknown trace key(s) {unknown}")
+        missing = sorted(names - set(d))
+        if missing:
+            raise AutoparError(f"trace record is missing key(s) {missing}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class TraceProblem:
+    """A line of a trace file that could not be read, and why."""
+
+    path: str
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.message}"
+
+
+def append_record(path, record: TraceRecord) -> None:
+    """Append one record as one whole line, safe against crashes and concurrent writers."""
+    data = (record.to_json() + "\n").encode("utf-8")
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        size = os.fstat(fd).st_size
+        # a writer that died mid-line (disk full) must not glue its fragment to this record
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        written = os.write(fd, data)
+        if written != len(data):
+            raise AutoparError(f"short write to trace file {path}: {written} of {len(data)} bytes "
+                               f"(disk full?)")
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def read_records(path, *, strict: bool = False) -> tuple[list[TraceRecord], list[TraceProblem]]:
+    """The records of a trace file and the problems of its malformed lines (1-based numbers).
+
+    With strict=True, any problem raises AutoparError listing every bad line instead.
+    """
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise AutoparError(f"cannot read trace file {path}: {e.strerror}") from None
+    records, problems = [], []
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            records.append(TraceRecord.from_dict(json.loads(text)))
+        except json.JSONDecodeError as e:
+            problems.append(TraceProblem(str(path), number, f"not valid JSON ({e.msg} at column {e.colno})"))
+        except (AutoparError, TypeError) as e:
+            problems.append(TraceProblem(str(path), number, str(e)))
+    if strict and problems:
+        raise AutoparError(f"{len(problems)} malformed trace line(s): " + "; ".join(map(str, problems)))
+    return records, problems

@@ -1,0 +1,233 @@
+"""`autopar run` end to end (acceptance 2), its fault handling (acceptance 3), the measured
+reward backend, and the example script: real torchrun launches on gloo, small and few."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopar.executor.reward import MeasuredReward
+from autopar.plan import Plan
+from autopar.traces import read_records
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--model-arg", "size=tiny", "--model-arg", "dropout=0.0"]
+FAULTY_MODEL = '''
+import os, time
+from autopar.zoo.gpt import GPT, config, example_batch, tp_plan, blocks  # noqa: F401
+
+class Faulty(GPT):
+    def forward(self, tokens):
+        if os.environ.get("RANK") == "1":
+            {action}
+        return super().forward(tokens)
+
+def build_model(**kw):
+    return Faulty(config(**kw))
+'''
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def autopar(*args, cwd, timeout=240, wait=True):
+    cmd = [sys.executable, "-m", "autopar", *map(str, args)]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def save_plan(path, **kw) -> Path:
+    base = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 4, "num_micro_batches": 1, "precision": "fp32"}
+    Plan(**{**base, **kw}).save(path)
+    return path
+
+
+def only_record(path):
+    records, problems = read_records(path)
+    assert problems == [] and len(records) == 1
+    return records[0]
+
+
+def test_a_searched_plan_runs_on_4_ranks_and_writes_a_trace(tmp_path):
+    found = autopar("search", "gpt", *TINY, "--cluster", "cpu", "--global-batch", 16, "-o", "plan.json",
+                    cwd=tmp_path)
+    assert found.returncode == 0, found.stderr
+    plan = Plan.load(tmp_path / "plan.json")
+    ran = autopar("run", "plan.json", "gpt", *TINY, "--nproc-per-node", plan.world_size, "--steps", 3,
+                  "--warmup", 1, "--trace", "t.jsonl", "--cluster", "cpu", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "median step" in ran.stdout and "loss per step" in ran.stdout
+    record = only_record(tmp_path / "t.jsonl")
+    assert record.outcome == "ok" and record.error is None and Plan.from_dict(record.plan) == plan
+    m = record.measured
+    assert len(m["step_times_s"]) == 3 and len(m["losses"]) == 4 and len(m["peak_memory_bytes"]) == plan.world_size
+    assert m["median_step_s"] > 0 and m["tokens_per_s"] > 0 and min(m["peak_memory_bytes"]) > 0
+    assert record.workload == {"global_batch": 16, "seq_len": 32}
+    assert record.cluster["backend"] == "gloo" and record.cluster["gpus_per_node"] == plan.world_size
+    assert record.model["dims"]["hidden"] == 64 and record.model["params"] > 0
+    assert record.predicted is None or record.predicted["iteration_time_s"] > 0
+
+
+def test_single_rank_run_checks_parity(tmp_path):
+    save_plan(tmp_path / "p.json", micro_batch_size=2, num_micro_batches=2, recompute="full", recompute_blocks=2)
+    ran = autopar("run", "p.json", "gpt", *TINY, "--steps", 2, "--warmup", 1, "--check-parity",
+                  "--trace", "t.jsonl", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert only_record(tmp_path / "t.jsonl").measured["parity_max_rel_diff"] < 1e-5
+
+
+def test_a_plan_for_another_world_size_is_refused_before_launch(tmp_path):
+    save_plan(tmp_path / "p.json", dp=2)
+    ran = autopar("run", "p.json", "gpt", *TINY, "--nproc-per-node", 4, "--trace", "t.jsonl", cwd=tmp_path, timeout=60)
+    assert ran.returncode == 2
+    assert "needs dp x tp x pp = 2 x 1 x 1 = 2 ranks but --nnodes 1 x --nproc-per-node 4 = 4" in ran.stderr
+    assert len(ran.stderr.strip().splitlines()) == 1 and not (tmp_path / "t.jsonl").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_one_machine_match_one_process(tmp_path):
+    """Every single-node plan matches the single-process losses (test_executor_parity); two
+    launchers on this machine, dp across the "nodes", must match them too."""
+    save_plan(tmp_path / "p.json", dp=2, tp=2)  # tp inside a node, dp across the two nodes
+    common = ["run", "p.json", "gpt", *TINY, "--steps", 2, "--warmup", 1, "--nproc-per-node", 2, "--nnodes", 2,
+              "--master-addr", "127.0.0.1", "--master-port", _free_port()]
+    node1 = autopar(*common, "--node-rank", 1, cwd=tmp_path, wait=False)
+    node0 = autopar(*common, "--node-rank", 0, "--trace", "t.jsonl", "--check-parity", cwd=tmp_path)
+    assert node1.wait(timeout=120) == 0 and node0.returncode == 0, node0.stdout + node0.stderr
+    record = only_record(tmp_path / "t.jsonl")
+    assert record.cluster["nodes"] == 2 and len(record.measured["peak_memory_bytes"]) == 4
+    assert record.measured["parity_max_rel_diff"] < 1e-5
+
+
+def faulty_model(tmp_path, action: str) -> Path:
+    path = tmp_path / "faulty.py"
+    path.write_text(FAULTY_MODEL.format(action=action))
+    return path
+
+
+@pytest.mark.parametrize("action,shown", [
+    ('raise RuntimeError("injected failure on rank 1")', "rank 1 failed: RuntimeError: injected failure on rank 1"),
+    ("os.kill(os.getpid(), 9)", "rank 1 failed: killed by SIGKILL"),  # e.g. the OOM killer
+])
+def test_a_failing_rank_fails_the_job_quickly_and_is_named(tmp_path, action, shown):
+    """Rank 0 fails too (its peer is gone); the message must name the cause, not the echo."""
+    model = faulty_model(tmp_path, action)
+    save_plan(tmp_path / "p.json", dp=2)
+    started = time.monotonic()
+    ran = autopar("run", "p.json", model, *TINY, "--nproc-per-node", 2, "--trace", "t.jsonl", cwd=tmp_path)
+    assert time.monotonic() - started < 60
+    assert ran.returncode != 0
+    assert shown in ran.stdout.replace("\n", " ")
+    record = only_record(tmp_path / "t.jsonl")
+    assert record.outcome == "error" and record.error == shown
+
+
+def test_a_rank_that_hangs_in_a_collective_times_out(tmp_path):
+    model = faulty_model(tmp_path, "time.sleep(3600)")  # rank 0 waits for it in the all-reduce
+    save_plan(tmp_path / "p.json", dp=2)
+    started = time.monotonic()
+    ran = autopar("run", "p.json", model, *TINY, "--nproc-per-node", 2, "--timeout", 15, "--trace", "t.jsonl",
+                  cwd=tmp_path)
+    assert ran.returncode != 0 and time.monotonic() - started < 60
+    record = only_record(tmp_path / "t.jsonl")
+    assert record.outcome == "timeout" and "--timeout 15" in record.error
+
+
+def _stat(pid) -> list[str]:
+    """State, parent pid, ... of a process ([] once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _stat(p.name)[1:2] == [str(pid)]]
+
+
+def _running(pid: int) -> bool:
+    return _stat(pid)[:1] not in ([], ["Z"])  # a zombie has exited; only its parent has not reaped it
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_kill_9_of_the_launcher_leaves_whole_lines_and_no_workers(tmp_path):
+    save_plan(tmp_path / "p.json", dp=2)
+    trace = tmp_path / "t.jsonl"
+    done = autopar("run", "p.json", "gpt", *TINY, "--nproc-per-node", 2, "--steps", 1, "--warmup", 0,
+                   "--trace", trace, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    launcher = autopar("run", "p.json", "gpt", *TINY, "--nproc-per-node", 2, "--steps", 100000, "--trace", trace,
+                       cwd=tmp_path, wait=False)
+    deadline = time.monotonic() + 60
+    while len(_children(launcher.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    workers = _children(launcher.pid)
+    assert len(workers) == 2, "workers did not start"
+    time.sleep(3)  # mid-run
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    only_record(trace)  # the earlier run's line, whole; nothing half-written
+    deadline = time.monotonic() + 20
+    while any(map(_running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(map(_running, workers)), "orphaned workers kept running"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA out-of-memory needs a GPU")
+def test_cuda_oom_is_an_outcome_not_a_crash(tmp_path):
+    model = faulty_model(tmp_path, "pass").read_text().replace(
+        "return super().forward(tokens)", "return super().forward(tokens) + torch.empty(1 << 50, device='cuda')")
+    (tmp_path / "faulty.py").write_text("import torch\n" + model)
+    save_plan(tmp_path / "p.json")
+    ran = autopar("run", "p.json", tmp_path / "faulty.py", *TINY, "--trace", "t.jsonl", cwd=tmp_path)
+    assert ran.returncode == 1
+    assert only_record(tmp_path / "t.jsonl").outcome == "oom"
+
+
+def test_measured_reward_is_cached_by_workload_and_plan(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    cache = tmp_path / "cache.json"
+    reward = MeasuredReward("gpt", {"size": "tiny"}, steps=2, warmup=1, nproc=1, cache_path=cache, timeout_s=120,
+                            trace_path=tmp_path / "t.jsonl")
+    plan = Plan(dp=1, tp=1, pp=1, micro_batch_size=4, num_micro_batches=1, precision="fp32")
+    first = reward(plan)
+    assert not first["cached"] and first["record"]["outcome"] == "ok"
+    assert first["reward"] == -first["record"]["measured"]["median_step_s"] < 0
+    again = MeasuredReward("gpt", {"size": "tiny"}, steps=2, warmup=1, nproc=1, cache_path=cache)(plan)
+    assert again["cached"] and again["reward"] == first["reward"]
+    assert reward.key(plan) != reward.key(plan.with_(zero=1))
+    assert len(read_records(tmp_path / "t.jsonl")[0]) == 1
+    with pytest.raises(Exception, match="plan is for 2 ranks"):
+        reward(plan.with_(dp=2))
+
+
+def test_the_example_trains_saves_and_resumes_under_another_plan(tmp_path):
+    example = ROOT / "experiments" / "train_with_plan.py"
+    save_plan(tmp_path / "dp2.json", dp=2, micro_batch_size=8)
+    save_plan(tmp_path / "pp2.json", pp=2, micro_batch_size=4, num_micro_batches=4)
+
+    def torchrun(*args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example),
+               *map(str, args)]
+        return subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=240, check=False)
+
+    first = torchrun("dp2.json", "--steps", 4, "--save", tmp_path / "ckpt")
+    assert first.returncode == 0, first.stderr
+    resumed = torchrun("pp2.json", "--steps", 6, "--resume", tmp_path / "ckpt")
+    assert resumed.returncode == 0, resumed.stderr
+    steps = [line.split() for line in (first.stdout + resumed.stdout).splitlines() if line.startswith("step")]
+    assert [int(s[1]) for s in steps] == [1, 2, 3, 4, 5, 6]
+    assert float(steps[-1][3]) < float(steps[0][3])

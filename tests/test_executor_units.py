@@ -1,0 +1,161 @@
+"""Executor pieces that need no process group (plus one single-rank apply): TP styles, pipeline
+cuts, data shares, measurement summaries, launch command lines, refusals."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.utils.data import DistributedSampler
+
+from autopar.errors import PlanError
+from autopar.executor.data import local_share
+from autopar.executor.data_parallel import check_backend
+from autopar.executor.launch import LaunchSpec, check_world_size, torchrun_argv
+from autopar.executor.measure import summarize, tokens_per_sample
+from autopar.executor.mesh import resolve_backend
+from autopar.executor.parity import reference_losses
+from autopar.executor.pipeline import cut_stages, rank_view, stage_ids
+from autopar.executor.tensor_parallel import tp_styles
+from autopar.executor.train_step import apply, build_full_model
+from autopar.modelfile import load_model_file
+from autopar.plan import Plan
+
+ARGS = {"size": "tiny", "dropout": 0.0}
+GPT = load_model_file("gpt")
+
+
+def plan(**kw) -> Plan:
+    base = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 4, "num_micro_batches": 1, "precision": "fp32"}
+    return Plan(**{**base, **kw})
+
+
+def gpt_model() -> nn.Module:
+    return build_full_model(lambda: GPT.build(**ARGS), seed=0)
+
+
+def test_tp_styles_follow_megatron_regions():
+    model = gpt_model()
+    styles = tp_styles(model, GPT.tp_plan(model), model.layers, sequence_parallel=False)
+    assert isinstance(styles["layers.0.attention.wqkv"], ColwiseParallel)
+    assert isinstance(styles["layers.3.feed_forward.w2"], RowwiseParallel)
+    assert styles["layers.0.attention.wo"].output_layouts == (Replicate(),)
+    assert isinstance(styles["tok_embeddings.tok"], RowwiseParallel)  # vocab rows
+    assert styles["output"].output_layouts == (Replicate(),)  # logits gathered for the loss
+    assert not any(isinstance(s, SequenceParallel) for s in styles.values())
+
+
+def test_sequence_parallel_shards_the_residual_stream():
+    model = gpt_model()
+    styles = tp_styles(model, GPT.tp_plan(model), model.layers, sequence_parallel=True)
+    for norm in ("layers.0.attention_norm", "layers.2.ffn_norm", "norm"):
+        assert isinstance(styles[norm], SequenceParallel)
+    gather = styles["layers.1.attention"]  # gathers the sequence once for the fused QKV
+    assert isinstance(gather, PrepareModuleInput) and gather.desired_input_layouts == (Replicate(),)
+    assert styles["layers.1.feed_forward.w2"].output_layouts == (Shard(1),)  # reduce-scatter
+    assert isinstance(styles["tok_embeddings"], PrepareModuleOutput)  # tokens + positions, then scatter
+    assert styles["output"].input_layouts == (Shard(1),)
+
+
+@pytest.mark.parametrize("name", ["llama", "vit"])
+def test_sequence_parallel_finds_where_the_stream_starts_and_ends(name):
+    zoo = load_model_file(name)
+    model = zoo.build(size="tiny")
+    styles = tp_styles(model, zoo.tp_plan(model), model.layers, sequence_parallel=True)
+    if name == "llama":  # a bare vocab embedding and head: reduce-scatter in, gather for the loss
+        assert styles["tok_embeddings"].output_layouts == (Shard(1),)
+        assert styles["output"].input_layouts == (Shard(1),)
+    else:  # patches + CLS + positions run whole, then scatter; the classifier reads the whole sequence
+        assert isinstance(styles["tok_embeddings"], PrepareModuleOutput)
+        assert isinstance(styles["output"], PrepareModuleInput)
+
+
+def test_pipeline_cut_keeps_names_and_ends():
+    p = plan(pp=2, num_micro_batches=2, schedule="interleaved", virtual_stages=2)
+    model = gpt_model()
+    names = dict(model.named_parameters())
+    assert stage_ids(p, 0) == [0, 2] and stage_ids(p, 1) == [1, 3]
+    first, third = cut_stages(model, model.layers, p, pp_rank=0)
+    assert first.norm is None and first.output is None and first.tok_embeddings is not None
+    assert third.tok_embeddings is None and third.output is None
+    assert [type(b).__name__ for b in first.layers] == ["Block", "Identity", "Identity", "Identity"]
+    assert [type(b).__name__ for b in third.layers] == ["Identity", "Identity", "Block", "Identity"]
+    view = rank_view([first, third], "layers")
+    held = dict(view.named_parameters())
+    assert set(held) < set(names) and {n.split(".")[1] for n in held if n.startswith("layers.")} == {"0", "2"}
+    assert all(torch.equal(held[n], names[n]) for n in held)  # copies of the same initial weights
+
+
+def test_pipeline_refuses_models_it_cannot_place():
+    model = gpt_model()
+    model.extra = nn.Linear(2, 2)
+    with pytest.raises(PlanError, match=r"top-level module\(s\) \['extra'\]"):
+        cut_stages(model, model.layers, plan(pp=2, num_micro_batches=2), pp_rank=0)
+
+
+def test_local_share_is_the_distributed_sampler_share():
+    p = plan(dp=4, micro_batch_size=2)
+    batch = torch.arange(p.global_batch * 3).reshape(p.global_batch, 3)
+    for rank in range(4):
+        sampler = DistributedSampler(range(p.global_batch), num_replicas=4, rank=rank, shuffle=False)
+        assert torch.equal(local_share(batch, p, rank), batch[list(sampler)])
+    with pytest.raises(ValueError, match="global batch is 8"):
+        local_share(batch[:5], p, 0)
+
+
+def test_summary_takes_the_slowest_rank_per_step():
+    m = summarize([[0.1, 0.3, 0.2], [0.2, 0.1, 0.2]], [10, 20], global_batch=8, seq_len=32)
+    assert m["step_times_s"] == [0.2, 0.3, 0.2] and m["median_step_s"] == 0.2
+    assert m["tokens_per_s"] == pytest.approx(8 * 32 / 0.2) and m["peak_memory_bytes"] == [10, 20]
+    assert tokens_per_sample((torch.zeros(4, 32, dtype=torch.long),)) == 32
+    assert tokens_per_sample((torch.zeros(4, 3, 8, 8),)) == 1
+
+
+def test_refusals_before_launch():
+    with pytest.raises(PlanError, match=r"needs dp x tp x pp = 2 x 1 x 1 = 2 ranks but --nnodes 1 x "
+                                        r"--nproc-per-node 4 = 4"):
+        check_world_size(plan(dp=2), LaunchSpec(nproc_per_node=4))
+    with pytest.raises(PlanError, match="needs NCCL"):
+        check_backend(plan(dp=2, grad_comm_dtype="bf16"), "gloo")
+    check_backend(plan(dp=2, grad_comm_dtype="fp16"), "gloo")
+    if not torch.cuda.is_available():
+        with pytest.raises(PlanError, match="'nccl' needs CUDA"):
+            resolve_backend("nccl")
+    assert resolve_backend("auto") == ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def test_torchrun_command_lines():
+    single = torchrun_argv("p.json", "gpt", {"size": "tiny"}, LaunchSpec(nproc_per_node=2), "r.json")
+    assert single[:3] == ["--standalone", "--nnodes", "1"] and "--max-restarts" in single
+    assert single[single.index("--module") + 1] == "autopar.executor.worker"
+    multi = torchrun_argv("p.json", "gpt", {}, LaunchSpec(nproc_per_node=2, nnodes=2, node_rank=1,
+                                                          master_port=1234, timeout_s=5), "r.json")
+    assert "--standalone" not in multi and multi[multi.index("--node-rank") + 1] == "1"
+    assert multi[multi.index("--master-port") + 1] == "1234" and multi[multi.index("--timeout") + 1] == "5"
+
+
+@pytest.fixture
+def one_rank_world():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_single_rank_apply_matches_the_plain_loop(one_rank_world):
+    """A world of one (no torchrun): micro-batching and selective recompute keep the losses."""
+    p = plan(micro_batch_size=2, num_micro_batches=2, recompute="selective")
+    build = lambda: GPT.build(**ARGS)
+    optimizer = lambda params: torch.optim.SGD(params, lr=2.0)
+    torch.manual_seed(1)
+    batch = GPT.example_batch(p.global_batch, device="cpu", **ARGS)
+    par = apply(p, build, optimizer, GPT.loss_fn, blocks=GPT.blocks)
+    losses = par.global_losses([par.train_step(*par.local_batch(*batch)) for _ in range(3)])
+    assert losses == pytest.approx(reference_losses(build, optimizer, GPT.loss_fn, [batch] * 3), rel=1e-5)
+    assert losses[2] < losses[0]
