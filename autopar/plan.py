@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from autopar.atomic import write_text_atomic
 from autopar.errors import PlanError
 
 PLAN_SCHEMA_VERSION = 1
@@ -248,11 +247,7 @@ class Plan:
 
     def save(self, path) -> None:
         """Write atomically, so an interrupted write never leaves half a plan."""
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".plan-", suffix=".json")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(self.to_json() + "\n")
-        os.replace(tmp, path)
+        write_text_atomic(path, self.to_json() + "\n")
 
 
 def _choice(name: str, value, allowed) -> None:

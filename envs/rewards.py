@@ -13,11 +13,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Protocol
 
+from autopar.atomic import write_text_atomic
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
@@ -93,11 +92,7 @@ class OracleCache:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data))
 
 
 class CostModelReward:

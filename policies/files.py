@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import platform
 import re
-import tempfile
 import zipfile
 from pathlib import Path
 
 import numpy as np
-
 from autopar.policies.load import ACTOR_ENTRY, META_ENTRY, NumpyActor
+
+from autopar.atomic import atomic_path
 
 
 def actor_weights(model) -> dict[str, np.ndarray]:
@@ -44,19 +43,11 @@ def write_policy(model, path: Path, meta: dict) -> None:
     model.save(buffer)
     actor = io.BytesIO()
     np.savez_compressed(actor, **actor_weights(model))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shipped policy from other users
-        with os.fdopen(fd, "wb") as f:
-            f.write(buffer.getvalue())
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(buffer.getvalue())
         with zipfile.ZipFile(tmp, "a", compression=zipfile.ZIP_DEFLATED) as archive:
             archive.writestr(META_ENTRY, json.dumps(meta, indent=1))
             archive.writestr(ACTOR_ENTRY, actor.getvalue())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def latest_checkpoint(directory: Path) -> tuple[Path, int] | None:

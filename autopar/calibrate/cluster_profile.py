@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from autopar.atomic import atomic_path
 from autopar.errors import AutoparError
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB ... 64 MiB
@@ -308,12 +309,5 @@ def profile_cluster(ranks=(2, 4), sizes=DEFAULT_SIZES, backend: str = "auto", ma
 
 def write_cluster(cluster, path) -> None:
     """Cluster.to_json to a temporary file, then os.replace: never a partial file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         cluster.to_json(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from autopar.atomic import write_text_atomic
 from autopar.errors import PlanError
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
@@ -90,8 +90,4 @@ class MeasuredReward:
         """Write the cache atomically: a crash never leaves half a file."""
         if self.cache_path is None:
             return
-        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.cache_path.parent, prefix=".reward-cache-")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(self._cache, f)
-        os.replace(tmp, self.cache_path)
+        write_text_atomic(self.cache_path, json.dumps(self._cache))

@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
+from autopar.atomic import write_text_atomic
 from autopar.profile.model_profile import ModelProfile
 
 PROFILER_VERSION = "autopar-profiler-1"
@@ -70,13 +70,5 @@ def load(digest: str) -> ModelProfile | None:
 def store(profile: ModelProfile) -> Path:
     """Write ``profile`` atomically; returns its path."""
     path = cache_path(profile.digest)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(profile.to_json())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, profile.to_json())
     return path

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from autopar.atomic import atomic_path
 from autopar.errors import AutoparError
 from autopar.plan import Plan, balanced_split, device_blocks
 
@@ -257,16 +258,6 @@ def model_digest(path, args: dict) -> str:
 def write_records(path, records) -> None:
     """Write a whole trace file atomically (a temporary file, then os.replace): an error or an
     interrupt never leaves a partial file behind."""
-    import os
-    import tempfile
-
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(record.to_json() + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(record.to_json() + "\n")
