@@ -32,6 +32,28 @@ def add_parser(sub) -> None:
     t.add_argument("--replay", type=int, default=None, metavar="N",
                    help="add N workloads of the shipped policy's training distribution to the pool, so that "
                         f"fine-tuning keeps what it knows outside the traces' job mix (default {REPLAY})")
+    m = p.add_argument_group("training on measured rewards", "--reward measured MODEL: fine-tune the shipped policy "
+                             "(the cost-model prior) with rewards from real `autopar run` runs on this machine, over "
+                             "a restricted plan space (at most 100 plans), each distinct plan measured once and "
+                             "cached (autopar/policies/measured.py)")
+    m.add_argument("--reward", choices=("cost", "measured"), default="cost",
+                   help="cost: the cost model against the exhaustive oracle (default); measured: real runs")
+    m.add_argument("model", nargs="?", metavar="MODEL", help="with --reward measured: a model.py or zoo name")
+    m.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for build_model/example_batch (repeatable)")
+    m.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
+                   help="ranks of the one node measured (default: the cluster's)")
+    m.add_argument("--global-batch", type=int, default=8, metavar="B", help="samples per step (default 8)")
+    m.add_argument("--budget", type=int, default=40, metavar="RUNS",
+                   help="distinct plans measured at most, cached ones included (default 40)")
+    m.add_argument("--restrict", action="append", default=[], metavar="KNOB=V1,V2",
+                   help="values a knob may take (repeatable; KNOB=* frees it). Defaults: zero=0,1,3 "
+                        "recompute=none,full schedule=1f1b sequence_parallel=false comm_dtype=fp32 bucket=25 "
+                        "mesh_order=first; dp/pp/tp and micro_batch vary")
+    m.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
+    m.add_argument("--warmup", type=int, default=1, help="untimed steps per run (default 1)")
+    m.add_argument("--cache", default=None, metavar="FILE.json",
+                   help="measurement cache (default: measured-rewards.json in the autopar cache directory)")
     p.add_argument("-o", "--output", default="policy.zip", metavar="policy.zip", help="where to write the policy")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of --output")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload pool and of PPO (default 0)")
@@ -61,6 +83,10 @@ def run(args) -> int:
         if getattr(args, flag) < 0:
             raise AutoparError(f"--{flag.replace('_', '-')} must be 0 or more, got {getattr(args, flag)}")
     traces = args.traces is not None
+    if args.reward == "measured":
+        return _run_measured(args)
+    if args.model:
+        raise AutoparError(f"unexpected argument {args.model!r}: a MODEL goes with --reward measured")
     if traces and not args.traces:
         raise AutoparError("--traces needs at least one trace file (.jsonl, as `autopar traces import` or "
                            "`autopar traces collect` write them)")
@@ -113,3 +139,45 @@ def _run_traces(args, cfg, console) -> int:
                   f"calibrated cluster to {cluster_path(cfg.output)}; plan with `autopar search MODEL --method rl "
                   f"--policy {cfg.output} --cluster {cluster_path(cfg.output)} ...`", soft_wrap=True)
     return 0
+
+
+def _run_measured(args) -> int:
+    from rich.console import Console
+
+    from autopar.errors import AutoparError
+
+    if not args.model:
+        raise AutoparError("--reward measured needs a MODEL (a model.py or zoo name)")
+    if args.traces is not None or args.workloads is not None:
+        raise AutoparError("--reward measured does not take --traces or --workloads")
+    if args.budget < 1:
+        raise AutoparError(f"--budget must be at least 1 real run, got {args.budget}")
+    for flag in ("steps", "global_batch"):
+        if getattr(args, flag) < 1:
+            raise AutoparError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.warmup < 0 or (args.gpus_per_node is not None and args.gpus_per_node < 1):
+        raise AutoparError("--warmup must be 0 or more and --gpus-per-node positive")
+    from autopar.cli.common import parse_model_args
+    from autopar.policies.measured import parse_restrictions, train_measured
+
+    restrict = parse_restrictions(args.restrict)  # an unknown knob fails here, before any profiling
+    console = Console()
+    meta = train_measured(args.model, parse_model_args(args.model_arg, None), cluster=args.cluster or "cpu",
+                          gpus_per_node=args.gpus_per_node, global_batch=args.global_batch, restrict=restrict,
+                          budget=args.budget, steps=args.steps, warmup=args.warmup, cache=args.cache,
+                          output=args.output, seed=args.seed, console=console)
+    m = meta["measured"]
+    pick, prior = m["pick"], m["prior_pick"]
+    console.print(f"restricted space: {m['space']['plans']} plans, varying "
+                  + ", ".join(f"{k} {{{'/'.join(v)}}}" for k, v in m["space"]["varying"].items()), soft_wrap=True)
+    console.print(f"cost-model prior (shipped policy) picks {prior['describe']}: "
+                  f"{_s(prior['measured_s'])}", soft_wrap=True)
+    console.print(f"fine-tuned policy picks {pick['describe']}: {_s(pick['measured_s'])}; budget used "
+                  f"{m['budget_used']}/{m['budget']} ({m['runs_now']} run now, {m['from_cache']} from the cache)",
+                  soft_wrap=True)
+    console.print(f"policy written to {args.output}", soft_wrap=True)
+    return 0
+
+
+def _s(seconds) -> str:
+    return f"{seconds:.4f} s per step measured" if seconds is not None else "failed"
