@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import shutil
+import tempfile
 from pathlib import Path
-
-import pytest
 
 ZOO = Path(__file__).resolve().parent.parent / "autopar" / "zoo"
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _profile_cache(tmp_path_factory):
-    """Tests never read or write the user's profile cache."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("AUTOPAR_CACHE_DIR", str(tmp_path_factory.mktemp("autopar-cache")))
-    yield
-    mp.undo()
+def pytest_configure(config):
+    """Tests never read or write the user's caches (set before collection, since test modules
+    build workloads at import)."""
+    path = tempfile.mkdtemp(prefix="autopar-test-cache-")
+    os.environ["AUTOPAR_CACHE_DIR"] = path
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=None)
