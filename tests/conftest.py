@@ -9,7 +9,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from hypothesis import settings
+
 ZOO = Path(__file__).resolve().parent.parent / "autopar" / "zoo"
+
+
+# The suite draws the same examples on every run, so CI cannot fail by chance on a clean clone;
+# HYPOTHESIS_PROFILE=default explores fresh examples each run.
+settings.register_profile("ci", derandomize=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_configure(config):
