@@ -159,3 +159,41 @@ def test_single_rank_apply_matches_the_plain_loop(one_rank_world):
     losses = par.global_losses([par.train_step(*par.local_batch(*batch)) for _ in range(3)])
     assert losses == pytest.approx(reference_losses(build, optimizer, GPT.loss_fn, [batch] * 3), rel=1e-5)
     assert losses[2] < losses[0]
+
+
+@pytest.mark.parametrize("dims", [{"hidden": 256, "seq_len": 64}, {"hidden": 128, "seq_len": 48}],
+                         ids=["head size = seq len", "head size < seq len"])
+def test_selective_recompute_redoes_what_the_profile_counts_as_the_attention_core(dims):
+    """The executor's selective-checkpoint policy recomputes exactly the attention core the cost
+    model charges for: the same FLOPs as the profile's attn_core_flops, and nothing outside it
+    (no GEMM of a linear layer, no LayerNorm, GeLU or residual)."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.flop_counter import flop_registry
+
+    from autopar.executor.checkpointing import _selective_policy
+    from autopar.profile import profile_model
+
+    args = {"size": "tiny", "layers": 1, **dims}
+    block = GPT.blocks(build_full_model(lambda: GPT.build(**args), 0))[0]
+    batch = 3
+    recomputed, flops = [], 0
+
+    def policy(ctx, op, *a, **k):
+        nonlocal flops
+        decision = _selective_policy(ctx, op, *a, **k)
+        if not ctx.is_recompute and decision.name == "PREFER_RECOMPUTE":
+            recomputed.append(op._overloadpacket.__name__)
+            if op._overloadpacket in flop_registry:
+                out = op(*a, **k)
+                flops += flop_registry[op._overloadpacket](*a, **k, out_val=out)
+        return decision
+
+    x = torch.randn(batch, dims["seq_len"], dims["hidden"], requires_grad=True)
+    out = checkpoint(block, x, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    out.sum().backward()
+    core = ["bmm", "mul", "masked_fill", "_softmax", "empty_like", "bernoulli_", "div_", "mul", "bmm"]
+    mask = ["empty_like", "bernoulli_", "div_"]  # the residual dropouts' masks: refilled, not kept
+    assert recomputed == core + mask + mask
+    layer = profile_model("gpt", args, dtype="fp32").layers[0]
+    assert flops == batch * layer.attn_core_flops
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -2,9 +2,13 @@
 
 * full: the first `recompute_blocks` blocks this pipeline rank holds keep only their input and
   rerun their forward in backward (Megatron-LM's full recompute, per-block segments);
-* selective: every block keeps the outputs of its linear layers and collectives and recomputes
-  the rest, the attention core (scores, softmax, dropout) foremost: Korthikanti et al.'s
-  selective recompute, written as a PyTorch selective-checkpoint policy.
+* selective: Korthikanti et al.'s selective recompute, written as a PyTorch selective-checkpoint
+  policy: the attention core (the scores matmul, scale, mask, softmax, dropout and the matmul
+  with the values) is recomputed, every other op's output is kept. The core is found by dataflow
+  as the profiler finds it (`autopar.profile.recorder`): a batched matmul into a square
+  (seq x seq) result starts it, and every op reading such a tensor belongs to it. So what the
+  executor drops and redoes is what the cost model counts (`attn_core_bytes`, `attn_core_flops`).
+  Fused attention (scaled_dot_product_attention) keeps no seq x seq tensor: nothing to drop.
 
 Blocks are wrapped in place with `checkpoint_wrapper` (whose state-dict hooks keep parameter
 names unchanged, so checkpoints still map across plans).
@@ -15,20 +19,40 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autopar.plan import Plan
 
 _aten = torch.ops.aten
-_c10d = torch.ops._c10d_functional
-# ops whose outputs selective recompute keeps: GEMMs of the linear layers (costly to redo) and
-# tensor-parallel collectives (recomputing them would repeat communication)
-_SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _c10d.all_reduce.default,
-              _c10d.reduce_scatter_tensor.default, _c10d.all_gather_into_tensor.default}
+_BATCHED_MATMULS = {_aten.bmm.default: (0, 1), _aten.baddbmm.default: (1, 2)}  # op: positions of the factors
+_LAYOUT = {_aten.clone.default, _aten._unsafe_view.default, _aten.contiguous.default}
+_FRESH = {_aten.empty_like.default, _aten.empty.memory_format}
+
+
+def _square(t) -> bool:
+    """A batched tensor with a square trailing matrix: attention scores or probabilities."""
+    return isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[-1] == t.shape[-2]
+
+
+def _attention_core(op, args, kwargs) -> bool:
+    if op in _BATCHED_MATMULS:
+        a, b = (args[i] for i in _BATCHED_MATMULS[op])
+        if a.shape[-2] == b.shape[-1]:  # produces a square result: the scores
+            return True
+    # layout ops only move data (and copy the matmuls' operands): with a head size equal to the
+    # sequence length queries, keys and values are square too, and the profiler keeps them
+    if op.is_view or op in _LAYOUT:
+        return False
+    return any(_square(t) for t in tree_leaves((args, kwargs)))
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    # a kept tensor must not change afterwards, so in-place ops and the buffers they fill (dropout's
+    # mask on the CPU: empty_like, bernoulli_, div_) are always recomputed
+    if op._schema.is_mutable or op in _FRESH or _attention_core(op, args, kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
 
 
 def _selective_context():

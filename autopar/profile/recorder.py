@@ -134,7 +134,9 @@ class Recorder(TorchDispatchMode):
             for t in outputs:
                 self.tag(t)
         core_in = any(self.is_core(t) for t in inputs)
-        starts_core = bool(flops) and self._is_scores(inputs, outputs)
+        # the matmul with the values reads the core and ends it, even when its result is square too
+        # (a head size equal to the sequence length)
+        starts_core = bool(flops) and not core_in and self._is_scores(inputs, outputs)
         if core_in or starts_core:
             tally.attn_core_flops += flops
         if starts_core or (core_in and not flops):
