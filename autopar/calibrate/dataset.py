@@ -89,6 +89,10 @@ class Dataset:
                 most = max(most, int(np.ceil(grads / (pa.bucket_mb * 2**20))[dp].max()))
         return most
 
+    def tensor_parallel(self) -> bool:
+        """Whether some row runs tensor parallelism (and so DTensor's dispatch on its host)."""
+        return any(bool((g.plans.tp > 1).any()) for g in self.groups)
+
     def link_kinds(self) -> set[str]:
         """Link kinds that some row's tensor-, data- or pipeline-parallel group communicates over."""
         kinds = set()

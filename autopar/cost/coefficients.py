@@ -40,6 +40,13 @@ class Coefficients:
     block_host_s: float = 0.0  # host seconds per block per pass (kernel launches, Python); backward is
     # two passes, recompute one. A micro-batch on a rank takes the host_overlap-norm of host and GPU time:
     host_overlap: float = 4.0  # 1: host and GPU work add up; large: the larger of the two (fully hidden)
+    tp_host_s: float = 0.0  # extra host seconds per block per pass when tp > 1: DTensor's dispatch
+    # (sharding propagation and redistribution run in Python for every op of a tensor-parallel block)
+
+    @property
+    def host(self) -> bool:
+        """Whether the host's launch time is modelled at all."""
+        return self.block_host_s > 0 or self.tp_host_s > 0
 
     def link(self, kind: str) -> float:
         return self.link_efficiency.get(kind, 1.0)

@@ -7,7 +7,8 @@ sum over ranks + (m - 1) x the slowest rank (the (p - 1)/m bubble for even stage
 interleaved); data-parallel gradient reduction runs in buckets under the last backward and only
 its excess is exposed; the optimizer step is memory-bound. Small runs add fixed costs the big ones
 hide: each collective call's base latency (`collective_latency_s`), and the host's kernel
-launches (`block_host_s` per block per pass), which the GPU hides only while it has more work
+launches (`block_host_s` per block per pass, plus `tp_host_s` for DTensor's dispatch under
+tensor parallelism), which the GPU hides only while it has more work
 queued than the host takes to launch it: a micro-batch on a rank takes the `host_overlap`-norm
 of its GPU time and its host time (the excess is reported as "overhead"). Memory is the exact sum of weights,
 gradients, master weights and Adam moments by ZeRO stage, the activations the schedule keeps in
@@ -138,9 +139,13 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     p2p_one = np.where(pp > 1, p2p_bytes / col(links["pp_bw"]) + (col(links["pp_lat"]) + base), 0.0)
     p2p = 2 * v * p2p_one * np.ones_like(compute)
     gpu_mb = compute + tp_comm + recompute + p2p  # one micro-batch, forward + backward, on each rank
-    host = c.block_host_s > 0
-    if host:  # the host launches every block's kernels; the GPU hides what it can
-        per_mb = _norm(gpu_mb, c.block_host_s * (3 * counts.sum(axis=2) + ckpt_frac * n_layers), c.host_overlap)
+    host = c.host
+    if host:  # the host launches every block's kernels (through DTensor under TP); the GPU hides what it can
+        per_pass = c.block_host_s + np.where(t > 1, c.tp_host_s, 0.0)
+        # recompute replays the forward of its blocks (selective too: the checkpoint reruns every op,
+        # returning the kept outputs of all but the attention core)
+        replayed = np.where(mode == SELECTIVE, n_layers, ckpt_frac * n_layers)
+        per_mb = _norm(gpu_mb, per_pass * (3 * counts.sum(axis=2) + replayed), c.host_overlap)
     else:
         per_mb = gpu_mb
 
@@ -221,10 +226,17 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     scatter = all_gather_time(grad_bytes, dpn, dp_bw, dp_lat, base)
     scatter = np.maximum(scatter - hide_b, scatter / n_buckets)
     gather = all_gather_time(param_bytes, dpn, dp_bw, dp_lat, base)
+    # FSDP2 reduce-scatters after every micro-batch's backward (gradients stay sharded) unless the
+    # pipeline schedule accumulates them unsharded and reduces once, after the last micro-batch
+    # (torch.distributed.pipelining does with more than one micro-batch); ZeRO-2 keeps the gathered
+    # parameters across micro-batches, ZeRO-3 gathers them for each forward and backward
+    nmb = col(pa.nmb)
+    accumulate = col((pa.pp > 1) & (pa.nmb > 1)).astype(bool)
+    scatters = np.where(accumulate, 1.0, nmb) * scatter
     dp_time = np.select(
         [zero == 0, zero == 1, zero == 2],
-        [ddp, ddp + gather, scatter + np.maximum(gather - hide_f, 0)],
-        scatter + col(pa.nmb) * np.maximum(2 * gather - hide_f - hide_b, (dpn - 1) * dp_lat + base))
+        [ddp, ddp + gather, scatters + np.maximum(gather - hide_f, 0)],
+        scatters + nmb * np.maximum(2 * gather - hide_f - hide_b, (dpn - 1) * dp_lat + base))
     dp_time = np.where(dpn > 1, dp_time, 0.0)
     offload = np.asarray(pa.offload, dtype=bool)[:, None]
     shard_states = np.where(zero >= 1, dpn, 1.0)
@@ -240,11 +252,15 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
 
     # -- memory per representative rank ----------------------------------------------------------------
     fp32 = (pa.precision == PRECISIONS.index("fp32"))[:, None]
-    weights = param_bytes / np.where(zero == 3, dpn, 1.0) \
-        + np.where(zero == 3, 2 * col(part["block_params"]) * prec_bytes, 0.0)  # two gathered blocks
+    # accumulating unsharded, the pipeline schedule also keeps every block gathered from its backward
+    # to its next forward: then ZeRO-2 and 3 hold whole gradients and (3) whole weights
+    unsharded = accumulate & (zero >= 2)
+    sharded_weights = (zero == 3) & ~unsharded
+    weights = param_bytes / np.where(sharded_weights, dpn, 1.0) \
+        + np.where(sharded_weights, 2 * col(part["block_params"]) * prec_bytes, 0.0)  # two gathered blocks
     mem = {
         "weights": weights,
-        "gradients": param_bytes / np.where(zero >= 2, dpn, 1.0),
+        "gradients": param_bytes / np.where((zero >= 2) & ~unsharded, dpn, 1.0),
         "master_weights": np.where(fp32 | offload, 0.0, local_params * 4 / shard_states),
         "optimizer_states": np.where(offload, 0.0, local_params * 8 / shard_states),
         "activations": part["activations"],
@@ -257,7 +273,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     out = {name: part[name] for name in ("compute", "recompute", "tp_comm", "pp_p2p", "pp_bubble")}
     out.update({
         "dp_comm": dp_exposed, "optimizer": opt_exposed,
-        "overhead": part["host"] + c.step_overhead_s if c.block_host_s > 0 else np.full(len(pa), c.step_overhead_s),
+        "overhead": part["host"] + c.step_overhead_s,
         "iteration_time": part["pipe"] + dp_exposed + opt_exposed + c.step_overhead_s,
         "peak_memory": np.take_along_axis(peak_rank, at_peak, axis=1)[:, 0],
         "model_flops": part["model_flops_per_sample"] * workload.global_batch,

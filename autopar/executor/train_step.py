@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from autopar.errors import PlanError
@@ -114,6 +115,10 @@ class ParallelModel:
             sync = contextlib.nullcontext()
             if i < n - 1 and isinstance(model, DistributedDataParallel):
                 sync = model.no_sync()
+            if self.plan.zero == 2 and isinstance(model, FSDPModule):
+                # ZeRO-2 replicates parameters: gather them once a step, not once a micro-batch
+                # (gradients are still reduce-scattered after each backward: they stay sharded)
+                model.set_reshard_after_backward(i == n - 1)
             with sync:
                 with autocast(self.plan, self.device):
                     loss = self.loss_fn(model(*micro), target) / n
