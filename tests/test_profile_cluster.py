@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from autopar.calibrate.cluster_profile import fit_shm
+from autopar.calibrate.cluster_profile import collective_efficiency, fit_shm
 from autopar.cli import main
 from autopar.cluster import load_cluster
 from autopar.cost.model import all_reduce_time
@@ -22,15 +22,30 @@ def test_fit_shm_recovers_a_ring():
     assert fit["mape"] < 1e-3
 
 
+def test_collective_efficiency_is_half_the_all_reduce_over_the_measured_time():
+    allreduce = [(2**20, 2, 1e-3), (2**22, 2, 4e-3), (2**20, 4, 2e-3)]
+    collectives = [("reduce_scatter", 2**20, 2, 1.5e-3), ("reduce_scatter", 2**22, 2, 6e-3),
+                   ("all_gather", 2**20, 2, 0.5e-3), ("broadcast", 2**20, 4, 0.5e-3),
+                   ("all_gather", 2**24, 2, 1.0)]  # no all-reduce of that size: not compared
+    assert collective_efficiency(allreduce, collectives) == pytest.approx(
+        {"all_gather": 1.0, "broadcast": 2.0, "reduce_scatter": 1 / 3})
+
+
 def test_profile_cluster_writes_a_usable_cluster(tmp_path, capsys):
-    """Two gloo processes, three small messages: seconds, not minutes."""
+    """Two gloo processes, four small messages and one of 1 MiB (where the ZeRO collectives are
+    timed too): seconds, not minutes."""
     out = tmp_path / "cpu.json"
-    code = main(["profile-cluster", "-o", str(out), "--ranks", "2", "--min-bytes", "4K", "--max-bytes", "64K",
+    code = main(["profile-cluster", "-o", str(out), "--ranks", "2", "--min-bytes", "4K", "--max-bytes", "1M",
                  "--backend", "gloo", "--timeout", "120", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     rows = report["measurements"]["allreduce"]
-    assert [(r["bytes"], r["ranks"]) for r in rows] == [(4096, 2), (16384, 2), (65536, 2)]
+    assert [(r["bytes"], r["ranks"]) for r in rows] == [(4 ** k * 1024, 2) for k in range(1, 6)]
+    zero = report["measurements"]["collectives"]
+    assert sorted((r["op"], r["bytes"]) for r in zero) == [(op, 2**20) for op in ("all_gather", "broadcast",
+                                                                                  "reduce_scatter")]
+    assert set(report["cluster"]["coefficients"]["collective_efficiency"]) == {"all_gather", "broadcast",
+                                                                               "reduce_scatter"}
     assert all(r["seconds"] > 0 for r in rows)
     assert report["measurements"]["matmul_flops"]["fp32"] and report["measurements"]["memory_bytes_per_s"] > 0
     cluster = load_cluster(str(out))

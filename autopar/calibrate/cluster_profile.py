@@ -38,6 +38,8 @@ class ProfileResult:
     backend: str
     device: str
     allreduce: list[tuple[int, int, float]] = field(default_factory=list)  # (bytes, ranks, seconds)
+    # (collective, bytes of the whole buffer, ranks, seconds) for the ZeRO collectives, large buffers
+    collectives: list[tuple[str, int, int, float]] = field(default_factory=list)
     matmul: dict = field(default_factory=dict)  # dtype -> {size: FLOP/s}
     memory_bytes_per_s: float = 0.0
     fit: dict = field(default_factory=dict)
@@ -46,14 +48,42 @@ class ProfileResult:
     def to_dict(self) -> dict:
         return {"backend": self.backend, "device": self.device,
                 "allreduce": [{"bytes": b, "ranks": n, "seconds": s} for b, n, s in self.allreduce],
+                "collectives": [{"op": op, "bytes": b, "ranks": n, "seconds": s} for op, b, n, s in self.collectives],
                 "matmul_flops": {d: {str(k): v for k, v in r.items()} for d, r in self.matmul.items()},
                 "memory_bytes_per_s": self.memory_bytes_per_s, "fit": self.fit, "wall_s": self.wall_s}
 
 
-# -- all-reduce ------------------------------------------------------------------------------------
-def _allreduce_worker(rank: int, world: int, backend: str, init_file: str, sizes: list[int], out: str) -> None:
-    """One rank: time all_reduce of fp32 tensors of each size; rank 0 writes the slowest rank's
-    time per operation (a collective ends when its last rank is done)."""
+# -- collectives -----------------------------------------------------------------------------------
+# What data parallelism runs besides DDP's all-reduce: FSDP's reduce-scatter and all-gather, and the
+# broadcast with which ZeroRedundancyOptimizer shares each rank's updated shard. Timed on buffers
+# of at least this many bytes (their bandwidth, relative to the all-reduce's, is what is kept).
+ZERO_COLLECTIVES = ("reduce_scatter", "all_gather", "broadcast")
+ZERO_MIN_BYTES = 2**20
+
+
+def _collective(name: str, x, world: int):
+    """A zero-argument call running collective `name` on buffer `x` (the whole, unsharded size)."""
+    import torch
+    import torch.distributed as dist
+
+    if name == "all_reduce":
+        return lambda: dist.all_reduce(x)
+    shard = torch.empty(x.numel() // world, dtype=x.dtype, device=x.device)
+    if name == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(shard, x)
+    if name == "all_gather":
+        return lambda: dist.all_gather_into_tensor(x, shard)
+
+    def broadcast_shards():  # every rank's shard from that rank, as ZeroRedundancyOptimizer does
+        for src in range(world):
+            dist.broadcast(x[src * shard.numel():(src + 1) * shard.numel()], src=src)
+    return broadcast_shards
+
+
+def _collectives_worker(rank: int, world: int, backend: str, init_file: str, sizes: list[int], out: str) -> None:
+    """One rank: time all_reduce of fp32 tensors of each size, and the ZeRO collectives on the
+    large ones; rank 0 writes the slowest rank's time per operation (a collective ends when its
+    last rank is done)."""
     import torch
     import torch.distributed as dist
 
@@ -68,56 +98,60 @@ def _allreduce_worker(rank: int, world: int, backend: str, init_file: str, sizes
         if cuda:
             torch.cuda.synchronize(device)
 
+    def timed(op) -> float:
+        for _ in range(2):  # warm-up: connections, buffers
+            op()
+        sync()
+        dist.barrier()
+        start = time.perf_counter()
+        op()
+        sync()
+        once = torch.tensor([time.perf_counter() - start], device=device)
+        dist.all_reduce(once, op=dist.ReduceOp.MAX)  # every rank agrees on the repeat count
+        repeats = int(min(MAX_REPEATS, max(3, MIN_SECONDS / max(once.item(), 1e-6))))
+        blocks = []
+        for _ in range(BLOCKS):  # the median block: robust to a busy machine's hiccups
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                op()
+            sync()
+            elapsed = torch.tensor([(time.perf_counter() - start) / repeats], device=device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            blocks.append(float(elapsed.item()))
+        return float(np.median(blocks))
+
     results = []
     try:
         for size in sizes:
-            x = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
-            for _ in range(2):  # warm-up: connections, buffers
-                dist.all_reduce(x)
-            sync()
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            sync()
-            once = torch.tensor([time.perf_counter() - start], device=device)
-            dist.all_reduce(once, op=dist.ReduceOp.MAX)  # every rank agrees on the repeat count
-            repeats = int(min(MAX_REPEATS, max(3, MIN_SECONDS / max(once.item(), 1e-6))))
-            blocks = []
-            for _ in range(BLOCKS):  # the median block: robust to a busy machine's hiccups
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    dist.all_reduce(x)
-                sync()
-                elapsed = torch.tensor([(time.perf_counter() - start) / repeats], device=device)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                blocks.append(float(elapsed.item()))
-            results.append((int(x.numel() * 4), world, float(np.median(blocks))))
+            x = torch.ones(max(world, size // 4 // world * world), dtype=torch.float32, device=device)
+            names = ("all_reduce",) + (ZERO_COLLECTIVES if size >= ZERO_MIN_BYTES else ())
+            results += [(name, int(x.numel() * 4), world, timed(_collective(name, x, world))) for name in names]
         if rank == 0:
             Path(out).write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
 
 
-def measure_allreduce(ranks: int, sizes=DEFAULT_SIZES, backend: str = "gloo", timeout_s: float = 300.0):
-    """(bytes, ranks, seconds) per size, for an all-reduce over `ranks` fresh processes."""
+def measure_collectives(ranks: int, sizes=DEFAULT_SIZES, backend: str = "gloo", timeout_s: float = 300.0):
+    """(collective, bytes, ranks, seconds) per collective and size, over `ranks` fresh processes."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="autopar-profile-") as tmp:
         out = os.path.join(tmp, "result.json")
-        ctx = mp.start_processes(_allreduce_worker, args=(ranks, backend, os.path.join(tmp, "store"), list(sizes), out),
+        ctx = mp.start_processes(_collectives_worker, args=(ranks, backend, os.path.join(tmp, "store"), list(sizes), out),
                                  nprocs=ranks, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
             while not ctx.join(timeout=1.0):
                 if time.monotonic() > deadline:
-                    raise AutoparError(f"all-reduce profiling over {ranks} {backend} processes took longer than "
+                    raise AutoparError(f"collective profiling over {ranks} {backend} processes took longer than "
                                        f"{timeout_s:.0f} s; use smaller --max-bytes or fewer --ranks")
         except mp.ProcessRaisedException as e:
-            raise AutoparError(f"all-reduce profiling over {ranks} {backend} processes failed: "
+            raise AutoparError(f"collective profiling over {ranks} {backend} processes failed: "
                                f"{str(e).strip().splitlines()[-1]}") from None
         except mp.ProcessExitedException as e:
-            raise AutoparError(f"an all-reduce profiling process exited with code {e.exit_code}") from None
+            raise AutoparError(f"a collective profiling process exited with code {e.exit_code}") from None
         finally:
             for p in ctx.processes:
                 if p.is_alive():
@@ -203,6 +237,19 @@ def fit_gemm_half(matmul: dict, peak: float) -> float:
 
 
 
+def collective_efficiency(allreduce, collectives) -> dict[str, float]:
+    """Each ZeRO collective's bandwidth relative to the all-reduce's on the same buffer and ranks:
+    a ring all-gather or reduce-scatter moves half of what an all-reduce does, so its ideal time is
+    half the measured all-reduce; the ratio is that over its measured time (median over sizes).
+    NCCL comes out near 1; gloo's reduce-scatter well below."""
+    reduce = {(b, n): t for b, n, t in allreduce}
+    ratios: dict[str, list[float]] = {}
+    for op, b, n, t in collectives:
+        if (b, n) in reduce and t > 0:
+            ratios.setdefault(op, []).append(reduce[(b, n)] / 2 / t)
+    return {op: float(np.median(r)) for op, r in sorted(ratios.items())}
+
+
 def fit_shm(rows) -> dict:
     """A ring's one-way rate, per-hop latency and per-call latency from (bytes, ranks, seconds):
     seconds = base + 2(n-1) hop + 2(n-1)/n bytes / rate (the cost model's all-reduce)."""
@@ -258,7 +305,9 @@ def profile_cluster(ranks=(2, 4), sizes=DEFAULT_SIZES, backend: str = "auto", ma
     result = ProfileResult(backend, "cuda" if backend == "nccl" else "cpu")
     for n in ranks:
         say(f"all-reduce over {n} {backend} processes, {len(sizes)} sizes")
-        result.allreduce += measure_allreduce(n, sizes, backend, timeout_s)
+        rows = measure_collectives(n, sizes, backend, timeout_s)
+        result.allreduce += [(b, k, t) for op, b, k, t in rows if op == "all_reduce"]
+        result.collectives += [row for row in rows if row[0] != "all_reduce"]
     device = "cuda" if backend == "nccl" else "cpu"
     dtypes = ("fp32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
     matmul_sizes = matmul_sizes or ((1024, 4096, 8192) if device == "cuda" else (256, 512, 1024))
@@ -280,7 +329,8 @@ def profile_cluster(ranks=(2, 4), sizes=DEFAULT_SIZES, backend: str = "auto", ma
         # the measured peak is what a large matmul reaches; the half point comes from the sizes;
         # Python and kernels share the cores, so host time adds to compute (host_overlap 1)
         coeffs = {"gemm_efficiency": 1.0, "gemm_half_flops": fit_gemm_half(result.matmul, best["fp32"]),
-                  "host_overlap": 1.0,
+                  "host_overlap": 1.0, "collective_efficiency": collective_efficiency(result.allreduce,
+                                                                                      result.collectives),
                   "hbm_efficiency": 1.0, "link_efficiency": {"shm": 1.0},
                   "latency_scale": 1.0, "collective_latency_s": link["collective_latency_s"]}
         cluster = dataclasses.replace(base, name="local-cpu-profiled", gpu=gpu, links=links, coefficients=coeffs)
@@ -303,6 +353,8 @@ def profile_cluster(ranks=(2, 4), sizes=DEFAULT_SIZES, backend: str = "auto", ma
         coeffs = {**start_c.to_dict(), **link_coeffs,
                   "gemm_efficiency": gemm, "gemm_half_flops": fit_gemm_half(result.matmul, max(best.values())),
                   "hbm_efficiency": min(1.0, result.memory_bytes_per_s / base.gpu.hbm_bytes_per_s)}
+        if result.collectives:
+            coeffs["collective_efficiency"] = collective_efficiency(result.allreduce, result.collectives)
         coeffs["link_efficiency"] = {**start_c.link_efficiency, **link_coeffs["link_efficiency"]}
         cluster = dataclasses.replace(base, name=f"{base.name}-profiled", coefficients=coeffs)
     result.wall_s = time.perf_counter() - start

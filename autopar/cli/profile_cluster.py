@@ -93,6 +93,10 @@ def _print(cluster, result, output, console) -> None:
     else:
         console.print(f"fitted {fit['kind']}: efficiency {fit['efficiency']:.3f}, per-call latency "
                       f"{fit['collective_latency_s'] * 1e6:.1f} us (MAPE {fit['mape']:.1%})")
+    efficiency = cluster.coefficients.get("collective_efficiency") or {}
+    if efficiency:
+        console.print("ZeRO collectives, bandwidth relative to the all-reduce's: "
+                      + ", ".join(f"{op} {e:.2f}" for op, e in efficiency.items()))
     for dtype, by_size in result.matmul.items():
         best = max(by_size.values())
         console.print(f"matmul {dtype}: {best / 1e9:.1f} GFLOP/s per process "
