@@ -210,8 +210,11 @@ def test_measured_reward_is_cached_by_workload_and_plan(tmp_path, monkeypatch):
     assert again["cached"] and again["reward"] == first["reward"]
     assert reward.key(plan) != reward.key(plan.with_(zero=1))
     assert len(read_records(tmp_path / "t.jsonl")[0]) == 1
-    with pytest.raises(Exception, match="plan is for 2 ranks"):
-        reward(plan.with_(dp=2))
+    repeated = reward.run(plan)  # a repeated run (traces collect --repeats) measures again
+    assert not repeated["cached"] and len(read_records(tmp_path / "t.jsonl")[0]) == 2
+    for call in (reward, reward.run):
+        with pytest.raises(Exception, match="plan is for 2 ranks"):
+            call(plan.with_(dp=2))
 
 
 def test_the_example_trains_saves_and_resumes_under_another_plan(tmp_path):

@@ -52,6 +52,8 @@ def add_parser(sub) -> None:
                      help="training precision (default fp32)")
     col.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
     col.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    col.add_argument("--repeats", type=int, default=1, metavar="R",
+                     help="runs of each plan, round by round (calibration takes their median; default 1)")
     col.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     col.add_argument("--timeout", type=float, default=300.0, metavar="S", help="per run (default 300 s)")
     col.add_argument("--seed", type=int, default=0, help="plan sampling seed (default 0)")
@@ -134,7 +136,8 @@ def run_collect(args) -> int:
     err = Console(stderr=True)
     runs = collect(args.model, parse_model_args(args.model_arg, None), args.global_batch, args.plans, nprocs,
                    cluster=args.cluster, precision=args.precision, output=args.output, steps=args.steps,
-                   warmup=args.warmup, seed=args.seed, timeout_s=args.timeout, backend=args.backend,
+                   warmup=args.warmup, seed=args.seed, repeats=args.repeats, timeout_s=args.timeout,
+                   backend=args.backend,
                    progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     if args.json:
         print_json({"output": args.output, "runs": runs})

@@ -97,4 +97,6 @@ def build_optimizer(params: list[nn.Parameter], optimizer_fn, plan: Plan, topo: 
     accepted = inspect.signature(cls.__init__).parameters  # defaults may hold derived settings
     settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [dict(g) for g in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=topo.group("dp"), **settings)
+    # bucket views: after the step each rank broadcasts its shard as one buffer, not one call per parameter
+    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=topo.group("dp"),
+                                   parameters_as_bucket_view=True, **settings)

@@ -50,11 +50,16 @@ class MeasuredReward:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def __call__(self, plan: Plan) -> dict:
-        if plan.world_size != self.nproc:
-            raise PlanError(f"the plan is for {plan.world_size} ranks but this reward backend runs {self.nproc}")
+        self._check(plan)
         key = self.key(plan)
         if key in self._cache:
             return {**self._cache[key], "cached": True}
+        return self.run(plan)
+
+    def run(self, plan: Plan) -> dict:
+        """Measure the plan now, even when the cache knows it (a repeated run), and cache the result."""
+        self._check(plan)
+        key = self.key(plan)
         record = self._measure(plan)
         ok = record is not None and record["outcome"] == "ok"
         entry = {"reward": -record["measured"]["median_step_s"] if ok else self.failure_reward, "record": record}
@@ -62,6 +67,10 @@ class MeasuredReward:
             self._cache[key] = entry
             self._save()
         return {**entry, "cached": False}
+
+    def _check(self, plan: Plan) -> None:
+        if plan.world_size != self.nproc:
+            raise PlanError(f"the plan is for {plan.world_size} ranks but this reward backend runs {self.nproc}")
 
     def _measure(self, plan: Plan) -> dict | None:
         """Run the plan; its trace record, or None when the launcher itself died."""

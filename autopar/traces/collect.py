@@ -67,10 +67,13 @@ def choose_plans(workload, k: int, seed: int = 0, backend: str = "gloo") -> list
 
 
 def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4), *, cluster=None,
-            precision: str = "fp32", output, steps: int = 5, warmup: int = 2, seed: int = 0,
+            precision: str = "fp32", output, steps: int = 5, warmup: int = 2, seed: int = 0, repeats: int = 1,
             timeout_s: float = 300.0, backend: str = "auto", progress=None) -> list[dict]:
-    """Run `plans` plans spread over the process counts, append every record to `output`, and
-    return one summary per run (plan, outcome, measured and predicted step time)."""
+    """Run `plans` plans spread over the process counts, `repeats` times each, append every record
+    to `output`, and return one summary per run (plan, outcome, measured and predicted step time).
+    Repeats go round by round (every plan once, then again), so a slow spell of a shared machine
+    touches one run of many plans rather than every run of one; calibration takes the median of a
+    plan's runs."""
     from autopar.cluster import detect, load_cluster
     from autopar.executor.mesh import resolve_backend
     from autopar.executor.reward import MeasuredReward
@@ -79,8 +82,9 @@ def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4
 
     say = progress or (lambda msg: None)
     nprocs = sorted(set(int(n) for n in nprocs))
-    if plans < 1 or not nprocs or nprocs[0] < 1:
-        raise AutoparError(f"need --plans >= 1 and process counts >= 1, got {plans} and {nprocs}")
+    if plans < 1 or repeats < 1 or not nprocs or nprocs[0] < 1:
+        raise AutoparError(f"need --plans >= 1, --repeats >= 1 and process counts >= 1, got {plans}, {repeats} "
+                           f"and {nprocs}")
     backend = resolve_backend(backend)
     profile = profile_model(model, model_args, dtype=precision)
     base = load_cluster(cluster) if cluster else (load_cluster("cpu") if backend == "gloo" else detect())
@@ -93,9 +97,9 @@ def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4
         chosen = choose_plans(workload, k, seed, backend)
         reward = MeasuredReward(model, model_args, steps=steps, warmup=warmup, nproc=n, timeout_s=timeout_s,
                                 backend=backend, trace_path=output)
-        for j, plan in enumerate(chosen, start=1):
+        for j, plan in ((j, plan) for _ in range(repeats) for j, plan in enumerate(chosen, start=1)):
             say(f"{n} ranks, plan {j}/{len(chosen)}: {plan.describe()}")
-            out = reward(plan)
+            out = reward.run(plan)
             record = out["record"] or {}
             measured = (record.get("measured") or {}).get("median_step_s")
             predicted = (record.get("predicted") or {}).get("iteration_time_s")
