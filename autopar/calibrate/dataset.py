@@ -93,6 +93,17 @@ class Dataset:
         """Whether some row runs tensor parallelism (and so DTensor's dispatch on its host)."""
         return any(bool((g.plans.tp > 1).any()) for g in self.groups)
 
+    def selective(self) -> bool:
+        """Whether some row recomputes selectively."""
+        from autopar.plan import RECOMPUTE_MODES
+
+        return any(bool((g.plans.recompute == RECOMPUTE_MODES.index("selective")).any()) for g in self.groups)
+
+    def sharded_optimizer(self) -> bool:
+        """Whether some rows shard the optimizer step over data-parallel ranks and others do not."""
+        sharded = np.concatenate([(g.plans.zero >= 1) & (g.plans.dp > 1) for g in self.groups])
+        return bool(sharded.any() and not sharded.all())
+
     def link_kinds(self) -> set[str]:
         """Link kinds that some row's tensor-, data- or pipeline-parallel group communicates over."""
         kinds = set()
@@ -119,8 +130,10 @@ def model_label(model: dict) -> str:
 
 def build_dataset(records, cluster, sources: list[str] | None = None) -> Dataset:
     """A Dataset of the records with outcome "ok" on `cluster` (a Cluster, or a preset name / cluster
-    JSON path), each sized to its record's nodes and GPUs per node. Profiles are loaded once per
-    model and precision (from the profile cache when warm)."""
+    JSON path), each sized to its record's nodes and GPUs per node. Records of the same plan of the
+    same workload (repeated runs) make one row: the median of their times, labelled with the first
+    record's source and the number of runs. Profiles are loaded once per model and precision (from
+    the profile cache when warm)."""
     from autopar.cluster import Cluster, load_cluster
     from autopar.cost import PlanArrays
     from autopar.plan import Plan
@@ -132,7 +145,8 @@ def build_dataset(records, cluster, sources: list[str] | None = None) -> Dataset
     profiles: dict[tuple, object] = {}
     clusters: dict[tuple, object] = {}
     buckets: dict[tuple, dict] = {}
-    measured, labels, skipped = [], [], []
+    samples, labels, skipped = [], [], []  # per row: the measured seconds of each run of its plan
+    rows_of: dict[tuple, int] = {}
     for n, record in enumerate(records):
         source = sources[n] if sources else f"record {n + 1}"
         if record.outcome != "ok":
@@ -160,17 +174,25 @@ def build_dataset(records, cluster, sources: list[str] | None = None) -> Dataset
             plan.validate(workload)
         except AutoparError as e:
             raise AutoparError(f"{source}: {e}") from None
+        seconds = float(record.measured["median_step_s"])
+        run = key + size + (batch, json.dumps(record.plan, sort_keys=True))
+        if run in rows_of:  # the same plan measured again: one row, the median of its runs
+            samples[rows_of[run]].append(seconds)
+            continue
+        rows_of[run] = len(samples)
         bucket = buckets.setdefault(key + size, {"workload": workload, "plans": [], "rows": []})
         bucket["plans"].append(plan)
-        bucket["rows"].append(len(measured))
-        measured.append(float(record.measured["median_step_s"]))
+        bucket["rows"].append(len(samples))
+        samples.append([seconds])
         dims = model.get("dims") or {}
         labels.append({"model": model_label(model), "params": model.get("params"), "gpus": size[0] * size[1],
                        "nodes": size[0], "global_batch": batch, "plan": plan.describe(), "source": source,
                        "shape": dims.get("hidden"), "layers": dims.get("layers")})
+    for label, times in zip(labels, samples):
+        label["runs"] = len(times)
     groups = [Group(b["workload"], PlanArrays.from_plans(b["plans"], b["workload"].profile), np.array(b["rows"]))
               for b in buckets.values()]
-    return Dataset(np.array(measured), groups, labels, base, skipped)
+    return Dataset(np.array([float(np.median(t)) for t in samples]), groups, labels, base, skipped)
 
 
 def load_traces(paths, strict: bool = False):

@@ -50,6 +50,10 @@ PARAMS = {p.name: p for p in (
     Param("block_host_s", 1e-7, 1e-1, log=True, help="host seconds per block per pass (launches, Python)",
           start=1e-4),
     Param("host_overlap", 1.0, 32.0, log=True, help="p of the p-norm of host and GPU time per micro-batch"),
+    Param("optimizer_bytes_per_param", 8.0, 1024.0, log=True,
+          help="memory traffic of the optimizer step per parameter (fused Adam: 32 bytes)"),
+    Param("selective_host_s", 1e-7, 1e-1, log=True, start=1e-4,
+          help="extra host seconds per block per micro-batch under selective recompute (checkpoint dispatch)"),
     Param("tp_host_s", 1e-7, 1e-1, log=True, help="extra host seconds per block per pass under TP (DTensor dispatch)",
           start=1e-4),
 )}
@@ -113,8 +117,9 @@ CEILING_SPAN = 10.0  # fit the GEMM-efficiency ceiling only with blocks this man
 MIN_PARAMETERS = 3  # fewer rows than ROWS_PER_PARAMETER x this: too few to calibrate
 # The order in which coefficients are given up when there are too few rows for all of them: what
 # explains most of a step comes first (the compute rate, fixed costs, the links).
-PRIORITY = ("gemm_efficiency", "step_overhead_s", "block_host_s", "link_efficiency", "collective_latency_s",
-            "gemm_half_flops", "tp_host_s", "elementwise_traffic", "host_overlap", "latency_scale", "dp_overlap")
+PRIORITY = ("gemm_efficiency", "step_overhead_s", "block_host_s", "tp_host_s", "selective_host_s",
+            "link_efficiency", "optimizer_bytes_per_param", "collective_latency_s", "gemm_half_flops",
+            "elementwise_traffic", "host_overlap", "latency_scale", "dp_overlap")
 
 
 def default_parameters(dataset, start: Coefficients | None = None, fixed=(), rows: int | None = None) -> list[str]:
@@ -129,7 +134,10 @@ def default_parameters(dataset, start: Coefficients | None = None, fixed=(), row
     - a link kind's efficiency only when some row communicates over it, with latency_scale and
       collective_latency_s;
     - dp_overlap only when some row reduces gradients in more than one bucket;
-    - tp_host_s only when some row runs tensor parallelism;
+    - tp_host_s only when some row runs tensor parallelism, selective_host_s only when some row
+      recomputes selectively;
+    - optimizer_bytes_per_param only when some rows shard the optimizer step and others do not (the
+      step is otherwise too small a part of every row to tell from the compute);
     - never hbm_efficiency: elementwise time depends on elementwise_traffic / hbm_efficiency only,
       so the pair is degenerate but for the optimizer step, too small a part of a step to tell
       (give it in --params to fit it anyway).
@@ -147,6 +155,10 @@ def default_parameters(dataset, start: Coefficients | None = None, fixed=(), row
         names.append("dp_overlap")
     if dataset.tensor_parallel():
         names.append("tp_host_s")
+    if dataset.selective():
+        names.append("selective_host_s")
+    if dataset.sharded_optimizer():
+        names.append("optimizer_bytes_per_param")
     order = list(PRIORITY) if ceiling else ["gemm_half_flops", *(p for p in PRIORITY if p != "gemm_half_flops")]
     names = sorted((n for n in names if n not in set(fixed)), key=lambda n: order.index(n.split(".")[0]))
     if rows is not None:

@@ -42,14 +42,22 @@ class Coefficients:
     host_overlap: float = 4.0  # 1: host and GPU work add up; large: the larger of the two (fully hidden)
     tp_host_s: float = 0.0  # extra host seconds per block per pass when tp > 1: DTensor's dispatch
     # (sharding propagation and redistribution run in Python for every op of a tensor-parallel block)
+    selective_host_s: float = 0.0  # extra host seconds per block per micro-batch under selective recompute:
+    # PyTorch's selective checkpoint caches every kept op's output and replays the block in Python
+    # bandwidth of ZeRO's collectives relative to the all-reduce's (reduce_scatter, all_gather: FSDP;
+    # broadcast: ZeroRedundancyOptimizer's shards), measured by `autopar profile-cluster`; 1 if absent
+    collective_efficiency: dict = field(default_factory=dict)
 
     @property
     def host(self) -> bool:
         """Whether the host's launch time is modelled at all."""
-        return self.block_host_s > 0 or self.tp_host_s > 0
+        return self.block_host_s > 0 or self.tp_host_s > 0 or self.selective_host_s > 0
 
     def link(self, kind: str) -> float:
         return self.link_efficiency.get(kind, 1.0)
+
+    def collective(self, name: str) -> float:
+        return self.collective_efficiency.get(name, 1.0)
 
     def to_dict(self) -> dict:
         return asdict(self)

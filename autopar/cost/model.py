@@ -145,7 +145,9 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
         # recompute replays the forward of its blocks (selective too: the checkpoint reruns every op,
         # returning the kept outputs of all but the attention core)
         replayed = np.where(mode == SELECTIVE, n_layers, ckpt_frac * n_layers)
-        per_mb = _norm(gpu_mb, per_pass * (3 * counts.sum(axis=2) + replayed), c.host_overlap)
+        checkpointing = np.where(mode == SELECTIVE, c.selective_host_s, 0.0) * n_layers
+        host_mb = per_pass * (3 * counts.sum(axis=2) + replayed) + checkpointing
+        per_mb = _norm(gpu_mb, host_mb, c.host_overlap)
     else:
         per_mb = gpu_mb
 
@@ -223,9 +225,10 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     if base:
         reduce_all = reduce_all + n_buckets * base
     ddp = np.maximum(reduce_all - hide_b, all_reduce_time(np.minimum(grad_bytes, bucket), dpn, dp_bw, dp_lat, base))
-    scatter = all_gather_time(grad_bytes, dpn, dp_bw, dp_lat, base)
+    scatter = all_gather_time(grad_bytes, dpn, dp_bw * c.collective("reduce_scatter"), dp_lat, base)
     scatter = np.maximum(scatter - hide_b, scatter / n_buckets)
-    gather = all_gather_time(param_bytes, dpn, dp_bw, dp_lat, base)
+    gather = all_gather_time(param_bytes, dpn, dp_bw * c.collective("all_gather"), dp_lat, base)
+    broadcast = all_gather_time(param_bytes, dpn, dp_bw * c.collective("broadcast"), dp_lat, base)
     # FSDP2 reduce-scatters after every micro-batch's backward (gradients stay sharded) unless the
     # pipeline schedule accumulates them unsharded and reduces once, after the last micro-batch
     # (torch.distributed.pipelining does with more than one micro-batch); ZeRO-2 keeps the gathered
@@ -235,7 +238,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     scatters = np.where(accumulate, 1.0, nmb) * scatter
     dp_time = np.select(
         [zero == 0, zero == 1, zero == 2],
-        [ddp, ddp + gather, scatters + np.maximum(gather - hide_f, 0)],
+        [ddp, ddp + broadcast, scatters + np.maximum(gather - hide_f, 0)],
         scatters + nmb * np.maximum(2 * gather - hide_f - hide_b, (dpn - 1) * dp_lat + base))
     dp_time = np.where(dpn > 1, dp_time, 0.0)
     offload = np.asarray(pa.offload, dtype=bool)[:, None]
