@@ -356,7 +356,7 @@ def default_cache() -> str:
 
 
 def train_measured(model: str, model_args: dict, *, cluster: str, gpus_per_node: int | None, global_batch: int,
-                   restrict: dict, budget: int, steps: int = 3, warmup: int = 1, cache: str | None = None,
+                   restrict: dict, budget: int, steps: int = 20, warmup: int = 3, cache: str | None = None,
                    output: str = "policy.zip", seed: int = 0, console=None, backend=None) -> dict:
     """`autopar train --reward measured`: the restricted space of the workload, the shipped policy
     as the start (the cost-model prior), `finetune` within the budget inside `policies.train.train`

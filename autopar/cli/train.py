@@ -50,8 +50,9 @@ def add_parser(sub) -> None:
                    help="values a knob may take (repeatable; KNOB=* frees it). Defaults: zero=0,1,3 "
                         "recompute=none,full schedule=1f1b sequence_parallel=false comm_dtype=fp32 bucket=25 "
                         "mesh_order=first; dp/pp/tp and micro_batch vary")
-    m.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
-    m.add_argument("--warmup", type=int, default=1, help="untimed steps per run (default 1)")
+    m.add_argument("--steps", type=int, default=20,
+                   help="timed steps per run; their median is the reward (default 20: runs cost their start-up)")
+    m.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default 3)")
     m.add_argument("--cache", default=None, metavar="FILE.json",
                    help="measurement cache (default: measured-rewards.json in the autopar cache directory)")
     p.add_argument("-o", "--output", default="policy.zip", metavar="policy.zip", help="where to write the policy")
