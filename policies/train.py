@@ -172,6 +172,7 @@ def train(cfg: TrainConfig, console, *, pool: list | None = None, validation: li
     finish: `finish(model) -> dict`, called after training; its keys are added to the metadata."""
     import torch
     from sb3_contrib import MaskablePPO
+    from stable_baselines3.common.logger import Logger
     from stable_baselines3.common.monitor import Monitor
     from stable_baselines3.common.vec_env import DummyVecEnv
     from torch import nn
@@ -225,6 +226,9 @@ def train(cfg: TrainConfig, console, *, pool: list | None = None, validation: li
             with console.status("imitating the oracle (behaviour cloning, then DAgger)"):
                 imitation(model, pool, reward.oracle, cfg.imitation_epochs, cfg.dagger_rounds, cfg.seed, report)
     remaining = cfg.timesteps - model.num_timesteps
+    # progress goes to the console; SB3's default logger would leave an empty SB3-<date> folder in
+    # the temporary directory on every call
+    model.set_logger(Logger(folder=None, output_formats=[]))
     if remaining > 0:
         model.learn(total_timesteps=remaining, reset_num_timesteps=False,
                     callback=_callbacks(cfg, console, validation, reward, history, model.num_timesteps))

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 
@@ -32,10 +33,19 @@ def pool_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained(pool_file, tmp_path_factory):
+def trained(pool_file, tmp_path_factory, monkeypatch_module):
     out = tmp_path_factory.mktemp("policy") / "p.zip"
+    scratch = tmp_path_factory.mktemp("tmp")  # no SB3 log folder left in the temporary directory
+    monkeypatch_module.setattr(tempfile, "tempdir", str(scratch))
     assert main(["train", "--workloads", str(pool_file), "-o", str(out), *SMALL]) == 0
+    assert list(scratch.glob("SB3-*")) == []
     return out
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
 
 
 def test_smoke_training_writes_a_policy_with_metadata(trained):
