@@ -8,9 +8,11 @@ interleaved); data-parallel gradient reduction runs in buckets under the last ba
 its excess is exposed; the optimizer step is memory-bound. Small runs add fixed costs the big ones
 hide: each collective call's base latency (`collective_latency_s`), and the host's kernel
 launches (`block_host_s` per block per pass, plus `tp_host_s` for DTensor's dispatch under
-tensor parallelism), which the GPU hides only while it has more work
-queued than the host takes to launch it: a micro-batch on a rank takes the `host_overlap`-norm
-of its GPU time and its host time (the excess is reported as "overhead"). Memory is the exact sum of weights,
+tensor parallelism and `selective_host_s` for PyTorch's selective checkpoint), which the GPU hides
+only while it has more work queued than the host takes to launch it: a micro-batch on a rank
+takes the `host_overlap`-norm of its GPU time and its host time (the excess is reported as
+"overhead"). ZeRO's collectives follow what the executor runs (FSDP2, ZeroRedundancyOptimizer,
+torch.distributed.pipelining), at their measured `collective_efficiency`. Memory is the exact sum of weights,
 gradients, master weights and Adam moments by ZeRO stage, the activations the schedule keeps in
 flight on each rank (from the profiled saved bytes), communication buffers and a workspace.
 
