@@ -236,7 +236,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     # (torch.distributed.pipelining does with more than one micro-batch); ZeRO-2 keeps the gathered
     # parameters across micro-batches, ZeRO-3 gathers them for each forward and backward
     nmb = col(pa.nmb)
-    accumulate = col((pa.pp > 1) & (pa.nmb > 1)).astype(bool)
+    accumulate = ((pa.pp > 1) & (pa.nmb > 1))[:, None]
     scatters = np.where(accumulate, 1.0, nmb) * scatter
     dp_time = np.select(
         [zero == 0, zero == 1, zero == 2],

@@ -50,15 +50,15 @@ class MeasuredReward:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def __call__(self, plan: Plan) -> dict:
-        self._check(plan)
-        key = self.key(plan)
+        key = self.key(plan)  # a plan for another world size is never cached: `run` refuses it
         if key in self._cache:
             return {**self._cache[key], "cached": True}
         return self.run(plan)
 
     def run(self, plan: Plan) -> dict:
         """Measure the plan now, even when the cache knows it (a repeated run), and cache the result."""
-        self._check(plan)
+        if plan.world_size != self.nproc:
+            raise PlanError(f"the plan is for {plan.world_size} ranks but this reward backend runs {self.nproc}")
         key = self.key(plan)
         record = self._measure(plan)
         ok = record is not None and record["outcome"] == "ok"
@@ -67,10 +67,6 @@ class MeasuredReward:
             self._cache[key] = entry
             self._save()
         return {**entry, "cached": False}
-
-    def _check(self, plan: Plan) -> None:
-        if plan.world_size != self.nproc:
-            raise PlanError(f"the plan is for {plan.world_size} ranks but this reward backend runs {self.nproc}")
 
     def _measure(self, plan: Plan) -> dict | None:
         """Run the plan; its trace record, or None when the launcher itself died."""

@@ -97,7 +97,7 @@ def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4
         chosen = choose_plans(workload, k, seed, backend)
         reward = MeasuredReward(model, model_args, steps=steps, warmup=warmup, nproc=n, timeout_s=timeout_s,
                                 backend=backend, trace_path=output)
-        for j, plan in ((j, plan) for _ in range(repeats) for j, plan in enumerate(chosen, start=1)):
+        for j, plan in [*enumerate(chosen, start=1)] * repeats:  # round by round
             say(f"{n} ranks, plan {j}/{len(chosen)}: {plan.describe()}")
             out = reward.run(plan)
             record = out["record"] or {}
