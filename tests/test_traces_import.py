@@ -129,3 +129,13 @@ def test_collect_chooses_the_planners_best_then_distinct_plans():
     assert all(estimate(w, p).fits for p in plans)
     assert all(not p.offload_optimizer and p.schedule != "interleaved" for p in plans[1:])
     assert [p.describe() for p in choose_plans(w, 8, seed=0)] == [p.describe() for p in plans]
+
+
+@pytest.mark.parametrize("flags, flag", [(["--plans", "0"], "--plans"),
+                                         (["--plans", "2", "--repeats", "0"], "--repeats")])
+def test_cli_collect_bad_counts_exit_2_without_output(flags, flag, tmp_path, capsys):
+    out = tmp_path / "t.jsonl"
+    assert main(["traces", "collect", "gpt", *flags, "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"autopar: error: {flag} must be at least 1, got 0"
+    assert not out.exists()

@@ -130,7 +130,7 @@ def run_collect(args) -> int:
         nprocs = [int(n) for n in args.nproc.split(",") if n.strip()]
     except ValueError:
         raise AutoparError(f"--nproc expects process counts like 2,4; got {args.nproc!r}") from None
-    for flag in ("plans", "global_batch", "steps"):
+    for flag in ("plans", "repeats", "global_batch", "steps"):
         if getattr(args, flag) < 1:
             raise AutoparError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     err = Console(stderr=True)
