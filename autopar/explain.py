@@ -44,7 +44,7 @@ def _variants(workload, plan: Plan) -> dict[str, list[tuple[str, Plan]]]:
                 recompute_blocks=keep, layer_split=())))
     for mbs in micro_batch_choices(workload, plan.dp):
         if mbs != plan.micro_batch_size:
-            out["micro-batch"].append((f"micro-batch {mbs}", dict(
+            out["micro-batch"].append((f"micro-batch {mbs}x{batch // (plan.dp * mbs)}", dict(
                 micro_batch_size=mbs, num_micro_batches=batch // (plan.dp * mbs))))
     if plan.dp > 1:
         out["zero"] = [(f"ZeRO-{z}", dict(zero=z, offload_optimizer=plan.offload_optimizer and z >= 2))
@@ -79,7 +79,7 @@ def _recompute_label(mode: str, blocks: int) -> str:
 def _chosen(plan: Plan, knob: str) -> str:
     return {
         "degrees": f"dp{plan.dp} tp{plan.tp} pp{plan.pp}",
-        "micro-batch": f"micro-batch {plan.micro_batch_size} x {plan.num_micro_batches}",
+        "micro-batch": f"micro-batch {plan.micro_batching}",
         "zero": f"ZeRO-{plan.zero}",
         "recompute": _recompute_label(plan.recompute, plan.recompute_blocks),
         "schedule": plan.schedule if plan.virtual_stages == 1 else f"interleaved:{plan.virtual_stages}",
@@ -94,7 +94,7 @@ def explain(workload, plan: Plan, coeffs=None) -> list[Reason]:
     pa = PlanArrays.from_plans([plan] + [p for _, _, p in flat], workload.profile)
     res = evaluate(workload, pa, coeffs)
     base = res["iteration_time"][0]
-    memory = workload.cluster.gpu.memory_bytes
+    memory = workload.memory_budget
     reasons = []
     for knob in variants:
         rows = [i + 1 for i, (k, _, _) in enumerate(flat) if k == knob]
@@ -109,7 +109,7 @@ def explain(workload, plan: Plan, coeffs=None) -> list[Reason]:
         else:
             i = min(rows, key=lambda j: res["peak_memory"][j])
             text = (f"no other choice fits in memory: the leanest, {flat[i - 1][1]}, needs "
-                    f"{res['peak_memory'][i] / 1e9:.1f} GB > {memory / 1e9:.0f} GB")
+                    f"{res['peak_memory'][i] / 1e9:.1f} GB > {memory / 1e9:.1f} GB usable")
         reasons.append(Reason(knob, _chosen(plan, knob), text))
     return reasons
 

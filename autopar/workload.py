@@ -10,12 +10,23 @@ if TYPE_CHECKING:
     from autopar.profile.model_profile import ModelProfile
 
 
+# Fraction of each GPU's memory a plan leaves free: PyTorch's caching allocator rounds and
+# fragments blocks, so a plan that fills 77 of 80 GB on paper runs out of memory in practice.
+DEFAULT_MEMORY_HEADROOM = 0.10
+
+
 @dataclass(frozen=True)
 class Workload:
     profile: ModelProfile
     cluster: Cluster
     global_batch: int
     optimizer: str = "adam"  # adam keeps two fp32 moments per parameter
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM
+
+    @property
+    def memory_budget(self) -> float:
+        """Bytes a plan may use per GPU: the GPU's memory less the headroom."""
+        return self.cluster.gpu.memory_bytes * (1 - self.memory_headroom)
 
     @property
     def world_size(self) -> int:

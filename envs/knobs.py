@@ -99,7 +99,7 @@ class PlanSpace:
     def __init__(self, workload, coeffs=None):
         self.workload = workload
         self.coeffs = coeffs
-        self.capacity = workload.cluster.gpu.memory_bytes
+        self.capacity = workload.memory_budget
         self.table = SplitTable(workload.profile)
         self._memo: dict[tuple, StepInfo] = {}
         self.evaluations = 0  # plans evaluated by the cost model for steps not yet memoised

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from autopar.search.simplicity import TIE
 from autopar.cli import main
 from autopar.cost import estimate
 from autopar.errors import AutoparError
@@ -45,7 +46,8 @@ def test_top_k_plans_are_distinct_and_ranked_by_the_cost_model(small, decode):
     plans = planner.propose(small, 4)
     assert len(set(plans)) == len(plans) >= 2
     times = [estimate(small, p).iteration_time_s for p in plans]
-    assert times == sorted(times) and len(planner.confidences) == len(plans)
+    # fastest first, except that a simpler plan within the tie tolerance goes first
+    assert all(b <= a * (1 + TIE) for a, b in zip(times[1:], times)) and len(planner.confidences) == len(plans)
 
 
 def test_unknown_decode_is_refused():

@@ -10,7 +10,7 @@ from autopar.cost import PlanArrays, estimate, evaluate
 from autopar.errors import NoValidPlanError
 from autopar.plan import Plan
 from autopar.search import get_planner, planner_names
-from autopar.search.exhaustive import TIE
+from autopar.search.simplicity import TIE
 from autopar.search.space import enumerate_plans
 from conftest import workload
 

@@ -7,6 +7,7 @@ import json
 import sys
 
 from autopar.errors import AutoparError
+from autopar.workload import DEFAULT_MEMORY_HEADROOM
 
 DEFAULT_CLUSTER = "dgx-a100-80g"
 DEFAULT_GLOBAL_BATCH = 512
@@ -26,6 +27,9 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
                         help="sequence length (passed to the model as seq_len)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16",
                         help="training precision (default bf16)")
+    parser.add_argument("--memory-headroom", type=float, default=DEFAULT_MEMORY_HEADROOM, metavar="F",
+                        help="fraction of GPU memory plans leave free for the allocator's fragmentation "
+                             f"(default {DEFAULT_MEMORY_HEADROOM:g})")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -65,9 +69,11 @@ def load_workload(args, nodes: int | None = None, global_batch: int | None = Non
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise AutoparError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if not 0 <= args.memory_headroom < 1:
+        raise AutoparError(f"--memory-headroom must be a fraction in [0, 1), got {args.memory_headroom}")
     cluster = load_cluster(args.cluster, nodes=args.nodes or nodes, gpus_per_node=args.gpus_per_node)
     profile = profile_model(args.model, parse_model_args(args.model_arg, args.seq_len), dtype=args.precision)
-    return Workload(profile=profile, cluster=cluster, global_batch=batch)
+    return Workload(profile=profile, cluster=cluster, global_batch=batch, memory_headroom=args.memory_headroom)
 
 
 def print_json(obj) -> None:
@@ -79,4 +85,5 @@ def workload_dict(workload) -> dict:
     p, c = workload.profile, workload.cluster
     return {"model": p.name, "params": p.params, "layers": p.num_layers, "seq_len": p.seq_len,
             "dims": p.dims, "cluster": c.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
-            "gpu": c.gpu.name, "global_batch": workload.global_batch, "precision": p.dtype}
+            "gpu": c.gpu.name, "global_batch": workload.global_batch, "precision": p.dtype,
+            "memory_headroom": workload.memory_headroom}

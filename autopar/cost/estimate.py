@@ -19,6 +19,7 @@ class Estimate:
     memory: dict[str, float]  # bytes per MEMORY_PARTS entry on the most loaded GPU
     peak_memory_bytes: float
     gpu_memory_bytes: float
+    usable_memory_bytes: float  # the GPU's memory less the workload's headroom
     model_flops: float  # per iteration, recompute not counted
     hw_flops: float  # per iteration, recompute counted
     num_gpus: int
@@ -27,7 +28,7 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.peak_memory_bytes <= self.gpu_memory_bytes
+        return self.peak_memory_bytes <= self.usable_memory_bytes
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -54,6 +55,7 @@ class Estimate:
             "tokens_per_s": self.tokens_per_s,
             "peak_memory_gb": self.peak_memory_bytes / 1e9,
             "gpu_memory_gb": self.gpu_memory_bytes / 1e9,
+            "usable_memory_gb": self.usable_memory_bytes / 1e9,
             "fits": self.fits,
             "breakdown": dict(self.breakdown),
             "memory_gb": {k: v / 1e9 for k, v in self.memory.items()},
@@ -73,6 +75,7 @@ def estimates_from(workload, pa: PlanArrays, result: dict[str, np.ndarray], inde
             memory={p: float(result[p][i]) for p in MEMORY_PARTS},
             peak_memory_bytes=float(result["peak_memory"][i]),
             gpu_memory_bytes=float(gpu.memory_bytes),
+            usable_memory_bytes=float(workload.memory_budget),
             model_flops=float(result["model_flops"][i]),
             hw_flops=float(result["hw_flops"][i]),
             num_gpus=workload.cluster.num_gpus,

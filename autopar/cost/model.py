@@ -285,5 +285,5 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
         "hw_flops": (part["model_flops_per_sample"] + part["recompute_flops_per_sample"]) * workload.global_batch,
     })
     out.update({name: np.take_along_axis(value, at_peak, axis=1)[:, 0] for name, value in mem.items()})
-    out["fits"] = out["peak_memory"] <= cluster.gpu.memory_bytes
+    out["fits"] = out["peak_memory"] <= workload.memory_budget
     return out

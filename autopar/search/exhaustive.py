@@ -6,12 +6,12 @@ import numpy as np
 
 from autopar.cost import Coefficients, PlanArrays, evaluate
 from autopar.errors import NoValidPlanError
-from autopar.plan import COMM_DTYPES, SCHEDULES, Plan
+from autopar.plan import Plan
 from autopar.search.base import Planner
-from autopar.search.space import BUCKETS_MB, TP_INNER, degree_choices, enumerate_plans
+from autopar.search.simplicity import simplest_first, tie_buckets
+from autopar.search.space import degree_choices, enumerate_plans
 
 CHUNK = 1 << 17
-TIE = 5e-3  # plans within 0.5% are equally fast for the cost model: the simpler one wins
 STRUCTURE = ("dp", "tp", "pp", "mbs", "recompute", "recompute_blocks", "schedule", "v", "sp")
 
 
@@ -28,7 +28,7 @@ class ExhaustivePlanner(Planner):
 
     def ranked(self, workload, k: int) -> tuple[PlanArrays, dict[str, np.ndarray]]:
         """The k best plans that fit, with their cost-model results, best first. Plans within
-        0.5% (TIE) of each other count as ties, broken towards the simpler plan, and a plan that
+        0.5% (simplicity.TIE) of each other count as ties, broken towards the simplest plan, and a plan that
         differs from a better one only in a data-parallel detail (ZeRO, buckets, gradient
         dtype, offload, mesh order) is left out, so the runners-up are real alternatives."""
         space = enumerate_plans(workload)
@@ -47,26 +47,25 @@ class ExhaustivePlanner(Planner):
         if len(rows) == 0:
             raise memory_error(workload, least_memory)
         shortlist = space.take(rows)
-        res = evaluate(workload, shortlist, self.coeffs)
-        tie = np.floor(np.log(res["iteration_time"] / res["iteration_time"].min()) / np.log1p(TIE))
-        order = np.lexsort((_complexity(shortlist), tie))
-        chosen, seen = [], set()
-        for i in order:
-            key = tuple(int(getattr(shortlist, f)[i]) for f in STRUCTURE)
+        times = evaluate(workload, shortlist, self.coeffs)["iteration_time"]
+        # only the tie buckets down to the k-th distinct structure can hold the answer: those become Plans
+        buckets, chosen, seen = tie_buckets(times), [], set()
+        for i in np.argsort(times, kind="stable"):
+            seen.add(tuple(int(getattr(shortlist, f)[i]) for f in STRUCTURE))
+            if len(seen) == k:
+                break
+        band = np.flatnonzero(buckets <= buckets[i])
+        plans = [shortlist.plan(int(j)) for j in band]
+        seen = set()
+        for j in simplest_first(plans, times[band]):
+            key = tuple(int(getattr(shortlist, f)[band[j]]) for f in STRUCTURE)
             if key not in seen:
                 seen.add(key)
-                chosen.append(i)
+                chosen.append(band[j])
             if len(chosen) == k:
                 break
         best = shortlist.take(np.array(chosen))
         return best, evaluate(workload, best, self.coeffs)
-
-
-def _complexity(pa: PlanArrays) -> np.ndarray:
-    """How much machinery a plan needs beyond plain DDP: the tie-breaker between equal plans."""
-    return (pa.zero + (pa.comm != COMM_DTYPES.index("fp32")) + 2 * pa.offload + (pa.recompute != 0)
-            + (pa.order != TP_INNER) + (pa.schedule == SCHEDULES.index("interleaved")) + pa.sp
-            + (pa.bucket_mb != BUCKETS_MB[1]))
 
 
 def no_plan_error(workload) -> NoValidPlanError:
@@ -87,8 +86,9 @@ def no_plan_error(workload) -> NoValidPlanError:
 
 def memory_error(workload, least_bytes: float) -> NoValidPlanError:
     gpu = workload.cluster.gpu
-    need_gpus = int(np.ceil(workload.world_size * least_bytes / gpu.memory_bytes))
+    need_gpus = int(np.ceil(workload.world_size * least_bytes / workload.memory_budget))
     return NoValidPlanError(
         f"{workload.profile.name} fits no plan on {workload.world_size} x {gpu.name}: the leanest plan needs "
-        f"{least_bytes / 1e9:.1f} GB per GPU but a GPU has {gpu.memory_bytes / 1e9:.0f} GB; use about "
+        f"{least_bytes / 1e9:.1f} GB per GPU but {workload.memory_budget / 1e9:.1f} GB of a GPU's "
+        f"{gpu.memory_bytes / 1e9:.0f} GB are usable (memory headroom {workload.memory_headroom:.0%}); use about "
         f"{need_gpus} or more GPUs, GPUs with more memory, or a smaller global batch")

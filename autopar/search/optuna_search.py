@@ -71,7 +71,7 @@ class OptunaPlanner(Planner):
         peak = float(res["peak_memory"][0])
         trial.set_user_attr("plan", plan.to_dict())
         trial.set_user_attr("peak_memory", peak)
-        trial.set_constraint(CONSTRAINT, (peak - workload.cluster.gpu.memory_bytes) / 1e9)
+        trial.set_constraint(CONSTRAINT, (peak - workload.memory_budget) / 1e9)
         return float(res["iteration_time"][0])
 
     def _study(self, optuna, workload):
@@ -102,7 +102,7 @@ class OptunaPlanner(Planner):
 def _study_key(workload) -> str:
     """A short hash of everything the study's space and objective depend on."""
     text = json.dumps([workload.profile.digest, workload.cluster.to_dict(), workload.global_batch,
-                       workload.optimizer], sort_keys=True)
+                       workload.optimizer, workload.memory_headroom], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

@@ -16,6 +16,7 @@ from autopar.cost import PlanArrays, evaluate
 from autopar.plan import Plan
 from autopar.search.base import Planner
 from autopar.search.exhaustive import memory_error, no_plan_error
+from autopar.search.simplicity import simplest_first
 
 DECODERS = ("beam", "sample")
 
@@ -26,7 +27,9 @@ class Confidence:
     min_step: float  # the probability of its least certain decision
 
     def describe(self) -> str:
-        return f"policy confidence {self.probability:.0%} (least certain decision {self.min_step:.0%})"
+        return (f"policy confidence {self.probability:.0%}: the trained policy's probability of choosing exactly this "
+                f"plan, knob by knob (its least certain knob: {self.min_step:.0%}); low means several plans looked "
+                f"alike to it, and the cost model ranked its candidates")
 
 
 class RLPlanner(Planner):
@@ -62,7 +65,7 @@ class RLPlanner(Planner):
         order = np.arange(len(plans))
         if len(plans) > 1:
             times = evaluate(workload, PlanArrays.from_plans(plans, workload.profile))["iteration_time"]
-            order = np.argsort(times, kind="stable")
+            order = simplest_first(plans, times)
         self.evaluations = space.evaluations + (len(plans) if len(plans) > 1 else 0)
         self.confidences = [Confidence(decoded[i].probability, decoded[i].min_step) for i in order]
         self.last_confidence = self.confidences[0]

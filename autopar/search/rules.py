@@ -18,6 +18,7 @@ from autopar.cost import PlanArrays, evaluate
 from autopar.errors import NoValidPlanError
 from autopar.plan import Plan
 from autopar.search.base import Planner
+from autopar.search.simplicity import simplicity_key
 from autopar.search.space import divisors, micro_batch_choices, recompute_choices, tp_choices
 
 STATE_BYTES_PER_PARAM = 16  # bf16 weights + bf16 grads + fp32 master + two fp32 Adam moments
@@ -40,7 +41,7 @@ class RulesPlanner(Planner):
     def _degrees(self, workload) -> list[tuple[int, int, int]]:
         """(dp, tp, pp) in the rules' order: the rule's own choice, then more model parallelism."""
         profile, cluster = workload.profile, workload.cluster
-        n, memory = workload.world_size, cluster.gpu.memory_bytes
+        n, memory = workload.world_size, workload.memory_budget
         layer_state = max(b.params for b in profile.layers) * STATE_BYTES_PER_PARAM
         model_state = profile.params * STATE_BYTES_PER_PARAM
         tps = tp_choices(workload)
@@ -73,8 +74,8 @@ class RulesPlanner(Planner):
                                            precision=workload.precision))
         if not candidates:
             return []
-        # preference order: less ZeRO, then no recompute before recompute, then larger micro-batches
-        candidates.sort(key=lambda p: (p.zero, p.recompute != "none", -p.micro_batch_size, p.recompute_blocks))
+        # preference order: the simplest plan (less ZeRO, no recompute: simplicity_key), then larger micro-batches
+        candidates.sort(key=lambda p: (simplicity_key(p), -p.micro_batch_size))
         fits = evaluate(workload, PlanArrays.from_plans(candidates, workload.profile))["fits"]
         self.evaluations += len(candidates)
         return [p for p, ok in zip(candidates, fits) if ok][:k]

@@ -22,6 +22,7 @@ from autopar.cost.arrays import MESH_ORDERS
 from autopar.errors import NoValidPlanError
 from autopar.plan import COMM_DTYPES, RECOMPUTE_MODES, Plan
 from autopar.search.exhaustive import STRUCTURE, no_plan_error
+from autopar.search.simplicity import simplest_first
 from autopar.search.space import (
     INNER,
     MAX_VIRTUAL_STAGES,
@@ -115,14 +116,15 @@ def nearest(positions: np.ndarray, target: float) -> int:
 
 
 def best_distinct(workload, plans: list[Plan], result: dict, k: int, method: str) -> list[Plan]:
-    """The k fastest plans that fit, best first, skipping any that repeats a faster plan's
-    structure (it differs only in a data-parallel detail), as the oracle does."""
+    """The k fastest plans that fit, best first (the simplest first among ties), skipping any that
+    repeats a better plan's structure (it differs only in a data-parallel detail), as the oracle does."""
     fit = np.flatnonzero(result["fits"])
     if len(fit) == 0:
         raise sample_memory_error(workload, method, len(plans), float(np.min(result["peak_memory"])))
     pa = PlanArrays.from_plans([plans[i] for i in fit], workload.profile)
     chosen, seen = [], set()
-    for i in np.argsort(np.asarray(result["iteration_time"])[fit], kind="stable"):
+    fitted = [plans[i] for i in fit]
+    for i in simplest_first(fitted, np.asarray(result["iteration_time"])[fit]):
         key = tuple(int(getattr(pa, f)[i]) for f in STRUCTURE)
         if key not in seen:
             seen.add(key)
@@ -137,5 +139,5 @@ def sample_memory_error(workload, method: str, tried: int, least_bytes: float) -
     gpu = workload.cluster.gpu
     return NoValidPlanError(
         f"none of the {tried} plans {method} tried for {workload.profile.name} fits on {workload.world_size} x "
-        f"{gpu.name}: the leanest needs {least_bytes / 1e9:.1f} GB per GPU but a GPU has "
-        f"{gpu.memory_bytes / 1e9:.0f} GB; use more --trials, or --method exhaustive to check every plan")
+        f"{gpu.name}: the leanest needs {least_bytes / 1e9:.1f} GB per GPU but {workload.memory_budget / 1e9:.1f} GB "
+        f"are usable; use more --trials, or --method exhaustive to check every plan")

@@ -1,0 +1,54 @@
+"""Which of several equally fast plans a planner returns: the simplest.
+
+Plans whose predicted times are within TIE of each other are ties for the cost model, which is
+not that accurate; among them every planner prefers the plan with the fewest knobs away from
+their defaults (the Plan's field defaults; no tensor or pipeline parallelism), then, knob by knob
+in the Plan's field order, the value closest to the default: DDP before ZeRO-1 before ZeRO-3, no
+offload, no recompute before selective before full. Less machinery is less to go wrong in a run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, fields
+
+import numpy as np
+
+from autopar.plan import COMM_DTYPES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, Plan
+
+TIE = 5e-3  # plans within 0.5% are equally fast for the cost model
+IMPLIED_DEFAULTS = {"tp": 1, "pp": 1}  # no model parallelism: the plain data-parallel plan
+CHOICES = {"recompute": RECOMPUTE_MODES, "schedule": SCHEDULES, "precision": PRECISIONS,
+           "grad_comm_dtype": COMM_DTYPES}
+KNOBS = tuple((f.name, IMPLIED_DEFAULTS.get(f.name, f.default)) for f in fields(Plan)
+              if f.name in IMPLIED_DEFAULTS or f.default is not MISSING)  # field order
+
+
+def _distance(name: str, value, default) -> float:
+    if value == default:
+        return 0.0
+    if isinstance(value, bool):
+        return 1.0
+    if isinstance(value, (int, float)):
+        return abs(math.log2(value / default)) if default else float(value)
+    if name in CHOICES:
+        return 1.0 + CHOICES[name].index(value)
+    return 1.0
+
+
+def simplicity_key(plan: Plan) -> tuple:
+    """Smaller is simpler: (knobs away from their default, each knob's distance in field order)."""
+    distances = tuple(_distance(name, getattr(plan, name), default) for name, default in KNOBS)
+    return (sum(d > 0 for d in distances), distances)
+
+
+def tie_buckets(times) -> np.ndarray:
+    """Plans in the same bucket are within TIE of each other (bucket 0: within TIE of the best)."""
+    times = np.asarray(times, dtype=float)
+    return np.floor(np.log(times / times.min()) / np.log1p(TIE)).astype(np.int64)
+
+
+def simplest_first(plans: list[Plan], times) -> list[int]:
+    """Indices of `plans`, fastest tie bucket first, the simplest plan first within a bucket."""
+    buckets = tie_buckets(times)
+    return sorted(range(len(plans)), key=lambda i: (buckets[i], simplicity_key(plans[i]), float(times[i])))
