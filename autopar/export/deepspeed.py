@@ -1,0 +1,53 @@
+"""The DeepSpeed config JSON for a plan (keys as documented at deepspeed.ai/docs/config-json).
+
+The batch keys satisfy DeepSpeed's identity train_batch_size = train_micro_batch_size_per_gpu x
+gradient_accumulation_steps x data-parallel world size. Tensor and pipeline degrees are not
+config keys in DeepSpeed (AutoTP's `tensor_parallel.autotp_size` aside): pipeline parallelism is
+a `PipelineModule(num_stages=...)` in the training script."""
+
+from __future__ import annotations
+
+import json
+
+from autopar.export import Export, default_of, grad_elements
+from autopar.plan import Plan
+
+
+def config(plan: Plan) -> dict:
+    zero = {"stage": plan.zero, "reduce_bucket_size": grad_elements(plan),
+            "allgather_bucket_size": grad_elements(plan), "overlap_comm": True, "contiguous_gradients": True}
+    if plan.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    out = {
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.num_micro_batches,
+        "zero_optimization": zero,
+        "communication_data_type": plan.grad_comm_dtype,
+    }
+    if plan.precision != "fp32":
+        out[plan.precision] = {"enabled": True}
+    if plan.tp > 1:
+        out["tensor_parallel"] = {"autotp_size": plan.tp}
+    return out
+
+
+def unexpressed(plan: Plan) -> list[str]:
+    out = []
+    if plan.pp > 1:
+        out.append(f"pp={plan.pp}: build deepspeed.pipe.PipelineModule(num_stages={plan.pp}) in the script")
+        if plan.schedule != "1f1b":
+            out.append(f"schedule={plan.schedule}: DeepSpeed's pipeline engine runs its own 1F1B-style schedule")
+    if plan.recompute != "none":
+        out.append(f"recompute={plan.recompute}: wrap blocks with deepspeed.checkpointing.checkpoint in the script")
+    if plan.sequence_parallel:
+        out.append("sequence_parallel: Megatron-style sequence parallelism is not a DeepSpeed config key")
+    if tuple(plan.mesh_order) != default_of("mesh_order"):
+        out.append(f"mesh_order={','.join(plan.mesh_order)}: the rank layout comes from the script's process groups")
+    if plan.layer_split:
+        out.append(f"layer_split={list(plan.layer_split)}: pass PipelineModule(partition_method=...) in the script")
+    return out
+
+
+def export(plan: Plan) -> Export:
+    return Export("deepspeed", json.dumps(config(plan), indent=2) + "\n", tuple(unexpressed(plan)))

@@ -1,0 +1,88 @@
+"""Megatron-LM command-line arguments for a plan.
+
+The values are kept as megatron-core config fields first (`core_fields`), so the tests can build
+megatron-core's own `ModelParallelConfig` and `DistributedDataParallelConfig` from exactly what
+the arguments say; each field has one Megatron-LM flag (`FLAGS`)."""
+
+from __future__ import annotations
+
+from autopar.export import Export, default_of, grad_elements
+from autopar.plan import Plan
+
+# megatron-core field -> Megatron-LM flag (training/arguments.py); booleans are store_true flags
+FLAGS = {
+    "tensor_model_parallel_size": "--tensor-model-parallel-size",
+    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+    "virtual_pipeline_model_parallel_size": "--num-virtual-stages-per-pipeline-rank",
+    "sequence_parallel": "--sequence-parallel",
+    "bf16": "--bf16",
+    "fp16": "--fp16",
+    "use_distributed_optimizer": "--use-distributed-optimizer",
+    "bucket_size": "--ddp-bucket-size",
+    "grad_reduce_in_fp32": "--accumulate-allreduce-grads-in-fp32",
+    "optimizer_cpu_offload": "--optimizer-cpu-offload",
+    "recompute_granularity": "--recompute-granularity",
+    "recompute_method": "--recompute-method",
+    "recompute_num_layers": "--recompute-num-layers",
+}
+MODEL_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "virtual_pipeline_model_parallel_size", "sequence_parallel", "bf16", "fp16")
+DDP = ("use_distributed_optimizer", "bucket_size", "grad_reduce_in_fp32")
+
+
+def core_fields(plan: Plan) -> dict:
+    """The plan as megatron-core config fields (ModelParallelConfig, DistributedDataParallelConfig,
+    OptimizerConfig, TransformerConfig's recompute fields); None: left at Megatron's default."""
+    blocks = plan.recompute_blocks // plan.virtual_stages  # Megatron counts per virtual stage
+    return {
+        "tensor_model_parallel_size": plan.tp,
+        "pipeline_model_parallel_size": plan.pp,
+        "virtual_pipeline_model_parallel_size": plan.virtual_stages if plan.virtual_stages > 1 else None,
+        "sequence_parallel": plan.sequence_parallel,
+        "bf16": plan.precision == "bf16",
+        "fp16": plan.precision == "fp16",
+        "use_distributed_optimizer": plan.zero in (1, 2),
+        "bucket_size": grad_elements(plan) if plan.bucket_mb != default_of("bucket_mb") else None,
+        "grad_reduce_in_fp32": plan.grad_comm_dtype == "fp32" and plan.precision != "fp32",
+        "optimizer_cpu_offload": plan.offload_optimizer,
+        "recompute_granularity": None if plan.recompute == "none" else plan.recompute,
+        "recompute_method": "block" if plan.recompute == "full" else None,
+        "recompute_num_layers": max(blocks, 1) if plan.recompute == "full" else None,
+    }
+
+
+def arguments(plan: Plan) -> list[str]:
+    args = ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch)]
+    for name, value in core_fields(plan).items():
+        if value is True:
+            args.append(FLAGS[name])
+        elif value not in (None, False):
+            args += [FLAGS[name], str(value)]
+    if plan.zero == 3:
+        args.append("--use-torch-fsdp2")
+    return args
+
+
+def unexpressed(plan: Plan) -> list[str]:
+    out = []
+    if plan.schedule == "gpipe":
+        out.append("schedule=gpipe: Megatron runs 1F1B or interleaved 1F1B only")
+    if plan.zero == 2:
+        out.append("zero=2: the distributed optimizer shards optimizer states, not the gradient buffer (ZeRO-1 "
+                   "memory)")
+    if plan.recompute == "full" and plan.recompute_blocks % plan.virtual_stages:
+        out.append(f"recompute_blocks={plan.recompute_blocks}: Megatron counts blocks per virtual stage "
+                   f"({plan.virtual_stages} per rank); exported as {max(plan.recompute_blocks // plan.virtual_stages, 1)}")
+    if plan.offload_optimizer and plan.zero == 3:
+        out.append("offload_optimizer with zero=3: Megatron offloads the distributed optimizer only")
+    if plan.grad_comm_dtype == "fp16" and plan.precision == "bf16":
+        out.append("grad_comm_dtype=fp16: Megatron reduces in the training dtype or fp32")
+    if tuple(plan.mesh_order) != default_of("mesh_order"):
+        out.append(f"mesh_order={','.join(plan.mesh_order)}: Megatron's rank order is tp innermost, then dp, pp")
+    if plan.layer_split:
+        out.append(f"layer_split={list(plan.layer_split)}: Megatron splits evenly (or first/last stage only)")
+    return out
+
+
+def export(plan: Plan) -> Export:
+    return Export("megatron", " ".join(arguments(plan)) + "\n", tuple(unexpressed(plan)))
