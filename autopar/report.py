@@ -14,6 +14,15 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.1f}"
 
 
+def params_text(n: float) -> str:
+    """Parameters in M below a billion, in B above: "124 M", "175 B"."""
+    return f"{n / 1e6:,.0f} M" if n < 1e9 else f"{n / 1e9:,.3g} B"
+
+
+def _tflops(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+
+
 def _ms(x: float) -> str:
     return f"{x * 1e3:,.1f}" if x < 100 else f"{x * 1e3:,.0f}"
 
@@ -22,10 +31,10 @@ def plan_table(plan: Plan) -> Table:
     t = Table(title="Plan", show_header=False, title_justify="left")
     t.add_column("knob", style="bold")
     t.add_column("value")
-    order = "(" + ", ".join(plan.mesh_order) + ")  innermost last"
     rows = [
-        ("data / tensor / pipeline", f"dp={plan.dp}  tp={plan.tp}  pp={plan.pp}  (mesh {order})"),
-        ("micro-batches", f"{plan.num_micro_batches} x {plan.micro_batch_size} samples per data-parallel rank"),
+        ("data / tensor / pipeline", f"dp={plan.dp} tp={plan.tp} pp={plan.pp}; mesh {','.join(plan.mesh_order)}, "
+                                     f"{plan.mesh_order[-1]} innermost"),
+        ("micro-batching", f"{plan.micro_batching} (size x count, per data-parallel rank)"),
         ("ZeRO", {0: "0 (DDP)", 1: "1 (sharded optimizer)", 2: "2 (+ sharded gradients)",
                   3: "3 (FSDP2, sharded parameters)"}[plan.zero]
          + ("  + CPU offload" if plan.offload_optimizer else "")),
@@ -44,25 +53,32 @@ def plan_table(plan: Plan) -> Table:
     return t
 
 
+def summary(est: Estimate) -> str:
+    """The estimate in one line, printed on its own (a table caption would wrap it to the table's width)."""
+    return (f"iteration {est.iteration_time_s * 1e3:,.1f} ms; {_tflops(est.tflops_per_gpu)} TFLOP/s per GPU (model "
+            f"FLOPs), {_tflops(est.hw_tflops_per_gpu)} with recompute; MFU {est.mfu:.1%}; {est.tokens_per_s:,.0f} "
+            f"tokens/s; memory {_gb(est.peak_memory_bytes)} of {_gb(est.usable_memory_bytes)} GB usable "
+            f"({'fits' if est.fits else 'DOES NOT FIT'})")
+
+
 def estimate_tables(est: Estimate) -> tuple[Table, Table]:
-    time = Table(title=f"Iteration {est.iteration_time_s * 1e3:,.1f} ms", title_justify="left",
-                 caption=f"{est.tflops_per_gpu:.0f} TFLOP/s per GPU (model FLOPs), {est.hw_tflops_per_gpu:.0f} "
-                         f"(hardware, recompute counted); MFU {est.mfu:.1%}; {est.tokens_per_s:,.0f} tokens/s",
-                 caption_justify="left")
+    time = Table(title="Iteration time", title_justify="left")
     time.add_column("time", style="bold")
     time.add_column("ms", justify="right")
     time.add_column("share", justify="right")
     for name, sec in est.breakdown.items():
         if sec > 0:
             time.add_row(name.replace("_", " "), _ms(sec), f"{sec / est.iteration_time_s:.1%}")
-    fits = "fits" if est.fits else "DOES NOT FIT"
-    mem = Table(title=f"Memory {_gb(est.peak_memory_bytes)} / {_gb(est.gpu_memory_bytes)} GB ({fits})",
-                title_justify="left")
+    mem = Table(title="Memory per GPU (most loaded)", title_justify="left")
     mem.add_column("memory", style="bold")
     mem.add_column("GB", justify="right")
     for name, b in est.memory.items():
         if b > 0:
             mem.add_row(name.replace("_", " "), _gb(b))
+    mem.add_row("total", _gb(est.peak_memory_bytes), style="bold")
+    headroom = est.gpu_memory_bytes - est.usable_memory_bytes
+    mem.add_row(f"headroom ({headroom / est.gpu_memory_bytes:.0%}, --memory-headroom)", _gb(headroom), style="dim")
+    mem.add_row("GPU memory", _gb(est.gpu_memory_bytes), style="dim")
     return time, mem
 
 
@@ -72,7 +88,7 @@ def alternatives_table(best: Estimate, alternatives: list[tuple[Plan, Estimate]]
         t.add_column(col, justify="left" if col == "plan" else "right")
     for i, (plan, est) in enumerate(alternatives, start=2):
         t.add_row(str(i), plan.describe(), _ms(est.iteration_time_s),
-                  f"{est.iteration_time_s / best.iteration_time_s - 1:+.1%}", f"{est.tflops_per_gpu:.0f}",
+                  f"{est.iteration_time_s / best.iteration_time_s - 1:+.1%}", _tflops(est.tflops_per_gpu),
                   f"{est.mfu:.1%}", _gb(est.peak_memory_bytes))
     return t
 
@@ -91,3 +107,4 @@ def print_estimate(console: Console, plan: Plan, est: Estimate) -> None:
     console.print(plan_table(plan))
     for table in estimate_tables(est):
         console.print(table)
+    console.print(summary(est), highlight=False)

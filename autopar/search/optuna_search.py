@@ -53,7 +53,9 @@ class OptunaPlanner(Planner):
         result = {"iteration_time": [t.value for t in trials],
                   "fits": [t.constraints[CONSTRAINT] <= 0 for t in trials],
                   "peak_memory": [t.user_attrs["peak_memory"] for t in trials]}
-        return best_distinct(workload, plans, result, k, "optuna")
+        best, extra = best_distinct(workload, plans, result, k, "optuna")
+        self.evaluations += extra
+        return best
 
     def _objective(self, trial, space: KnobSpace) -> float:
         universe = space.universe

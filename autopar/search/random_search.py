@@ -30,5 +30,6 @@ class RandomPlanner(Planner):
         rng = np.random.default_rng(self.seed)
         plans = [space.sample(lambda name, positions: int(rng.integers(len(positions)))) for _ in range(self.trials)]
         result = evaluate(workload, PlanArrays.from_plans(plans, workload.profile))
-        self.evaluations = len(plans)
-        return best_distinct(workload, plans, result, k, "random search")
+        best, extra = best_distinct(workload, plans, result, k, "random search")
+        self.evaluations = len(plans) + extra
+        return best

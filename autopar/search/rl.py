@@ -16,7 +16,7 @@ from autopar.cost import PlanArrays, evaluate
 from autopar.plan import Plan
 from autopar.search.base import Planner
 from autopar.search.exhaustive import memory_error, no_plan_error
-from autopar.search.simplicity import simplest_first
+from autopar.search.simplicity import simpler_variants, simplest_first
 
 DECODERS = ("beam", "sample")
 
@@ -45,7 +45,7 @@ class RLPlanner(Planner):
         self.actor = load_policy(policy)  # checks the space signature: fail before any search
         self.seed, self.decode = seed, decode
         self.last_confidence: Confidence | None = None  # of the best plan of the last propose()
-        self.confidences: list[Confidence] = []  # of every plan of the last propose(), in order
+        self.confidences: list[Confidence | None] = []  # of every plan of the last propose(), in order
 
     def propose(self, workload, k: int = 1) -> list[Plan]:
         from autopar.envs.features import workload_features
@@ -62,11 +62,15 @@ class RLPlanner(Planner):
         else:
             decoded = beam_search(self.actor, space, features, k)
         plans = [space.plan(d.prefix) for d in decoded]
-        order = np.arange(len(plans))
-        if len(plans) > 1:
-            times = evaluate(workload, PlanArrays.from_plans(plans, workload.profile))["iteration_time"]
-            order = simplest_first(plans, times)
-        self.evaluations = space.evaluations + (len(plans) if len(plans) > 1 else 0)
-        self.confidences = [Confidence(decoded[i].probability, decoded[i].min_step) for i in order]
+        confidences = [Confidence(d.probability, d.min_step) for d in decoded]
+        # the policy may pick a needless knob among ties: its plans' simpler variants join the ranking
+        # (a variant was not decoded, so it has no policy confidence)
+        variants = list(dict.fromkeys(v for p in plans for v in simpler_variants(workload, p) if v not in plans))
+        res = evaluate(workload, PlanArrays.from_plans(plans + variants, workload.profile))
+        keep = [i for i in range(len(plans) + len(variants)) if i < len(plans) or res["fits"][i]]
+        candidates = [(plans + variants)[i] for i in keep]
+        order = simplest_first(candidates, res["iteration_time"][keep])[:max(k, 1)]
+        self.evaluations = space.evaluations + len(plans) + len(variants)
+        self.confidences = [confidences[keep[i]] if keep[i] < len(plans) else None for i in order]
         self.last_confidence = self.confidences[0]
-        return [plans[i] for i in order]
+        return [candidates[i] for i in order]

@@ -17,12 +17,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from autopar.cost import PlanArrays
+from autopar.cost import PlanArrays, evaluate
 from autopar.cost.arrays import MESH_ORDERS
 from autopar.errors import NoValidPlanError
 from autopar.plan import COMM_DTYPES, RECOMPUTE_MODES, Plan
 from autopar.search.exhaustive import STRUCTURE, no_plan_error
-from autopar.search.simplicity import simplest_first
+from autopar.search.simplicity import simpler_variants, simplest_first
 from autopar.search.space import (
     INNER,
     MAX_VIRTUAL_STAGES,
@@ -115,23 +115,33 @@ def nearest(positions: np.ndarray, target: float) -> int:
     return int(np.argmin(np.abs(positions - target)))
 
 
-def best_distinct(workload, plans: list[Plan], result: dict, k: int, method: str) -> list[Plan]:
+def best_distinct(workload, plans: list[Plan], result: dict, k: int, method: str) -> tuple[list[Plan], int]:
     """The k fastest plans that fit, best first (the simplest first among ties), skipping any that
-    repeats a better plan's structure (it differs only in a data-parallel detail), as the oracle does."""
+    repeats a better plan's structure (it differs only in a data-parallel detail), as the oracle does;
+    and the cost-model evaluations spent on the simpler variants of the best plans, which the
+    sampler may not have drawn."""
     fit = np.flatnonzero(result["fits"])
     if len(fit) == 0:
         raise sample_memory_error(workload, method, len(plans), float(np.min(result["peak_memory"])))
-    pa = PlanArrays.from_plans([plans[i] for i in fit], workload.profile)
-    chosen, seen = [], set()
     fitted = [plans[i] for i in fit]
-    for i in simplest_first(fitted, np.asarray(result["iteration_time"])[fit]):
+    times = np.asarray(result["iteration_time"], dtype=float)[fit]
+    tried = set(plans)
+    extra = list(dict.fromkeys(v for i in np.argsort(times, kind="stable")[:k]
+                               for v in simpler_variants(workload, fitted[i]) if v not in tried))
+    if extra:
+        res = evaluate(workload, PlanArrays.from_plans(extra, workload.profile))
+        fitted += [p for p, ok in zip(extra, res["fits"]) if ok]
+        times = np.concatenate([times, res["iteration_time"][res["fits"]]])
+    pa = PlanArrays.from_plans(fitted, workload.profile)
+    chosen, seen = [], set()
+    for i in simplest_first(fitted, times):
         key = tuple(int(getattr(pa, f)[i]) for f in STRUCTURE)
         if key not in seen:
             seen.add(key)
-            chosen.append(plans[fit[i]])
+            chosen.append(fitted[i])
         if len(chosen) == k:
             break
-    return chosen
+    return chosen, len(extra)
 
 
 def sample_memory_error(workload, method: str, tried: int, least_bytes: float) -> NoValidPlanError:

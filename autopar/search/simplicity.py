@@ -22,6 +22,7 @@ CHOICES = {"recompute": RECOMPUTE_MODES, "schedule": SCHEDULES, "precision": PRE
            "grad_comm_dtype": COMM_DTYPES}
 KNOBS = tuple((f.name, IMPLIED_DEFAULTS.get(f.name, f.default)) for f in fields(Plan)
               if f.name in IMPLIED_DEFAULTS or f.default is not MISSING)  # field order
+KNOBS_DEFAULTS = dict(KNOBS)
 
 
 def _distance(name: str, value, default) -> float:
@@ -52,3 +53,31 @@ def simplest_first(plans: list[Plan], times) -> list[int]:
     """Indices of `plans`, fastest tie bucket first, the simplest plan first within a bucket."""
     buckets = tie_buckets(times)
     return sorted(range(len(plans)), key=lambda i: (buckets[i], simplicity_key(plans[i]), float(times[i])))
+
+
+def simpler_variants(workload, plan: Plan) -> list[Plan]:
+    """Valid plans with one of `plan`'s knobs, or all of them, back at the default (degrees and
+    micro-batching kept): a sampler that found `plan` may never have tried these, and among ties
+    one of them is the answer."""
+    from autopar.errors import PlanError
+
+    off = {name: default for name, default in KNOBS
+           if name not in IMPLIED_DEFAULTS and name != "precision" and getattr(plan, name) != default}
+    out = []
+    for change in [{name: default} for name, default in off.items()] + ([off] if len(off) > 1 else []):
+        change = dict(change)
+        if change.get("zero", 3) < 2:
+            change["offload_optimizer"] = False  # offload needs ZeRO 2 or 3
+        if change.get("recompute") == "none":
+            change["recompute_blocks"] = 0
+        if "schedule" in change or "virtual_stages" in change:
+            change.update(schedule=KNOBS_DEFAULTS["schedule"], virtual_stages=1, layer_split=())
+        try:
+            variant = plan.with_(**change)
+            variant.validate(workload)
+        except PlanError:
+            continue
+        if variant != plan and variant not in out:
+            out.append(variant)
+    return out
+
