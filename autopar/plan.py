@@ -179,9 +179,14 @@ class Plan:
                                 f"busiest pipeline rank; use at most {most}")
 
     # -- presentation and JSON -----------------------------------------------------------------
+    @property
+    def micro_batching(self) -> str:
+        """The one notation of micro-batching in every output: size x count, per data-parallel rank."""
+        return f"{self.micro_batch_size}x{self.num_micro_batches}"
+
     def describe(self) -> str:
-        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}",
-                 f"mb{self.micro_batch_size}x{self.num_micro_batches}"]
+        """Every knob away from its default, so two distinct plans never read the same."""
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"mb {self.micro_batching}"]
         if self.zero:
             parts.append(f"zero{self.zero}")
         if self.recompute == "selective":
@@ -196,6 +201,12 @@ class Plan:
             parts.append(f"comm={self.grad_comm_dtype}")
         if self.offload_optimizer:
             parts.append("offload")
+        if self.bucket_mb != type(self).__dataclass_fields__["bucket_mb"].default:
+            parts.append(f"bucket={self.bucket_mb:g}MB")
+        if self.mesh_order != AXES:
+            parts.append("mesh=" + ",".join(self.mesh_order))
+        if self.layer_split:
+            parts.append("split=" + "/".join(map(str, self.layer_split)))
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:

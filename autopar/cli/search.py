@@ -6,6 +6,7 @@ import contextlib
 import time
 
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
+from autopar.cli.explain import add_plot_flag, draw
 
 DEFAULT_METHOD = "rl"
 
@@ -24,6 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="optuna/random/rl sampling seed (default 0)")
     p.add_argument("--top-k", type=int, default=5, metavar="K", help="plans to show (default 5)")
     p.add_argument("-o", "--output", metavar="plan.json", help="write the best plan here")
+    add_plot_flag(p)
     p.set_defaults(func=run)
 
 
@@ -42,11 +44,15 @@ def run(args) -> int:
     from autopar.cost import estimate
     from autopar.errors import AutoparError
     from autopar.explain import explain
-    from autopar.report import alternatives_table, print_estimate, why_table
+    from autopar.report import alternatives_table, params_text, print_estimate, why_table
     from autopar.search import get_planner
 
     if args.top_k < 1:
         raise AutoparError(f"--top-k must be at least 1, got {args.top_k}")
+    if args.plot:
+        from autopar.plots.figures import pyplot
+
+        pyplot()  # a missing matplotlib fails before the search, not after it
     started = time.perf_counter()
     console = Console(stderr=args.json)
     with console.status("profiling the model"):
@@ -62,6 +68,7 @@ def run(args) -> int:
     reasons = explain(workload, best)
     if args.output:
         best.save(args.output)
+    written = draw(args, workload, best, best_est)
     wall = time.perf_counter() - started
     if args.json:
         print_json({
@@ -72,10 +79,10 @@ def run(args) -> int:
             "workload": workload_dict(workload), "method": args.method,
             "confidence": None if confidence is None else {"probability": confidence.probability,
                                                            "min_step": confidence.min_step},
-            "cost_model_evaluations": planner.evaluations, "wall_time_s": wall,
+            "cost_model_evaluations": planner.evaluations, "wall_time_s": wall, "plot": written,
         })
         return 0
-    console.print(f"[bold]{workload.describe()}[/bold]  ·  {workload.profile.params / 1e9:.2f} B parameters")
+    console.print(f"[bold]{workload.describe()}[/bold]  ·  {params_text(workload.profile.params)} parameters")
     if not workload.profile.has_tp_plan:
         console.print(f"[yellow]{workload.profile.tp_note}[/yellow]")
     print_estimate(console, best, best_est)
@@ -85,5 +92,6 @@ def run(args) -> int:
     if confidence is not None:
         console.print(confidence.describe())
     console.print(f"{args.method}: {planner.evaluations:,} cost-model evaluations, {wall:.2f} s"
-                  + (f"; plan written to {args.output}" if args.output else ""))
+                  + (f"; plan written to {args.output}" if args.output else "")
+                  + (f"; plot written to {written}" if written else ""))
     return 0
