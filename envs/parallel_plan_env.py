@@ -21,8 +21,10 @@ from autopar.errors import NoValidPlanError
 class ParallelPlanEnv(gym.Env):
     """Plan a workload knob by knob.
 
-    workloads: the pool `reset()` draws from (uniformly, with `self.np_random`); a workload can
-    also be given per episode with `reset(options={"workload": w})`. reward: a RewardBackend
+    workloads: the pool `reset()` draws from (uniformly, with `self.np_random`); without one,
+    each reset draws a new workload from the zoo's training mix (`sample_training_spec`), so
+    `gym.make("autopar/ParallelPlan-v0")` works with defaults. A workload can also be given per
+    episode with `reset(options={"workload": w})`. reward: a RewardBackend
     (default: the cost model against the exhaustive oracle).
     """
 
@@ -43,9 +45,8 @@ class ParallelPlanEnv(gym.Env):
         super().reset(seed=seed)
         workload = (options or {}).get("workload")
         if workload is None:
-            if not self.workloads:
-                raise ValueError("no workloads: pass workloads= or reset(options={'workload': w})")
-            workload = self.workloads[int(self.np_random.integers(len(self.workloads)))]
+            workload = (self.workloads[int(self.np_random.integers(len(self.workloads)))] if self.workloads
+                        else self._training_draw())
         self._workload, self._space, self._features = self._context(workload)
         self._prefix = ()
         if not self._space.step(()).allowed.any():
@@ -66,6 +67,15 @@ class ParallelPlanEnv(gym.Env):
         reward = float(self.reward_backend(self._workload, plan))
         # a finished episode has no next decision: its observation is that of the last one
         return observation(self._space, decided, self._features), reward, True, False, {"knob": None, "plan": plan}
+
+    def _training_draw(self):
+        """A feasible workload of the zoo's training mix, drawn with the env's own generator."""
+        from autopar.envs.workloads import feasible, sample_training_spec
+
+        while True:
+            spec = sample_training_spec(self.np_random)
+            if spec is not None and feasible(workload := spec.build()):
+                return workload
 
     def action_masks(self) -> np.ndarray:
         """The actions allowed now (sb3-contrib's MaskablePPO reads this)."""
