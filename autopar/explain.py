@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from autopar.cost import PlanArrays, evaluate
 from autopar.errors import PlanError
 from autopar.plan import Plan
+from autopar.search.simplicity import TIE
 from autopar.search.space import (BUCKETS_MB, degree_choices, micro_batch_choices, recompute_choices,
                                   schedule_choices)
 
@@ -102,8 +103,12 @@ def explain(workload, plan: Plan, coeffs=None) -> list[Reason]:
         if fit:
             i = min(fit, key=lambda j: res["iteration_time"][j])
             ratio = res["iteration_time"][i] / base
-            text = (f"the best alternative, {flat[i - 1][1]}, is {ratio - 1:.1%} slower" if ratio > 1.0005 else
-                    f"{flat[i - 1][1]} is as fast ({ratio - 1:+.1%})")
+            if ratio > 1.0005:
+                text = f"the best alternative, {flat[i - 1][1]}, is {ratio - 1:.1%} slower"
+            elif ratio >= 1 / (1 + TIE):
+                text = f"{flat[i - 1][1]} is as fast ({ratio - 1:+.1%}, within the {TIE:.1%} tie tolerance)"
+            else:
+                text = f"{flat[i - 1][1]} is {1 - ratio:.1%} faster"
             if len(fit) < len(rows):
                 text += f"; {len(rows) - len(fit)} other choice(s) do not fit in memory"
         else:

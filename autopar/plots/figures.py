@@ -1,10 +1,10 @@
-"""matplotlib figures: a plan's iteration timeline and memory (`plan_figure`), and the experiments'
-tables (`ratio_figure`, `scatter_figure`). Uses the Agg backend: no display needed."""
+"""The matplotlib figure of a plan: its iteration timeline per pipeline rank and its memory per GPU
+(`plan_figure`). Uses the Agg backend: no display needed."""
 
 from __future__ import annotations
 
 from autopar.errors import AutoparError
-from autopar.plots.schedule import KINDS, bubble, from_estimate
+from autopar.plots.schedule import KINDS, from_estimate
 
 COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "recompute": "#C44E52", "comm": "#8172B3",
           "dp_comm": "#937860", "optimizer": "#55A868", "bubble": "#E5E5E5"}
@@ -32,7 +32,10 @@ def forward_share(profile) -> float:
 def plan_figure(workload, plan, est, path, headroom_bytes: float = 0.0) -> None:
     """Timeline per pipeline rank (left) and memory of the most loaded GPU by component (right)."""
     plt = pyplot()
-    segments = from_estimate(plan, est, forward_share(workload.profile))
+    from autopar.cost import Coefficients
+
+    step = Coefficients.from_dict(workload.cluster.coefficients).step_overhead_s
+    segments = from_estimate(plan, est, forward_share(workload.profile), step)
     fig, (ax, mem) = plt.subplots(1, 2, figsize=(14, max(3.4, 1.8 + 0.45 * plan.pp)), width_ratios=(3.2, 1),
                                   layout="constrained")
     end = max(s.start + s.duration for s in segments)
@@ -47,13 +50,12 @@ def plan_figure(workload, plan, est, path, headroom_bytes: float = 0.0) -> None:
                 ax.broken_barh(mine, (r - 0.4, 0.8), facecolors=COLORS[kind], edgecolors="white", linewidth=0.3)
     ax.set_yticks(range(plan.pp), [f"rank {r}" for r in range(plan.pp)])
     ax.invert_yaxis()
-    ax.set_xlabel("ms")
+    ax.set_xlabel("ms (every rank at the slowest rank's pace, as the cost model's pipeline is)")
     ax.set_xlim(0, end * ms)
-    idle = bubble(segments, plan.pp)
     ax.set_title(f"{plan.describe()}: iteration {est.iteration_time_s * ms:,.1f} ms, pipeline bubble "
-                 f"{idle * ms:,.1f} ms per rank", loc="left", fontsize=10)
+                 f"{est.breakdown['pp_bubble'] * ms:,.1f} ms (cost model)", loc="left", fontsize=10)
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in (*KINDS, "bubble")]
-    labels = ["forward", "backward", "recompute", "tp / pp comm", "dp comm (exposed)", "optimizer", "bubble (idle)"]
+    labels = ["forward", "backward", "recompute", "tp / pp comm", "dp comm (exposed)", "optimizer + step", "bubble (idle)"]
     ax.legend(handles, labels, ncols=7, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.1 / plan.pp),
               fontsize=8, frameon=False)
 
@@ -76,31 +78,6 @@ def plan_figure(workload, plan, est, path, headroom_bytes: float = 0.0) -> None:
     mem.set_ylabel("GB per GPU")
     mem.set_title(f"memory {est.peak_memory_bytes / gb:.1f} GB", loc="left", fontsize=10)
     mem.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    save(fig, path)
-
-
-def ratio_figure(rows: dict[str, list[float]], path, title: str) -> None:
-    """Box plot of each planner's predicted-throughput ratio to the oracle (planner_eval)."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.5 * len(rows)), layout="constrained")
-    ax.boxplot(list(rows.values()), vert=False, tick_labels=list(rows), whis=(5, 95))
-    ax.set_xlabel("throughput / oracle's (1 = as good as the exhaustive oracle)")
-    ax.set_title(title, loc="left", fontsize=10)
-    save(fig, path)
-
-
-def scatter_figure(predicted, measured, path, title: str, unit: str = "s") -> None:
-    """Predicted against measured, log-log, with the diagonal (calibration reports)."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5, 5), layout="constrained")
-    ax.scatter(measured, predicted, s=10, alpha=0.6)
-    lo, hi = min(min(predicted), min(measured)), max(max(predicted), max(measured))
-    ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel(f"measured ({unit})")
-    ax.set_ylabel(f"predicted ({unit})")
-    ax.set_title(title, loc="left", fontsize=10)
     save(fig, path)
 
 

@@ -97,14 +97,15 @@ def simulate(plan, forward: float, backward: float, recompute: float, comm: floa
     return segments
 
 
-def from_estimate(plan, est, forward_share: float) -> list[Segment]:
-    """The simulation with the estimate's breakdown: the slowest rank's compute over the
-    micro-batches, split into forward and backward by the model's FLOPs (`forward_share`)."""
+def from_estimate(plan, est, forward_share: float, step_overhead_s: float) -> list[Segment]:
+    """The simulation with the estimate's breakdown: the slowest rank's compute (with the host's
+    launch overhead it did not hide) over the micro-batches, split into forward and backward by the
+    model's FLOPs (`forward_share`); the fixed per-step overhead is drawn with the optimizer."""
     m, bd = plan.num_micro_batches, est.breakdown
-    compute = (bd["compute"] + bd.get("overhead", 0.0)) / m
+    compute = (bd["compute"] + bd["overhead"] - step_overhead_s) / m
     return simulate(plan, forward=compute * forward_share, backward=compute * (1 - forward_share),
                     recompute=bd["recompute"] / m, comm=(bd["tp_comm"] + bd["pp_p2p"]) / m,
-                    dp_comm=bd["dp_comm"], optimizer=bd["optimizer"])
+                    dp_comm=bd["dp_comm"], optimizer=bd["optimizer"] + step_overhead_s)
 
 
 def bubble(segments: list[Segment], pp: int) -> float:
