@@ -55,7 +55,8 @@ def plans():
     return st.builds(Plan, dp=st.just(8), tp=st.sampled_from([1, 2]), pp=st.just(1), micro_batch_size=st.just(4),
                      num_micro_batches=st.just(4), zero=st.sampled_from([0, 1, 2, 3]),
                      bucket_mb=st.sampled_from([5.0, 25.0, 100.0]),
-                     recompute=st.sampled_from(["none", "selective"]), grad_comm_dtype=st.sampled_from(["fp32", "bf16"]))
+                     recompute=st.sampled_from(["none", "selective"]),
+                     grad_comm_dtype=st.sampled_from(["fp32", "bf16"]))
 
 
 @given(st.lists(plans(), min_size=2, max_size=12, unique=True), st.lists(st.floats(0, 0.99), min_size=12,

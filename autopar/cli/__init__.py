@@ -12,7 +12,8 @@ from autopar.errors import AutoparError
 
 # subcommands in the order `autopar --help` lists them; each lives in the module autopar.cli.<name>
 # with dashes as underscores ("profile-cluster" -> autopar/cli/profile_cluster.py)
-SUBCOMMANDS = ("search", "estimate", "memory", "explain", "export", "run", "train", "traces", "calibrate", "profile-cluster")
+SUBCOMMANDS = ("search", "estimate", "memory", "explain", "export", "run", "train", "traces", "calibrate",
+               "profile-cluster")
 
 
 def build_parser() -> argparse.ArgumentParser:

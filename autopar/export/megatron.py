@@ -71,8 +71,9 @@ def unexpressed(plan: Plan) -> list[str]:
         out.append("zero=2: the distributed optimizer shards optimizer states, not the gradient buffer (ZeRO-1 "
                    "memory)")
     if plan.recompute == "full" and plan.recompute_blocks % plan.virtual_stages:
+        per_stage = max(plan.recompute_blocks // plan.virtual_stages, 1)
         out.append(f"recompute_blocks={plan.recompute_blocks}: Megatron counts blocks per virtual stage "
-                   f"({plan.virtual_stages} per rank); exported as {max(plan.recompute_blocks // plan.virtual_stages, 1)}")
+                   f"({plan.virtual_stages} per rank); exported as {per_stage}")
     if plan.offload_optimizer and plan.zero == 3:
         out.append("offload_optimizer with zero=3: Megatron offloads the distributed optimizer only")
     if plan.grad_comm_dtype == "fp16" and plan.precision == "bf16":

@@ -43,9 +43,8 @@ def plan_figure(workload, plan, est, path, headroom_bytes: float = 0.0) -> None:
     for r in range(plan.pp):
         ax.broken_barh([(0, end * ms)], (r - 0.4, 0.8), facecolors=COLORS["bubble"])
     for kind in KINDS:
-        bars = [(s.start * ms, s.duration * ms) for s in segments if s.kind == kind]
         for r in range(plan.pp):
-            mine = [b for b, s in zip(bars, [s for s in segments if s.kind == kind]) if s.rank == r]
+            mine = [(s.start * ms, s.duration * ms) for s in segments if s.kind == kind and s.rank == r]
             if mine:
                 ax.broken_barh(mine, (r - 0.4, 0.8), facecolors=COLORS[kind], edgecolors="white", linewidth=0.3)
     ax.set_yticks(range(plan.pp), [f"rank {r}" for r in range(plan.pp)])
@@ -55,7 +54,8 @@ def plan_figure(workload, plan, est, path, headroom_bytes: float = 0.0) -> None:
     ax.set_title(f"{plan.describe()}: iteration {est.iteration_time_s * ms:,.1f} ms, pipeline bubble "
                  f"{est.breakdown['pp_bubble'] * ms:,.1f} ms (cost model)", loc="left", fontsize=10)
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in (*KINDS, "bubble")]
-    labels = ["forward", "backward", "recompute", "tp / pp comm", "dp comm (exposed)", "optimizer + step", "bubble (idle)"]
+    labels = ["forward", "backward", "recompute", "tp / pp comm", "dp comm (exposed)", "optimizer + step",
+              "bubble (idle)"]
     ax.legend(handles, labels, ncols=7, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.1 / plan.pp),
               fontsize=8, frameon=False)
 
