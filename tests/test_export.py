@@ -1,8 +1,8 @@
 """`autopar export`: each framework's own config classes accept what autopar writes.
 
-megatron-core and torchtitan install beside the pinned CPU torch with `pip install --no-deps
-megatron-core torchtitan tyro docstring-parser typeguard spmd-types`; without them those checks
-are skipped. DeepSpeed installs from source, so its JSON is checked against the documented keys
+megatron-core is in the dev extra (it needs only torch, numpy and packaging); torchtitan's config
+manager installs beside the pinned CPU torch with `pip install --no-deps torchtitan tyro
+docstring-parser typeguard spmd-types`; without a package its checks are skipped. DeepSpeed installs from source, so its JSON is checked against the documented keys
 (https://www.deepspeed.ai/docs/config-json/) and its batch identity; DeepSpeed's own config
 class runs only where DeepSpeed is installed."""
 
