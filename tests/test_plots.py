@@ -90,3 +90,12 @@ def test_plot_without_matplotlib_is_one_line_and_nothing_is_written(tmp_path, ca
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "pip install 'autopar[plots]'" in err
     assert not (tmp_path / "plan.json").exists() and not (tmp_path / "p.png").exists()
+
+
+def test_plot_to_a_directory_is_one_line_exit_2(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    Plan(dp=2, tp=1, pp=1, micro_batch_size=4, num_micro_batches=1).save(tmp_path / "plan.json")
+    code = main(["explain", str(tmp_path / "plan.json"), str(ZOO / "gpt.py"), "--model-arg", "size=tiny",
+                 "--cluster", "cpu", "--plot", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "is a directory" in err

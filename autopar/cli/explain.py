@@ -25,6 +25,20 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def check_plot(args) -> None:
+    """Fail on a missing matplotlib or an unusable --plot path before any work or output."""
+    if not args.plot:
+        return
+    from pathlib import Path
+
+    from autopar.errors import AutoparError
+    from autopar.plots.figures import pyplot
+
+    pyplot()
+    if Path(args.plot).is_dir():
+        raise AutoparError(f"--plot {args.plot} is a directory; give a file name such as {DEFAULT_PLOT}")
+
+
 def draw(args, workload, plan, est) -> str | None:
     """Write the plot when --plot was given; the path written."""
     if not args.plot:
@@ -43,13 +57,10 @@ def run(args) -> int:
     from autopar.explain import explain
     from autopar.report import print_estimate, why_table
 
+    check_plot(args)
     plan, workload = plan_and_workload(args)
     est = estimate(workload, plan)
     reasons = explain(workload, plan)
-    if args.plot:
-        from autopar.plots.figures import pyplot
-
-        pyplot()  # fail on a missing matplotlib before any output
     written = draw(args, workload, plan, est)
     if args.json:
         print_json({"plan": plan.to_dict(), "estimate": est.to_dict(), "workload": workload_dict(workload),

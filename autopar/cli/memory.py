@@ -25,6 +25,7 @@ def run(args) -> int:
     if args.json:
         print_json({"plan": plan.to_dict(), "memory_gb": est.to_dict()["memory_gb"],
                     "peak_memory_gb": est.peak_memory_bytes / 1e9, "gpu_memory_gb": est.gpu_memory_bytes / 1e9,
+                    "usable_memory_gb": est.usable_memory_bytes / 1e9,
                     "fits": est.fits})
         return 0
     Console().print(estimate_tables(est)[1])

@@ -6,7 +6,7 @@ import contextlib
 import time
 
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
-from autopar.cli.explain import add_plot_flag, draw
+from autopar.cli.explain import add_plot_flag, check_plot, draw
 
 DEFAULT_METHOD = "rl"
 
@@ -49,10 +49,7 @@ def run(args) -> int:
 
     if args.top_k < 1:
         raise AutoparError(f"--top-k must be at least 1, got {args.top_k}")
-    if args.plot:
-        from autopar.plots.figures import pyplot
-
-        pyplot()  # a missing matplotlib fails before the search, not after it
+    check_plot(args)  # a missing matplotlib fails before the search, not after it
     started = time.perf_counter()
     console = Console(stderr=args.json)
     with console.status("profiling the model"):
