@@ -21,6 +21,7 @@ from autopar.cost import estimate
 from autopar.errors import AutoparError, NoValidPlanError
 from autopar.search import get_planner
 from autopar.search.sampling import KnobSpace
+from autopar.search.simplicity import KNOBS, TIE
 from conftest import ZOO, workload
 
 optuna = pytest.importorskip("optuna")
@@ -52,7 +53,8 @@ def test_optuna_comes_near_the_oracle():
     oracle = estimate(w, get_planner("exhaustive").propose(w, 1)[0]).iteration_time_s
     planner = optuna_planner(trials=100, seed=0)
     found = estimate(w, planner.propose(w, 1)[0]).iteration_time_s
-    assert planner.evaluations == 100
+    # the trials, then the simpler variants of the best plan (one per knob away from its default, and all)
+    assert 100 <= planner.evaluations <= 100 + len(KNOBS) + 1
     assert oracle / found >= 0.95
 
 
@@ -62,7 +64,8 @@ def test_proposes_only_distinct_plans_that_fit_best_first():
     estimates = [estimate(w, p) for p in plans]
     assert len(set(plans)) == len(plans) >= 2
     assert all(e.fits for e in estimates)
-    assert [e.iteration_time_s for e in estimates] == sorted(e.iteration_time_s for e in estimates)
+    times = [e.iteration_time_s for e in estimates]
+    assert all(b <= a * (1 + TIE) for a, b in zip(times[1:], times))  # best first; the simplest first among ties
     with pytest.raises(NoValidPlanError, match="none of the 10 plans optuna tried .* use more --trials"):
         optuna_planner(trials=10).propose(workload(size="1t", nodes=1, global_batch=8))
 
@@ -109,7 +112,8 @@ def test_killed_study_resumes_without_losing_a_trial(tmp_path):
     plan = planner.propose(w, 1)[0]
     after = {t.number: (t.params, t.value) for t in optuna.load_study(study_name=name, storage=url).trials
              if t.state == optuna.trial.TrialState.COMPLETE}
-    assert len(after) == trials and planner.evaluations == trials - len(before)
+    # the new trials only, then the simpler variants of the best plan
+    assert len(after) == trials and 0 <= planner.evaluations - (trials - len(before)) <= len(KNOBS) + 1
     assert all(after[n] == v for n, v in before.items())
     assert estimate(w, plan).fits
 

@@ -10,6 +10,7 @@ from autopar.cost import estimate
 from autopar.errors import AutoparError, NoValidPlanError
 from autopar.search import get_planner
 from autopar.search.sampling import KnobSpace
+from autopar.search.simplicity import KNOBS, TIE
 from autopar.search.space import degree_choices, enumerate_plans
 from conftest import workload
 
@@ -36,12 +37,12 @@ def test_random_planner_gives_distinct_fitting_plans_best_first():
     w = workload(size="gpt2-medium", vocab=50304, nodes=2, global_batch=128)
     planner = get_planner("random", trials=200, seed=1)
     plans = planner.propose(w, 5)
-    assert planner.evaluations == 200
+    assert 200 <= planner.evaluations <= 200 + 5 * (len(KNOBS) + 1)  # + the simpler variants of the 5 best
     assert len(set(plans)) == 5
     estimates = [estimate(w, p) for p in plans]
     assert all(e.fits for e in estimates)
     times = [e.iteration_time_s for e in estimates]
-    assert times == sorted(times)
+    assert all(b <= a * (1 + TIE) for a, b in zip(times[1:], times))  # best first; the simplest first among ties
     for p in plans:
         p.validate(w)
 
@@ -51,7 +52,7 @@ def test_random_planner_is_reproducible_and_more_trials_never_hurt():
     w = workload(size="gpt3-13b", nodes=4, global_batch=256)
     best = {n: get_planner("random", trials=n, seed=3).propose(w, 1)[0] for n in (50, 200)}
     assert get_planner("random", trials=50, seed=3).propose(w, 1)[0] == best[50]
-    assert estimate(w, best[200]).iteration_time_s <= estimate(w, best[50]).iteration_time_s
+    assert estimate(w, best[200]).iteration_time_s <= estimate(w, best[50]).iteration_time_s * (1 + TIE)
 
 
 def test_errors_say_what_is_wrong():
