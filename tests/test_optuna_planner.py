@@ -135,7 +135,8 @@ def test_cli_search_with_optuna(capsys, tmp_path):
             "--trials", "20", "--storage", f"sqlite:///{tmp_path}/study.db", "--top-k", "2", "--json"]
     assert main(argv) == 0
     first = json.loads(capsys.readouterr().out)
-    assert first["method"] == "optuna" and first["cost_model_evaluations"] == 20 and first["estimate"]["fits"]
-    assert main(argv) == 0  # the study is complete: nothing more to run, the same answer
+    variants = first["cost_model_evaluations"] - 20  # the simpler variants of the 2 best plans
+    assert first["method"] == "optuna" and 0 <= variants <= 2 * (len(KNOBS) + 1) and first["estimate"]["fits"]
+    assert main(argv) == 0  # the study is complete: no trial more to run, the same answer
     again = json.loads(capsys.readouterr().out)
-    assert again["cost_model_evaluations"] == 0 and again["plan"] == first["plan"]
+    assert again["cost_model_evaluations"] == variants and again["plan"] == first["plan"]
