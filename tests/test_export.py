@@ -4,7 +4,8 @@ megatron-core is in the dev extra (it needs only torch, numpy and packaging); to
 manager installs beside the pinned CPU torch with `pip install --no-deps torchtitan tyro
 docstring-parser typeguard spmd-types`; without a package its checks are skipped. DeepSpeed installs from source, so its JSON is checked against the documented keys
 (https://www.deepspeed.ai/docs/config-json/) and its batch identity; DeepSpeed's own config
-class runs only where DeepSpeed is installed."""
+class runs where DeepSpeed is installed (`DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation
+deepspeed hjson msgpack einops psutil wheel`)."""
 
 from __future__ import annotations
 
@@ -64,11 +65,25 @@ def test_deepspeed_batch_identity_and_documented_keys(plan):
     assert cfg["communication_data_type"] in ("fp32", "bf16", "fp16")
 
 
+class DataParallelGroup:
+    """What DeepSpeed asks a model-parallel unit (`mpu`) for: the data-parallel world size."""
+
+    def __init__(self, dp: int):
+        self.dp = dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+
 @pytest.mark.parametrize("plan", PLANS)
-def test_deepspeed_own_config_class(plan):
+def test_deepspeed_own_config_class(plan, monkeypatch):
     ds_config = pytest.importorskip("deepspeed.runtime.config")
-    cfg = ds_config.DeepSpeedConfig(json.loads(export_plan(plan, "deepspeed").text))
-    assert cfg.train_batch_size == plan.global_batch
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)  # rank 0 of a job, no process group needed
+    # DeepSpeed's own sanity check asserts train = micro x accumulation x data-parallel world size
+    cfg = ds_config.DeepSpeedConfig(json.loads(export_plan(plan, "deepspeed").text), mpu=DataParallelGroup(plan.dp))
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
+        plan.global_batch, plan.micro_batch_size, plan.num_micro_batches)
+    assert cfg.zero_optimization_stage == plan.zero and cfg.zero_enabled == (plan.zero > 0)
 
 
 @pytest.mark.parametrize("plan", PLANS)
