@@ -4,8 +4,8 @@ megatron-core is in the dev extra (it needs only torch, numpy and packaging); to
 manager installs beside the pinned CPU torch with `pip install --no-deps torchtitan tyro
 docstring-parser typeguard spmd-types`; without a package its checks are skipped. DeepSpeed installs from source, so its JSON is checked against the documented keys
 (https://www.deepspeed.ai/docs/config-json/) and its batch identity; DeepSpeed's own config
-class runs where DeepSpeed is installed (`DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation
-deepspeed hjson msgpack einops psutil wheel`)."""
+class runs where DeepSpeed is installed (`pip install wheel hjson msgpack einops psutil && DS_BUILD_OPS=0
+pip install --no-deps --no-build-isolation deepspeed`)."""
 
 from __future__ import annotations
 
