@@ -15,8 +15,10 @@ def _gb(x: float) -> str:
 
 
 def params_text(n: float) -> str:
-    """Parameters in M below a billion, in B above: "124 M", "175 B"."""
-    return f"{n / 1e6:,.0f} M" if n < 1e9 else f"{n / 1e9:,.3g} B"
+    """Parameters in M below a billion, in B above: "0.42 M", "124 M", "175 B"."""
+    if n < 1e9:
+        return f"{n / 1e6:.3g} M" if n < 1e8 else f"{n / 1e6:.0f} M"
+    return f"{n / 1e9:.4g} B"
 
 
 def _tflops(x: float) -> str:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from autopar.cli import main
 from autopar.cost import estimate
 from autopar.plan import Plan
+from autopar.report import params_text
 from autopar.search import get_planner
 from autopar.search.simplicity import TIE, simpler_variants, simplest_first, simplicity_key
 from autopar.workload import DEFAULT_MEMORY_HEADROOM
@@ -89,3 +90,7 @@ def test_search_states_the_headroom_and_the_runners_up_differ(capsys, monkeypatc
     assert "mb 32x2" in out.replace("micro-batch 32x2", "mb 32x2")
     assert main(["search", str(ZOO / "gpt.py"), "--memory-headroom", "1.5"]) == 2
     assert "--memory-headroom must be a fraction" in capsys.readouterr().err
+
+
+def test_parameter_counts_read_in_m_below_a_billion():
+    assert [params_text(n) for n in (4.2e5, 1.24e8, 1.3e9, 175e9)] == ["0.42 M", "124 M", "1.3 B", "175 B"]
