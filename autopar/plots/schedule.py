@@ -106,11 +106,3 @@ def from_estimate(plan, est, forward_share: float, step_overhead_s: float) -> li
     return simulate(plan, forward=compute * forward_share, backward=compute * (1 - forward_share),
                     recompute=bd["recompute"] / m, comm=(bd["tp_comm"] + bd["pp_p2p"]) / m,
                     dp_comm=bd["dp_comm"], optimizer=bd["optimizer"] + step_overhead_s)
-
-
-def bubble(segments: list[Segment], pp: int) -> float:
-    """Idle time of the busiest-idle rank before the pipeline drains."""
-    end = max(s.start + s.duration for s in segments if s.kind not in ("dp_comm", "optimizer"))
-    busy = [sum(s.duration for s in segments if s.rank == r and s.kind not in ("dp_comm", "optimizer"))
-            for r in range(pp)]
-    return end - min(busy)
