@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from autopar.cost import PlanArrays, evaluate
 from autopar.errors import PlanError
 from autopar.plan import Plan
-from autopar.search.simplicity import TIE
+from autopar.search.simplicity import TIE, simplicity_key
 from autopar.search.space import (BUCKETS_MB, degree_choices, micro_batch_choices, recompute_choices,
                                   schedule_choices)
 
@@ -48,7 +48,7 @@ def _variants(workload, plan: Plan) -> dict[str, list[tuple[str, Plan]]]:
             out["micro-batch"].append((f"micro-batch {mbs}x{batch // (plan.dp * mbs)}", dict(
                 micro_batch_size=mbs, num_micro_batches=batch // (plan.dp * mbs))))
     if plan.dp > 1:
-        out["zero"] = [(f"ZeRO-{z}", dict(zero=z, offload_optimizer=plan.offload_optimizer and z >= 2))
+        out["zero"] = [(_zero_label(z), dict(zero=z, offload_optimizer=plan.offload_optimizer and z >= 2))
                        for z in (0, 1, 2, 3) if z != plan.zero]
         if plan.zero <= 1:
             out["bucket"] = [(f"{b:g} MB buckets", dict(bucket_mb=b)) for b in BUCKETS_MB if b != plan.bucket_mb]
@@ -73,6 +73,10 @@ def _variants(workload, plan: Plan) -> dict[str, list[tuple[str, Plan]]]:
     return plans
 
 
+def _zero_label(stage: int) -> str:
+    return "DDP (ZeRO-0)" if stage == 0 else f"ZeRO-{stage}"
+
+
 def _recompute_label(mode: str, blocks: int) -> str:
     return {"none": "no recompute", "selective": "selective recompute"}.get(mode, f"full recompute of {blocks} blocks")
 
@@ -81,7 +85,7 @@ def _chosen(plan: Plan, knob: str) -> str:
     return {
         "degrees": f"dp{plan.dp} tp{plan.tp} pp{plan.pp}",
         "micro-batch": f"micro-batch {plan.micro_batching}",
-        "zero": f"ZeRO-{plan.zero}",
+        "zero": _zero_label(plan.zero),
         "recompute": _recompute_label(plan.recompute, plan.recompute_blocks),
         "schedule": plan.schedule if plan.virtual_stages == 1 else f"interleaved:{plan.virtual_stages}",
         "sequence parallel": "sequence parallel " + ("on" if plan.sequence_parallel else "off"),
@@ -106,7 +110,9 @@ def explain(workload, plan: Plan, coeffs=None) -> list[Reason]:
             if ratio > 1.0005:
                 text = f"the best alternative, {flat[i - 1][1]}, is {ratio - 1:.1%} slower"
             elif ratio >= 1 / (1 + TIE):
-                text = f"{flat[i - 1][1]} is as fast ({ratio - 1:+.1%}, within the {TIE:.1%} tie tolerance)"
+                simpler = simplicity_key(plan) <= simplicity_key(flat[i - 1][2])
+                text = (f"{flat[i - 1][1]} is as fast ({ratio - 1:+.1%}, within the {TIE:.1%} tie tolerance)"
+                        + ("; the simpler plan is kept" if simpler else ""))
             else:
                 text = f"{flat[i - 1][1]} is {1 - ratio:.1%} faster"
             if len(fit) < len(rows):
