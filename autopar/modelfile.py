@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar import zoo
+from autopar import hf, zoo
 from autopar.errors import ModelFileError
 
 #: Tensor-parallel styles a ``tp_plan(model)`` may name (values of its dict), and what each means.
@@ -34,6 +34,8 @@ TP_STYLES = {
     "rowwise_in": "rowwise on a replicated input (sliced locally); output all-reduced",
     "vocab": "shard the vocabulary: nn.Embedding rows (output all-reduced) or an output nn.Linear's "
              "out_features (logits all-gathered)",
+    "head_norm": "a norm over each head's channels (input [batch, seq, heads, head_dim], heads sharded): "
+                 "weight replicated, its gradient all-reduced (Qwen3's q_norm / k_norm)",
 }
 
 _module_ids = itertools.count()
@@ -143,8 +145,9 @@ class ModelFile:
     def has_tp_plan(self) -> bool:
         return callable(getattr(self.module, "tp_plan", None))
 
-    def tp_plan(self, model: nn.Module) -> dict[str, str]:
-        """The tensor-parallel plan with wildcards expanded: ``{module FQN: style}`` ({} if none)."""
+    def tp_plan(self, model: nn.Module) -> dict:
+        """The tensor-parallel plan with wildcards expanded: ``{module FQN: style}`` ({} if none);
+        a style is a name of :data:`TP_STYLES` or a torch ParallelStyle object."""
         if not self.has_tp_plan:
             return {}
         try:
@@ -171,14 +174,34 @@ class ModelFile:
         return found
 
 
-def resolve_tp_plan(model: nn.Module, plan: dict[str, str], where: str = "tp_plan") -> dict[str, str]:
-    """Expand ``*`` wildcards (one name component each, as torchtitan) and check every style."""
+def _check_style(where: str, pattern: str, style) -> None:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if isinstance(style, ParallelStyle) or style in TP_STYLES:
+        return
+    raise ModelFileError(f"{where}: tp_plan entry {pattern!r} has style {style!r}; use one of "
+                         f"{', '.join(TP_STYLES)}, or a torch ParallelStyle such as ColwiseParallel()")
+
+
+def _check_module(where: str, pattern: str, name: str, module: nn.Module, style) -> None:
+    if not isinstance(style, str):
+        return  # a ParallelStyle checks its module itself when applied
+    fits = {"vocab": (nn.Linear, nn.Embedding), "head_norm": (nn.Module,)}.get(style, (nn.Linear,))
+    if not isinstance(module, fits):
+        raise ModelFileError(f"{where}: tp_plan entry {pattern!r} names {name}, a {type(module).__name__}; "
+                             "styles apply to nn.Linear, 'vocab' also to nn.Embedding, 'head_norm' to a norm")
+
+
+def resolve_tp_plan(model: nn.Module, plan: dict, where: str = "tp_plan") -> dict:
+    """Expand ``*`` wildcards (one name component each, as torchtitan) and check every style: a
+    name of :data:`TP_STYLES` or a torch ``ParallelStyle`` object (torchtitan's form), not both."""
     names = [name for name, _ in model.named_modules() if name]
+    if len({isinstance(style, str) for style in plan.values()}) > 1:
+        raise ModelFileError(f"{where}: tp_plan mixes style names and ParallelStyle objects; write every "
+                             "entry in one form")
     resolved = {}
     for pattern, style in plan.items():
-        if style not in TP_STYLES:
-            raise ModelFileError(f"{where}: tp_plan entry {pattern!r} has style {style!r}; "
-                                 f"use one of {', '.join(TP_STYLES)}")
+        _check_style(where, pattern, style)
         atoms = pattern.split(".")
         hits = [n for n in names if len(n.split(".")) == len(atoms)
                 and all(fnmatch.fnmatchcase(a, p) for a, p in zip(n.split("."), atoms))]
@@ -186,13 +209,42 @@ def resolve_tp_plan(model: nn.Module, plan: dict[str, str], where: str = "tp_pla
             raise ModelFileError(f"{where}: tp_plan entry {pattern!r} matches no module of the model; "
                                  "use dotted module names as in model.named_modules()")
         for name in hits:
-            module = model.get_submodule(name)
-            if not (isinstance(module, nn.Linear) or (isinstance(module, nn.Embedding) and style == "vocab")):
-                raise ModelFileError(f"{where}: tp_plan entry {pattern!r} names {name}, a "
-                                     f"{type(module).__name__}; styles apply to nn.Linear, and 'vocab' "
-                                     "also to nn.Embedding")
+            _check_module(where, pattern, name, model.get_submodule(name), style)
             resolved[name] = style
     return resolved
+
+
+def priced_styles(model: nn.Module, plan: dict) -> dict[str, str]:
+    """The style names the profiler prices a resolved tp_plan by: names as they are, torch's
+    ParallelStyle objects by what they shard (SequenceParallel and PrepareModule* shard no weight)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    out = {}
+    for name, style in plan.items():
+        if isinstance(style, str):
+            if style != "head_norm":  # a replicated weight: priced as unsharded
+                out[name] = style
+            continue
+        module = model.get_submodule(name)
+        output = getattr(style, "output_layouts", (None,))[0]
+        if isinstance(style, RowwiseParallel):
+            inputs = style.input_layouts[0]
+            out[name] = "vocab" if isinstance(module, nn.Embedding) else (
+                "rowwise_in" if isinstance(inputs, Replicate) else "rowwise")
+        elif isinstance(style, ColwiseParallel):
+            out[name] = "colwise_rep" if isinstance(output, Replicate) else "colwise"
+    return out
+
+
+def sequence_parallel_styles(plan: dict) -> bool | None:
+    """Whether a tp_plan of ParallelStyle objects shards the sequence (it has a SequenceParallel
+    entry); None for a plan of style names, where the plan's sequence_parallel decides."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    if not plan or all(isinstance(style, str) for style in plan.values()):
+        return None
+    return any(isinstance(style, SequenceParallel) for style in plan.values())
 
 
 def materialize(model: nn.Module, device) -> nn.Module:
@@ -213,7 +265,10 @@ def materialize(model: nn.Module, device) -> nn.Module:
 
 
 def load_model_file(path) -> ModelFile:
-    """Import a model.py (or a zoo model by name, e.g. ``"gpt"``) under a unique module name."""
+    """Import a model.py (or a zoo model by name, e.g. ``"gpt"``) under a unique module name;
+    ``hf:PATH`` names a transformers config instead (:mod:`autopar.hf`)."""
+    if hf.is_reference(path):
+        return hf.load(path)
     if not Path(path).exists() and str(path) in zoo.MODELS:
         path = zoo.path(str(path))
     path = Path(path).expanduser().resolve()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.modelfile import ModelFile, load_model_file
+from autopar.modelfile import ModelFile, load_model_file, priced_styles
 from autopar.profile import cache as profile_cache
 from autopar.profile.kernels import CudaKernels
 from autopar.profile.model_profile import BlockProfile, ModelProfile
@@ -138,7 +138,7 @@ def _prepare(mf: ModelFile, model_args: dict, dtype: str):
 
 def _measure(mf: ModelFile, model_args: dict, dtype: str, digest: str) -> ModelProfile:
     model, inputs, targets = _prepare(mf, model_args, dtype)
-    plan = mf.tp_plan(model)
+    plan = priced_styles(model, mf.tp_plan(model))
     styles = {id(model.get_submodule(name)): style for name, style in plan.items()}
     sharded = {id(p): p for name, style in plan.items() for p in _sharded_params(model.get_submodule(name), style)}
     blocks = mf.blocks(model)
@@ -163,6 +163,8 @@ def _measure(mf: ModelFile, model_args: dict, dtype: str, digest: str) -> ModelP
     name = mf.name + "".join(f" {k}={v}" for k, v in sorted(model_args.items()))
     if plan:
         tp_note = ""
+    elif getattr(mf.module, "tp_note", ""):  # the model says why (an hf: model's refused styles)
+        tp_note = mf.module.tp_note
     elif mf.has_tp_plan:
         tp_note = f"tp_plan(model) of {mf.path.name} shards nothing: planned with tp = 1"
     else:
