@@ -115,6 +115,7 @@ class HFCausalLM(nn.Module):
     def __init__(self, hf_model, hf_config, seq_len: int, family: str):
         super().__init__()
         self.family, self.seq_len, self.hf_config = family, seq_len, hf_config
+        self.embed_scale = None
         self.config = {"hidden": hf_config.hidden_size, "heads": hf_config.num_attention_heads,
                        "kv_heads": getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
                        "layers": hf_config.num_hidden_layers, "vocab": hf_config.vocab_size,
@@ -135,6 +136,10 @@ class HFCausalLM(nn.Module):
         else:
             base = hf_model.model
             self.tok_embeddings, self.layers, self.norm = base.embed_tokens, base.layers, base.norm
+            if hasattr(base.embed_tokens, "embed_scale"):  # Gemma: a plain embedding, scaled in forward
+                e = base.embed_tokens  # (tensor parallelism would make its scale buffer a DTensor)
+                self.tok_embeddings = nn.Embedding(e.num_embeddings, e.embedding_dim, e.padding_idx)
+                self.embed_scale = hf_config.hidden_size ** 0.5
             self.rotary_emb = base.rotary_emb
             for layer in self.layers:  # what the profiler reads tensor-parallel head units from
                 layer.self_attn.num_heads = self.config["heads"]
@@ -161,9 +166,6 @@ class HFCausalLM(nn.Module):
                 module.reset_parameters()
             elif type(module).__name__.endswith("RMSNorm"):  # transformers' own: (1 + w) zeros, else ones
                 nn.init.zeros_(module.weight) if self.family.startswith("gemma") else nn.init.ones_(module.weight)
-        for module in self.modules():
-            if hasattr(module, "embed_scale"):
-                module.embed_scale.fill_(self.hf_config.hidden_size ** 0.5)
         if getattr(self, "rotary_emb", None) is not None:
             with torch.device("cpu"):
                 fresh = type(self.rotary_emb)(config=self.hf_config)
@@ -174,6 +176,8 @@ class HFCausalLM(nn.Module):
     def forward(self, x):
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
+            if self.embed_scale is not None:  # as transformers: the scale rounded to the weight's dtype
+                x = x * x.new_tensor(self.embed_scale)
         layer_args = self._layer_args(x)
         for layer in self.layers:
             if isinstance(layer, nn.Identity):  # another pipeline stage's block
@@ -326,6 +330,8 @@ class HFSource:
         out = {k: HF_STYLES[v] for k, v in plan.items()}
         if out:
             out["output"] = "vocab"  # transformers' lm_head: colwise_gather_output
+            if model.tied:  # one weight: sharded alike at both ends (executor.tied.retie)
+                out["tok_embeddings.wte" if self.family == "gpt2" else "tok_embeddings"] = "vocab"
         return out
 
     def blocks(self, model: HFCausalLM) -> nn.ModuleList:
@@ -340,17 +346,6 @@ class HFSource:
                     "attention runs (and is priced) as eager attention that saves the seq x seq "
                     "probabilities"]
         return []
-
-
-def tied_parameter_names(model: nn.Module) -> list[tuple[str, str]]:
-    """(name, name) pairs of one parameter held under two names (tied embeddings)."""
-    seen, pairs = {}, []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            pairs.append((seen[id(p)], name))
-        else:
-            seen[id(p)] = name
-    return pairs
 
 
 def per_head_qkv_order(hidden: int, heads: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ import inspect
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -53,13 +53,27 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.lower().endswith("norm")
 
 
-def _gather_input(module: nn.Module) -> PrepareModuleInput:
-    """All-gather the first positional input along the sequence; pass the others through."""
-    params = inspect.signature(module.forward).parameters.values()
-    n = sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
-    rest = (None,) * (n - 1)
-    return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest),
-                              use_local_output=True)
+class GatherSequence(ParallelStyle):
+    """All-gather a module's first input along the sequence (dim 1), whether it is passed by
+    position or by keyword (transformers calls attention as ``self_attn(hidden_states=...)``);
+    other inputs pass through. PrepareModuleInput needs to know which of the two it will be."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        first = next(iter(inspect.signature(module.forward).parameters))
+
+        def gather(t):
+            return DTensor.from_local(t, device_mesh, (Shard(1),), run_check=False).redistribute(
+                placements=(Replicate(),)).to_local()
+
+        def hook(_, args, kwargs):
+            if args:
+                return (gather(args[0]), *args[1:]), kwargs
+            if first in kwargs:
+                return args, {**kwargs, first: gather(kwargs[first])}
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
 
 
 def _linear_style(style: str, module: nn.Module, stream_in: bool, stream_out: bool) -> ParallelStyle:
@@ -79,6 +93,8 @@ def _linear_style(style: str, module: nn.Module, stream_in: bool, stream_out: bo
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
     if style == "vocab":  # the output head: logits gathered over the vocabulary for the loss
         return ColwiseParallel(input_layouts=entry, output_layouts=Replicate())
+    if style == "head_norm":  # input [batch, seq, heads, head_dim] with this rank's heads
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     raise ValueError(f"unknown tensor-parallel style {style!r}")
 
 
@@ -87,10 +103,13 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], blocks: nn.ModuleList |
     """The `parallelize_module` plan for the modules of `model` that `tp_plan` names.
 
     `tp_plan` has wildcards already expanded (full FQNs); entries for modules this pipeline
-    stage does not hold are dropped.
+    stage does not hold are dropped. A plan of torch ParallelStyle objects is applied as written:
+    its layouts decide the collectives and what sequence parallelism shards.
     """
     present = dict(model.named_modules())
     plan = {fqn: style for fqn, style in tp_plan.items() if fqn in present}
+    if any(isinstance(style, ParallelStyle) for style in plan.values()):
+        return plan
     styles: dict[str, ParallelStyle] = {}
     replicated, gatherers = set(), set()  # whole modules off the stream / block parts that gather
     if sequence_parallel:
@@ -108,8 +127,8 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], blocks: nn.ModuleList |
             styles[INPUT] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
                                                 use_local_output=True)
         if HEAD in replicated:
-            styles[HEAD] = _gather_input(present[HEAD])
-        styles.update({name: _gather_input(present[name]) for name in gatherers})
+            styles[HEAD] = GatherSequence()
+        styles.update({name: GatherSequence() for name in gatherers})
         styles.update({name: SequenceParallel(use_local_output=True) for name, module in present.items()
                        if name and _is_norm(module) and name not in plan
                        and not _inside(name, replicated | gatherers)})

@@ -27,6 +27,7 @@ from autopar.executor.mesh import Topology, build_mesh, init_distributed
 from autopar.executor.pipeline import blocks_name, build_schedule, cut_stages, rank_view, stage_ids
 from autopar.executor.precision import autocast, grad_scaler
 from autopar.executor.tensor_parallel import apply_tp
+from autopar.executor.tied import TiedGrads, tied_grads, tied_names
 from autopar.modelfile import materialize, resolve_tp_plan
 from autopar.plan import Plan
 
@@ -74,6 +75,7 @@ class ParallelModel:
     has_first_stage: bool = True
     has_last_stage: bool = True
     tp_leaves: list = field(default_factory=list)  # DDP + TP: see data_parallel.localised_tp_leaves
+    tied: TiedGrads | None = None  # tied embeddings split across pipeline stages
 
     @property
     def device(self) -> torch.device:
@@ -93,6 +95,8 @@ class ParallelModel:
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._pipeline_step(inputs, targets) if self.schedule is not None else self._plain_step(inputs, targets)
+        if self.tied is not None:
+            self.tied.sync()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -195,6 +199,7 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
     model = build_full_model(build_model, seed)
     find_blocks = blocks or _default_blocks
     block_list = find_blocks(model)
+    tied = tied_names(model)
     tp_map = {}
     if plan.tp > 1:
         if tp_plan is None:
@@ -224,7 +229,8 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
     view = rank_view(inner, name) if plan.pp > 1 else inner[0]
     opt = build_optimizer(list(view.parameters()), optimizer, plan, topo)
     scaler = grad_scaler(plan, device)
-    result = ParallelModel(plan, topo, view, parts, opt, loss_fn, scaler=scaler, tp_leaves=localised_tp_leaves(view))
+    result = ParallelModel(plan, topo, view, parts, opt, loss_fn, scaler=scaler, tp_leaves=localised_tp_leaves(view),
+                           tied=tied_grads(view, tied, plan, topo))
     if plan.pp > 1:
         ids = stage_ids(plan, pp_rank)
         result.has_first_stage = 0 in ids
