@@ -122,7 +122,15 @@ def explain(workload, plan: Plan, coeffs=None) -> list[Reason]:
             text = (f"no other choice fits in memory: the leanest, {flat[i - 1][1]}, needs "
                     f"{res['peak_memory'][i] / 1e9:.1f} GB > {memory / 1e9:.1f} GB usable")
         reasons.append(Reason(knob, _chosen(plan, knob), text))
-    return reasons
+    return reasons + _excluded(workload.profile)
+
+
+def _excluded(profile) -> list[Reason]:
+    """What the plan space leaves out for this model, and why (capability.model_limits)."""
+    labels = {"pp": ("degrees", "pp > 1"), "sp": ("sequence parallel", "sequence parallel on"),
+              "sp_off": ("sequence parallel", "sequence parallel off")}
+    return [Reason(labels[k][0], "-", f"{labels[k][1]} not considered: {why}")
+            for k, why in profile.limits.items() if k in labels]
 
 
 def bottleneck(breakdown: dict[str, float]) -> str:

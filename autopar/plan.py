@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from autopar.atomic import write_text_atomic
+from autopar.capability import check_plan
 from autopar.errors import PlanError
 
 PLAN_SCHEMA_VERSION = 1
@@ -166,6 +167,7 @@ class Plan:
             if bad:
                 raise PlanError(f"tp={self.tp} does not divide {bad} (heads / sharded dims of the model); "
                                 f"use a tp that divides {math.gcd(*profile.tp_units)}")
+        check_plan(self, profile)
         layers = profile.num_layers
         if self.stages > layers:
             raise PlanError(f"pp x virtual_stages = {self.stages} exceeds the model's {layers} blocks; "

@@ -22,6 +22,7 @@ def add_plan_flags(p) -> None:
     p.add_argument("--grad-comm-dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--offload-optimizer", action="store_true")
     p.add_argument("--mesh-order", default="pp,dp,tp", help="mesh axes, outermost first (default pp,dp,tp)")
+    p.set_defaults(precision=None)  # the plan's precision with --plan, else bf16
 
 
 def add_parser(sub) -> None:
@@ -81,8 +82,13 @@ def plan_and_workload(args):
 
     if args.plan:
         plan = Plan.load(args.plan)
+        if args.precision not in (None, plan.precision):
+            raise PlanError(f"--precision {args.precision} but the plan trains in {plan.precision}; drop "
+                            "--precision or edit the plan")
+        args.precision = plan.precision
         workload = load_workload(args, nodes=_fit_cluster_to(args, plan.world_size), global_batch=plan.global_batch)
     else:
+        args.precision = args.precision or "bf16"
         if args.dp is None or args.micro_batch is None:
             raise PlanError("give --plan plan.json, or at least --dp and --micro-batch (with --tp, --pp ...)")
         nodes = _fit_cluster_to(args, args.dp * args.tp * args.pp)

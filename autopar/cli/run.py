@@ -40,7 +40,10 @@ def add_parser(sub) -> None:
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--check-parity", action="store_true",
-                   help="also train the model in one process and report the largest relative loss difference")
+                   help="also train the model in one process and report the largest relative loss difference, "
+                        "with what explains a mismatch (dropout, BatchNorm, low precision)")
+    p.add_argument("--no-dropout", action="store_true",
+                   help="turn every dropout of the model off (for --check-parity: dropout masks differ by rank)")
     p.set_defaults(func=run)
 
 
@@ -59,7 +62,8 @@ def _spec(args):
     return LaunchSpec(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                       master_addr=args.master_addr, master_port=args.master_port, backend=args.backend,
                       timeout_s=args.timeout, steps=args.steps, warmup=args.warmup, seed=args.seed,
-                      optimizer=args.optimizer, lr=args.lr, check_parity=args.check_parity)
+                      optimizer=args.optimizer, lr=args.lr, check_parity=args.check_parity,
+                      no_dropout=args.no_dropout)
 
 
 def _cluster(args, spec):
@@ -72,17 +76,23 @@ def _cluster(args, spec):
 
 def _prediction(model, model_args: dict, plan, cluster) -> tuple[dict | None, dict, str]:
     """The cost model's figures for this plan on this cluster, the model profile's dims, and a
-    note when there is no prediction (a model the profiler cannot handle, a plan it rejects).
-    The prediction is an aside: whatever goes wrong in it, the run goes ahead."""
+    note when there is no prediction (a model the profiler cannot handle). A plan the model's
+    profile rejects (PlanError: what the executor cannot run for it) is refused before launching;
+    otherwise the prediction is an aside: whatever goes wrong in it, the run goes ahead."""
     from autopar.cost import estimate
     from autopar.profile import profile_model
     from autopar.workload import Workload
 
     try:
         profile = profile_model(model, model_args, dtype=plan.precision)
-        est = estimate(Workload(profile=profile, cluster=cluster, global_batch=plan.global_batch), plan)
     except Exception as e:  # noqa: BLE001 - see the docstring
         return None, {}, f"no prediction: {type(e).__name__}: {e}"
+    workload = Workload(profile=profile, cluster=cluster, global_batch=plan.global_batch)
+    plan.validate(workload)
+    try:
+        est = estimate(workload, plan)
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        return None, dict(profile.dims), f"no prediction: {type(e).__name__}: {e}"
     return {"iteration_time_s": est.iteration_time_s, "peak_memory_gb": est.peak_memory_bytes / 1e9}, \
         dict(profile.dims), ""
 
@@ -131,7 +141,8 @@ def _show(console, record, launched, note: str) -> None:
         table.add_row("peak memory per rank", " ".join(f"{b / 1e9:.2f}" for b in m["peak_memory_bytes"]) + " GB", "")
         table.add_row("loss per step", " ".join(f"{x:.4f}" for x in m["losses"]), "")
         if "parity_max_rel_diff" in m:
-            table.add_row("parity vs 1 process", f"max rel. diff {m['parity_max_rel_diff']:.1e}", "")
+            table.add_row("parity vs 1 process", m.get("parity_verdict", f"max rel. diff {m['parity_max_rel_diff']:.1e}"),
+                          "")
         console.print(table)
     else:
         console.print(title, style="bold")

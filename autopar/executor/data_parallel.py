@@ -77,6 +77,12 @@ def apply_fsdp(module: nn.Module, blocks: list[nn.Module], plan: Plan, topo: Top
                else OffloadPolicy())
     kwargs = {"mesh": topo.mesh["dp"], "reshard_after_forward": plan.zero == 3, "mp_policy": mp,
               "offload_policy": offload}
+    if compute != torch.float32:
+        # batch norms keep fp32 weights beside their fp32 running statistics (bf16 weights with fp32
+        # statistics fail on the CPU); they normalise the low-precision input as usual
+        keep = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=DTYPES[plan.grad_comm_dtype])
+        for norm in [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
+            fully_shard(norm, **{**kwargs, "mp_policy": keep})
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)

@@ -41,6 +41,7 @@ class LaunchSpec:
     optimizer: str = "adamw"
     lr: float = 1e-3
     check_parity: bool = False
+    no_dropout: bool = False
 
     @property
     def world_size(self) -> int:
@@ -84,6 +85,8 @@ def torchrun_argv(plan_path, model, model_args: dict, spec: LaunchSpec, result_p
         worker += ["--timeout", str(spec.timeout_s)]
     if spec.check_parity:
         worker.append("--check-parity")
+    if spec.no_dropout:
+        worker.append("--no-dropout")
     return [*nodes, "--nproc-per-node", str(spec.nproc_per_node), "--max-restarts", "0",
             "--module", "autopar.executor.worker", *worker]
 

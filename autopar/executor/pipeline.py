@@ -36,8 +36,10 @@ def blocks_name(model: nn.Module, blocks: nn.ModuleList) -> str:
                     "model (torchtitan layout: tok_embeddings, layers, norm, output); use pp=1 for this model")
 
 
-def _check_layout(model: nn.Module, name: str) -> None:
-    """Every other top-level part must be one the stages know where to put."""
+def check_layout(model: nn.Module, blocks: nn.ModuleList) -> str:
+    """The blocks' attribute name; every other top-level part must be one the stages know where
+    to put (the model.py contract's pipeline layout)."""
+    name = blocks_name(model, blocks)
     strays = [child for child, module in model.named_children()
               if child != name and child not in FIRST_ONLY + LAST_ONLY
               and module is not None and any(True for _ in module.parameters())]
@@ -45,6 +47,7 @@ def _check_layout(model: nn.Module, name: str) -> None:
         raise PlanError(f"pipeline parallelism cannot place the model's top-level module(s) {strays}: stages "
                         f"know {list(FIRST_ONLY)} (first stage), {list(LAST_ONLY)} (last stage) and the "
                         f"blocks; rename them accordingly or use pp=1")
+    return name
 
 
 def stage_ids(plan: Plan, pp_rank: int) -> list[int]:
@@ -54,8 +57,7 @@ def stage_ids(plan: Plan, pp_rank: int) -> list[int]:
 
 def cut_stages(model: nn.Module, blocks: nn.ModuleList, plan: Plan, pp_rank: int) -> list[nn.Module]:
     """This rank's stage modules (one per virtual stage), copied from the full `model`."""
-    name = blocks_name(model, blocks)
-    _check_layout(model, name)
+    check_layout(model, blocks)
     split = plan.split_for(len(blocks))
     if sum(split) != len(blocks):
         raise PlanError(f"layer_split {list(split)} sums to {sum(split)} but the model has {len(blocks)} blocks")

@@ -33,6 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto")
     p.add_argument("--timeout", type=float, default=None, help="process-group timeout in seconds")
     p.add_argument("--check-parity", action="store_true")
+    p.add_argument("--no-dropout", action="store_true", help="turn every dropout off")
     p.add_argument("--result", required=True, help="where rank 0 writes the measurement JSON")
     return p.parse_args(argv)
 
@@ -72,12 +73,18 @@ def main(argv=None) -> None:
         raise
 
 
+def _no_dropout(build):
+    from autopar.executor.parity import without_dropout
+
+    return without_dropout(build())
+
+
 def _train(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
     from autopar.executor.measure import peak_memory_bytes, summarize, synchronize, tokens_per_sample
-    from autopar.executor.parity import max_relative_difference, reference_losses
+    from autopar.executor.parity import max_relative_difference, mismatch_causes, parity_verdict, reference_losses
     from autopar.executor.train_step import apply
     from autopar.modelfile import load_model_file
     from autopar.plan import Plan
@@ -86,6 +93,8 @@ def _train(args: argparse.Namespace) -> None:
     model_file = load_model_file(args.model)
     model_args = json.loads(args.model_args)
     build = partial(model_file.build, **model_args)
+    if args.no_dropout:
+        build = partial(_no_dropout, build)
     optimizer = partial(getattr(torch.optim, OPTIMIZERS[args.optimizer]), lr=args.lr)
     par = apply(plan, build, optimizer, model_file.loss_fn,
                 tp_plan=model_file.tp_plan if model_file.has_tp_plan else None, blocks=model_file.blocks,
@@ -111,6 +120,8 @@ def _train(args: argparse.Namespace) -> None:
             batches = [(inputs, targets)] * len(global_losses)
             reference = reference_losses(build, optimizer, model_file.loss_fn, batches, seed=args.seed)
             measured["parity_max_rel_diff"] = max_relative_difference(global_losses, reference)
+            measured["parity_verdict"] = parity_verdict(measured["parity_max_rel_diff"],
+                                                        mismatch_causes(build(), plan))
         result = {"measured": measured, "seq_len": tokens_per_sample(inputs), "backend": dist.get_backend(),
                   "device": torch.cuda.get_device_name(par.device) if par.device.type == "cuda" else "cpu"}
         with open(args.result, "w", encoding="utf-8") as f:

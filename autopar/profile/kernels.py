@@ -29,6 +29,9 @@ def _dropout(input, p, training, inplace):
 
 
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    if enable_gqa and query.dim() == 4 and query.shape[-3] % key.shape[-3] == 0:  # flash-eligible too
+        repeats = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
     if attn_mask is None and query.shape[-3] == key.shape[-3] == value.shape[-3] and query.dim() == 4:
         return torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, dropout_p, is_causal, False, scale=scale)[0]

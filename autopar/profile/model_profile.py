@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import networkx as nx
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class ModelProfile:
     has_tp_plan: bool
     tp_note: str = ""  # why tensor parallelism is unavailable, when it is
     dims: dict = field(default_factory=dict)  # hidden, heads, layers, vocab ... as found
+    limits: dict = field(default_factory=dict)  # knob -> why the executor cannot do it (capability.py)
 
     def __post_init__(self):
         object.__setattr__(self, "blocks", tuple(self.blocks))

@@ -14,6 +14,7 @@ import contextlib
 import torch
 from torch import nn
 
+from autopar.capability import model_limits
 from autopar.errors import AutoparError
 from autopar.modelfile import ModelFile, load_model_file, priced_styles
 from autopar.profile import cache as profile_cache
@@ -138,7 +139,8 @@ def _prepare(mf: ModelFile, model_args: dict, dtype: str):
 
 def _measure(mf: ModelFile, model_args: dict, dtype: str, digest: str) -> ModelProfile:
     model, inputs, targets = _prepare(mf, model_args, dtype)
-    plan = priced_styles(model, mf.tp_plan(model))
+    tp_plan = mf.tp_plan(model)
+    plan = priced_styles(model, tp_plan)
     styles = {id(model.get_submodule(name)): style for name, style in plan.items()}
     sharded = {id(p): p for name, style in plan.items() for p in _sharded_params(model.get_submodule(name), style)}
     blocks = mf.blocks(model)
@@ -170,7 +172,8 @@ def _measure(mf: ModelFile, model_args: dict, dtype: str, digest: str) -> ModelP
     else:
         tp_note = f"{mf.path.name} defines no tp_plan(model): planned with tp = 1"
     return ModelProfile(name=name, digest=digest, seq_len=seq_len, dtype=dtype, blocks=chain,
-                        has_tp_plan=bool(plan), tp_note=tp_note, dims=dims)
+                        has_tp_plan=bool(plan), tp_note=tp_note, dims=dims,
+                        limits=model_limits(model, blocks, tp_plan))
 
 
 def _block_profile(kind: str, count: int, t: Tally, modules, params, sharded: dict, styles: dict) -> BlockProfile:

@@ -18,8 +18,9 @@ from autopar.cost import PlanArrays, evaluate
 from autopar.errors import NoValidPlanError
 from autopar.plan import Plan
 from autopar.search.base import Planner
+from autopar.capability import sequence_parallel_options
 from autopar.search.simplicity import simplicity_key
-from autopar.search.space import divisors, micro_batch_choices, recompute_choices, tp_choices
+from autopar.search.space import degree_choices, divisors, micro_batch_choices, recompute_choices, tp_choices
 
 STATE_BYTES_PER_PARAM = 16  # bf16 weights + bf16 grads + fp32 master + two fp32 Adam moments
 DEEP_MODEL_BLOCKS = 20
@@ -58,8 +59,8 @@ class RulesPlanner(Planner):
         # splitting layers, shallow ones split layers (inside a node) before pipelining
         rest.sort(key=lambda tp_pp: (tp_pp[0] * tp_pp[1], tp_pp[0] > cluster.gpus_per_node,
                                      tp_pp[0] if deep else tp_pp[1]))
-        return [(n // (t * p), t, p) for t, p in [first, *rest]
-                if workload.global_batch % (n // (t * p)) == 0]
+        allowed = set(degree_choices(workload))  # what the executor can run for this model
+        return [(n // (t * p), t, p) for t, p in [first, *rest] if (n // (t * p), t, p) in allowed]
 
     def _fitting(self, workload, dp: int, tp: int, pp: int, k: int) -> list[Plan]:
         candidates = []
@@ -71,7 +72,8 @@ class RulesPlanner(Planner):
                         continue
                     candidates.append(Plan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_micro_batches=nmb,
                                            zero=zero, recompute=mode, recompute_blocks=blocks,
-                                           precision=workload.precision))
+                                           precision=workload.precision,
+                                           sequence_parallel=sequence_parallel_options(workload.profile, tp)[-1]))
         if not candidates:
             return []
         # preference order: the simplest plan (less ZeRO, no recompute: simplicity_key), then larger micro-batches

@@ -12,6 +12,7 @@ import itertools
 
 import numpy as np
 
+from autopar.capability import sequence_parallel_options
 from autopar.cost.arrays import MESH_ORDERS, PlanArrays, SplitTable
 from autopar.plan import COMM_DTYPES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, balanced_split, device_blocks
 
@@ -29,7 +30,8 @@ def tp_choices(workload) -> list[int]:
     profile = workload.profile
     if not profile.has_tp_plan:
         return [1]
-    return [t for t in divisors(workload.world_size) if all(u % t == 0 for u in profile.tp_units)]
+    return [t for t in divisors(workload.world_size) if all(u % t == 0 for u in profile.tp_units)
+            and sequence_parallel_options(profile, t)]
 
 
 def degree_choices(workload) -> list[tuple[int, int, int]]:
@@ -39,7 +41,7 @@ def degree_choices(workload) -> list[tuple[int, int, int]]:
     for tp in tp_choices(workload):
         for pp in divisors(n // tp):
             dp = n // (tp * pp)
-            if pp <= layers and batch % dp == 0:
+            if pp <= layers and batch % dp == 0 and (pp == 1 or "pp" not in workload.profile.limits):
                 out.append((dp, tp, pp))
     return out
 
@@ -79,7 +81,7 @@ def recompute_choices(workload, pp: int, v: int) -> list[tuple[str, int]]:
 def _data_parallel_options(workload, dp: int, tp: int) -> np.ndarray:
     """Rows of (zero, bucket_mb, comm dtype code, offload, mesh order code, sequence parallel)."""
     precision = workload.precision
-    sp_opts = (False, True) if tp > 1 else (False,)
+    sp_opts = sequence_parallel_options(workload.profile, tp)
     if dp == 1:
         return np.array([(0, BUCKETS_MB[1], COMM_DTYPES.index("fp32"), 0, TP_INNER, sp) for sp in sp_opts],
                         dtype=float)
