@@ -1,7 +1,6 @@
 """Tiny transformers configs of five families, written as config.json files (no download)."""
 
 import json
-import os
 from pathlib import Path
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -9,7 +8,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_atte
 CONFIGS = {
     "llama": {**TINY, "model_type": "llama", "tie_word_embeddings": False},
     "mistral": {**TINY, "model_type": "mistral", "sliding_window": None},
-    "qwen3": {**TINY, "model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": os.environ.get("TIE", "1") == "1"},  # q/k norms
+    "qwen3": {**TINY, "model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": True},  # q/k norms
     "gemma2": {**TINY, "model_type": "gemma2", "head_dim": 16, "sliding_window": 8,  # softcaps, tied
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
     "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 4, "n_head": 4, "vocab_size": 128, "n_positions": 16,

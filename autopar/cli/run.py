@@ -157,6 +157,7 @@ def run(args) -> int:
 
     from autopar.executor.data_parallel import check_backend
     from autopar.executor.launch import check_world_size, launch
+    from autopar.executor.preflight import preflight
     from autopar.executor.mesh import resolve_backend
     from autopar.modelfile import load_model_file
     from autopar.plan import Plan
@@ -171,6 +172,7 @@ def run(args) -> int:
     console = Console()
     cluster = _cluster(args, spec)
     predicted, dims, note = _prediction(args.model, model_args, plan, cluster)
+    preflight(plan, model_file, model_args)  # what apply() would refuse on every rank, refused now
     model = _model_info(model_file, model_args, dims)
     launched = launch(args.plan, args.model, model_args, spec)
     if args.node_rank != 0:  # rank 0, its measurement and the trace live on node 0

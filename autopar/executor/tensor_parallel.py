@@ -108,7 +108,11 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], blocks: nn.ModuleList |
     """
     present = dict(model.named_modules())
     plan = {fqn: style for fqn, style in tp_plan.items() if fqn in present}
-    if any(isinstance(style, ParallelStyle) for style in plan.values()):
+    if any(isinstance(style, ParallelStyle) for style in tp_plan.values()):
+        if sequence_parallel != any(isinstance(style, SequenceParallel) for style in tp_plan.values()):
+            raise PlanError(f"the plan has sequence_parallel={str(sequence_parallel).lower()} but the model's "
+                            "tp_plan of ParallelStyles decides it (SequenceParallel entries); use sequence_parallel="
+                            f"{str(not sequence_parallel).lower()}")
         return plan
     styles: dict[str, ParallelStyle] = {}
     replicated, gatherers = set(), set()  # whole modules off the stream / block parts that gather
