@@ -347,9 +347,3 @@ class HFSource:
                     "probabilities"]
         return []
 
-
-def per_head_qkv_order(hidden: int, heads: int) -> torch.Tensor:
-    """Row permutation taking transformers' [(q, k, v), hidden] c_attn order to per-head order."""
-    idx = torch.arange(3 * hidden).view(3, heads, hidden // heads)
-    return idx.transpose(0, 1).reshape(-1)
-

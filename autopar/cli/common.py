@@ -86,4 +86,4 @@ def workload_dict(workload) -> dict:
     return {"model": p.name, "params": p.params, "layers": p.num_layers, "seq_len": p.seq_len,
             "dims": p.dims, "cluster": c.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
             "gpu": c.gpu.name, "global_batch": workload.global_batch, "precision": p.dtype,
-            "memory_headroom": workload.memory_headroom}
+            "memory_headroom": workload.memory_headroom, "notes": list(p.notes), "excluded": dict(p.limits)}

@@ -82,6 +82,8 @@ def run(args) -> int:
     console.print(f"[bold]{workload.describe()}[/bold]  ·  {params_text(workload.profile.params)} parameters")
     if not workload.profile.has_tp_plan:
         console.print(f"[yellow]{workload.profile.tp_note}[/yellow]")
+    for note in workload.profile.notes:
+        console.print(note, style="yellow", markup=False)
     print_estimate(console, best, best_est)
     console.print(why_table(best_est, reasons))
     if len(plans) > 1:

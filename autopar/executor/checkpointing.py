@@ -27,7 +27,9 @@ from autopar.plan import Plan
 _aten = torch.ops.aten
 _BATCHED_MATMULS = {_aten.bmm.default: (0, 1), _aten.baddbmm.default: (1, 2)}  # op: positions of the factors
 _LAYOUT = {_aten.clone.default, _aten._unsafe_view.default, _aten.contiguous.default}
-_FRESH = {_aten.empty_like.default, _aten.empty.memory_format}
+# buffers that in-place ops fill or update later: dropout's mask on the CPU (empty_like, bernoulli_)
+# and the row means of rms_norm's CPU decomposition (mean, then add_ of eps)
+_FRESH = {_aten.empty_like.default, _aten.empty.memory_format, _aten.mean.dim}
 
 
 def _square(t) -> bool:
@@ -48,8 +50,8 @@ def _attention_core(op, args, kwargs) -> bool:
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
-    # a kept tensor must not change afterwards, so in-place ops and the buffers they fill (dropout's
-    # mask on the CPU: empty_like, bernoulli_, div_) are always recomputed
+    # a kept tensor must not change afterwards, so in-place ops and the buffers they fill (_FRESH)
+    # are always recomputed
     if op._schema.is_mutable or op in _FRESH or _attention_core(op, args, kwargs):
         return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE

@@ -81,7 +81,8 @@ def rank_view(parts: list[nn.Module], name: str) -> nn.Module:
     optimizer and distributed checkpoints see."""
     if len(parts) == 1:
         return parts[0]
-    view = copy.copy(parts[0])
+    view = nn.Module()  # not a copy of parts[0]: FSDP's wrapped classes re-run __init__ when copied
+    view._parameters, view._buffers = dict(parts[0]._parameters), dict(parts[0]._buffers)
     view._modules = dict(parts[0]._modules)
     for child in FIRST_ONLY + LAST_ONLY:
         if child in view._modules:

@@ -52,9 +52,11 @@ class ModelProfile:
     tp_note: str = ""  # why tensor parallelism is unavailable, when it is
     dims: dict = field(default_factory=dict)  # hidden, heads, layers, vocab ... as found
     limits: dict = field(default_factory=dict)  # knob -> why the executor cannot do it (capability.py)
+    notes: tuple[str, ...] = ()  # what the model says about how it is priced (an hf: model's attention)
 
     def __post_init__(self):
         object.__setattr__(self, "blocks", tuple(self.blocks))
+        object.__setattr__(self, "notes", tuple(self.notes))
 
     # -- derived figures -------------------------------------------------------------------
     @property

@@ -173,7 +173,7 @@ def _measure(mf: ModelFile, model_args: dict, dtype: str, digest: str) -> ModelP
         tp_note = f"{mf.path.name} defines no tp_plan(model): planned with tp = 1"
     return ModelProfile(name=name, digest=digest, seq_len=seq_len, dtype=dtype, blocks=chain,
                         has_tp_plan=bool(plan), tp_note=tp_note, dims=dims,
-                        limits=model_limits(model, blocks, tp_plan))
+                        limits=model_limits(model, blocks, tp_plan), notes=getattr(mf.module, "notes", ()))
 
 
 def _block_profile(kind: str, count: int, t: Tally, modules, params, sharded: dict, styles: dict) -> BlockProfile:
