@@ -8,7 +8,6 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -23,7 +22,7 @@ from autopar.executor.measure import summarize, tokens_per_sample
 from autopar.executor.mesh import resolve_backend
 from autopar.executor.parity import reference_losses
 from autopar.executor.pipeline import cut_stages, rank_view, stage_ids
-from autopar.executor.tensor_parallel import tp_styles
+from autopar.executor.tensor_parallel import GatherSequence, tp_styles
 from autopar.executor.train_step import apply, build_full_model
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
@@ -58,7 +57,7 @@ def test_sequence_parallel_shards_the_residual_stream():
     for norm in ("layers.0.attention_norm", "layers.2.ffn_norm", "norm"):
         assert isinstance(styles[norm], SequenceParallel)
     gather = styles["layers.1.attention"]  # gathers the sequence once for the fused QKV
-    assert isinstance(gather, PrepareModuleInput) and gather.desired_input_layouts == (Replicate(),)
+    assert isinstance(gather, GatherSequence)  # by position or by keyword (transformers' attention)
     assert styles["layers.1.feed_forward.w2"].output_layouts == (Shard(1),)  # reduce-scatter
     assert isinstance(styles["tok_embeddings"], PrepareModuleOutput)  # tokens + positions, then scatter
     assert styles["output"].input_layouts == (Shard(1),)
@@ -74,7 +73,7 @@ def test_sequence_parallel_finds_where_the_stream_starts_and_ends(name):
         assert styles["output"].input_layouts == (Shard(1),)
     else:  # patches + CLS + positions run whole, then scatter; the classifier reads the whole sequence
         assert isinstance(styles["tok_embeddings"], PrepareModuleOutput)
-        assert isinstance(styles["output"], PrepareModuleInput)
+        assert isinstance(styles["output"], GatherSequence)
 
 
 def test_pipeline_cut_keeps_names_and_ends():

@@ -168,5 +168,5 @@ def test_bad_blocks(tmp_path):
 
 
 def test_styles_are_documented_and_errors_are_autopar_errors():
-    assert set(TP_STYLES) == {"colwise", "rowwise", "colwise_rep", "rowwise_in", "vocab"}
+    assert set(TP_STYLES) == {"colwise", "rowwise", "colwise_rep", "rowwise_in", "vocab", "head_norm"}
     assert issubclass(ModelFileError, AutoparError)

@@ -1,7 +1,8 @@
 """Tensor (and sequence) parallelism from a model's declarative `tp_plan`.
 
-The model file names linears and embeddings with a style (see `autopar.modelfile.TP_STYLES`);
-this module turns those into PyTorch's ParallelStyles, as torchtitan's `apply_tp` does by hand:
+A tp_plan of torch ParallelStyle objects (torchtitan's form) is applied as written. A plan of
+style names (see `autopar.modelfile.TP_STYLES`) names linears and embeddings; this module turns
+those into PyTorch's ParallelStyles, as torchtitan's `apply_tp` does by hand:
 
 * colwise / rowwise pairs form Megatron-LM regions: an all-reduce (no SP) or a reduce-scatter
   (SP) where the region ends;
@@ -11,7 +12,7 @@ this module turns those into PyTorch's ParallelStyles, as torchtitan's `apply_tp
 With sequence parallelism the residual stream between the input module (`tok_embeddings`) and
 the head (`output`) is sharded along the sequence (dim 1). Norms on the stream run on their
 shard (`SequenceParallel`, which also reduces their gradients); a block's submodule that owns a
-region's first linears gathers the sequence once at its input (`PrepareModuleInput`); an input
+region's first linears gathers the sequence once at its input (`GatherSequence`); an input
 module that is more than one vocab embedding (tokens + positions, patches) runs replicated and
 its output is scattered (`PrepareModuleOutput`); a head that is more than one vocab linear
 gathers its input and runs replicated. Other parameters must not touch the sharded stream.
@@ -27,7 +28,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
