@@ -334,7 +334,12 @@ class HFSource:
                 out["tok_embeddings.wte" if self.family == "gpt2" else "tok_embeddings"] = "vocab"
         return out
 
-    def blocks(self, model: HFCausalLM) -> nn.ModuleList:
+    def blocks(self, model: HFCausalLM) -> nn.ModuleList | None:
+        """The decoder layers, where the config's ``base_model_pp_plan`` (if any) runs embed_tokens,
+        then the layers, then norm, as the pipeline stages are cut; None (no pipelining) otherwise."""
+        pp_plan = getattr(model.hf_config, "base_model_pp_plan", None)
+        if pp_plan and list(pp_plan) != ["embed_tokens", "layers", "norm"]:
+            return None
         return model.layers
 
     @property

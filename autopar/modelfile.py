@@ -169,6 +169,8 @@ class ModelFile:
             found = user(model)
         except Exception as exc:
             raise self.error("blocks(model) raised", exc) from exc
+        if found is None:  # the model says it has no blocks to pipeline
+            return None
         if not isinstance(found, nn.ModuleList) or not any(found is m for m in model.modules()):
             raise self.error("blocks(model) must return an nn.ModuleList that is part of the model")
         return found

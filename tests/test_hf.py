@@ -160,3 +160,14 @@ def test_bad_hf_references_are_one_line_errors(tmp_path, capsys, content, messag
 def test_unknown_model_arguments_name_the_config_class(refs):
     with pytest.raises(ModelFileError, match="not fields of a LlamaConfig"):
         load_model_file(refs["llama"]).build(num_layerz=2)
+
+
+def test_the_pipeline_split_follows_base_model_pp_plan(refs):
+    from autopar.capability import model_limits
+
+    model_file = load_model_file(refs["llama"])
+    model = model_file.build()
+    assert model_file.blocks(model) is model.layers  # embed_tokens -> layers -> norm
+    model.hf_config.base_model_pp_plan = {"embed_tokens": None, "layers": None, "extra": None, "norm": None}
+    assert model_file.blocks(model) is None
+    assert "pp" in model_limits(model, model_file.blocks(model), {})
