@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel
 
@@ -149,3 +151,36 @@ def test_identical_initial_weights_on_every_build():
 
     a, b = build_full_model(build, 0), build_full_model(build, 0)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.fixture(scope="module")
+def spaces(tmp_path_factory):
+    """(model, args, model file, plan space) for tiny zoo models and one HF model on 4 CPU ranks."""
+    pytest.importorskip("transformers")
+    from autopar.cluster import load_cluster
+    from autopar.search.space import enumerate_plans
+    from autopar.workload import Workload
+    from hf_configs import write_configs
+
+    qwen3 = write_configs(tmp_path_factory.mktemp("hf"))["qwen3"]
+    cluster = load_cluster("cpu", nodes=1, gpus_per_node=4)
+    out = []
+    for model, args in [("gpt", {"size": "tiny"}), ("llama", {"size": "tiny"}), ("vit", {"size": "tiny"}),
+                        ("bert", {"size": "tiny"}), ("resnet", {"size": "tiny"}), (TITAN, {"size": "tiny"}),
+                        (qwen3, {})]:
+        workload = Workload(profile_model(model, args, dtype="fp32"), cluster, 8)
+        out.append((load_model_file(model), args, workload, enumerate_plans(workload)))
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_every_plan_of_the_space_passes_the_executors_checks(spaces, data):
+    """Whatever a planner can return, `autopar run`'s pre-launch checks accept: the space holds no
+    plan that run would refuse (the multi-rank job in test_hf_parity runs a sample of them)."""
+    from autopar.executor.preflight import preflight
+
+    model_file, args, workload, space = data.draw(st.sampled_from(spaces))
+    plan = space.plan(data.draw(st.integers(0, len(space) - 1)))
+    plan.validate(workload)
+    preflight(plan, model_file, args)
