@@ -31,7 +31,7 @@ from autopar.errors import ModelFileError
 PREFIX = "hf:"
 ROTARY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 FAMILIES = (*ROTARY_FAMILIES, "gpt2")
-ADAPTER_VERSION = "1"  # part of the profile cache key: bump when the built model changes
+ADAPTER_VERSION = "2"  # part of the profile cache key: bump when the built model changes
 
 #: transformers' tensor-parallel style names that mean one of autopar's styles (modelfile.TP_STYLES)
 HF_STYLES = {
@@ -182,9 +182,10 @@ class HFCausalLM(nn.Module):
         for layer in self.layers:
             if isinstance(layer, nn.Identity):  # another pipeline stage's block
                 continue
-            if self.hf_config._attn_implementation == "eager":
-                window = getattr(layer.self_attn, "sliding_window", None)
-                layer_args["attention_mask"] = self._mask(x, window)
+            if self.family != "gpt2":
+                window = _window(layer.self_attn)
+                masked = self.hf_config._attn_implementation == "eager" or (window and window < self.seq_len)
+                layer_args["attention_mask"] = self._mask(x, window) if masked else None
             x = layer(x, **layer_args)
         if self.norm is not None:
             x = self.norm(x)
@@ -208,6 +209,14 @@ class HFCausalLM(nn.Module):
         if window:
             keep &= i[:, None] - i[None, :] < window
         return torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(~keep, float("-inf"))[None, None]
+
+
+def _window(attention: nn.Module) -> int | None:
+    """The sliding window of a layer's attention (None: attends to the whole past). Narrower than
+    the sequence, SDPA needs an explicit mask, so it runs (and is priced) without flash."""
+    if hasattr(attention, "sliding_window"):  # Gemma 2, Qwen2: per layer type
+        return attention.sliding_window
+    return getattr(attention.config, "sliding_window", None)  # Mistral: every layer
 
 
 def _embedding(module: nn.Module) -> nn.Embedding:

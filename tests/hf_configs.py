@@ -7,7 +7,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_atte
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=16)
 CONFIGS = {
     "llama": {**TINY, "model_type": "llama", "tie_word_embeddings": False},
-    "mistral": {**TINY, "model_type": "mistral", "sliding_window": None},
+    "mistral": {**TINY, "model_type": "mistral", "sliding_window": 8},  # narrower than the sequence
     "qwen2": {**TINY, "model_type": "qwen2"},
     "qwen3": {**TINY, "model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": True},  # q/k norms
     "gemma2": {**TINY, "model_type": "gemma2", "head_dim": 16, "sliding_window": 8,  # softcaps, tied

@@ -38,7 +38,7 @@ def _ours_and_theirs(ref):
     return model_file, ours, theirs.eval()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma2"])
 def test_the_adapter_computes_what_transformers_computes(refs, family):
     model_file, ours, theirs = _ours_and_theirs(refs[family])
     renames = {"model.embed_tokens": "tok_embeddings", "model.layers": "layers", "model.norm": "norm",
