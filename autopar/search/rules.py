@@ -14,11 +14,11 @@ never to compare speed.
 
 from __future__ import annotations
 
+from autopar.capability import sequence_parallel_options
 from autopar.cost import PlanArrays, evaluate
 from autopar.errors import NoValidPlanError
 from autopar.plan import Plan
 from autopar.search.base import Planner
-from autopar.capability import sequence_parallel_options
 from autopar.search.simplicity import simplicity_key
 from autopar.search.space import degree_choices, divisors, micro_batch_choices, recompute_choices, tp_choices
 
