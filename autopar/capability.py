@@ -21,7 +21,7 @@ def model_limits(model: nn.Module, blocks: nn.ModuleList | None, tp_plan: dict) 
 
     limits = {}
     if blocks is None:
-        limits["pp"] = "pipeline parallelism needs the model's repeated blocks (an nn.ModuleList)"
+        limits["pp"] = "pipeline parallelism needs the model's repeated blocks (an nn.ModuleList); use pp=1"
     else:
         try:
             check_layout(model, blocks)
@@ -55,7 +55,7 @@ def check_plan(plan, profile) -> None:
     """Raise PlanError when the executor cannot run ``plan`` for this model (its limits)."""
     limits = getattr(profile, "limits", {})
     if plan.pp > 1 and "pp" in limits:
-        raise PlanError(f"pp={plan.pp} but {limits['pp']}; use pp=1")
+        raise PlanError(f"pp={plan.pp} but {limits['pp']}")
     if plan.tp > 1 and plan.sequence_parallel not in sequence_parallel_options(profile, plan.tp):
         why = (limits.get("sp_off") if not plan.sequence_parallel else
                limits.get("sp", f"the sequence length {profile.seq_len} is not divisible by tp={plan.tp}"))
