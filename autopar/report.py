@@ -71,6 +71,9 @@ def estimate_tables(est: Estimate) -> tuple[Table, Table]:
     for name, sec in est.breakdown.items():
         if sec > 0:
             time.add_row(name.replace("_", " "), _ms(sec), f"{sec / est.iteration_time_s:.1%}")
+    for name, sec in (est.hidden or {}).items():  # overlapped by the runtime: not in the iteration
+        if sec > 0:
+            time.add_row(f"{name.replace('_', ' ')} hidden ({est.runtime})", _ms(sec), "overlapped", style="dim")
     mem = Table(title="Memory per GPU (most loaded)", title_justify="left")
     mem.add_column("memory", style="bold")
     mem.add_column("GB", justify="right")

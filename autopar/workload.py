@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from autopar.runtime import check_runtime
+
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
     from autopar.profile.model_profile import ModelProfile
@@ -22,6 +24,11 @@ class Workload:
     global_batch: int
     optimizer: str = "adam"  # adam keeps two fp32 moments per parameter
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM
+    runtime: str = "torch"  # what runs the plan (autopar.runtime.RUNTIMES): it schedules the overlaps
+    switches: tuple[str, ...] = ()  # Megatron-Core switches on (autopar.runtime.MEGATRON_SWITCHES)
+
+    def __post_init__(self):
+        object.__setattr__(self, "switches", check_runtime(self.runtime, self.switches))
 
     @property
     def memory_budget(self) -> float:
@@ -41,5 +48,7 @@ class Workload:
         return self.global_batch * self.profile.seq_len
 
     def describe(self) -> str:
+        runtime = "" if self.runtime == "torch" else f", runtime {self.runtime}" + "".join(
+            f" +{o}" for o in self.switches)
         return (f"{self.profile.name} on {self.cluster.describe()}, global batch {self.global_batch}, "
-                f"seq {self.profile.seq_len}")
+                f"seq {self.profile.seq_len}{runtime}")

@@ -14,6 +14,10 @@ over NVLink, 3 us under one PCIe switch, and NIC to NIC 5 us over IB plus the PC
 
 from __future__ import annotations
 
+# Measured on DGX A100 (docs/hardware.md): NVLink from nccl-tests all-reduce bus bandwidth on one
+# node, 4 GiB (233.9 of 300 GB/s, REFERENCES.md §3); IB fitted to Megatron-LM's multi-node rows on the
+# same DGX A100 cluster (experiments/cost_vs_published.py --fit): it stays with this preset.
+A100_LINK_EFFICIENCY = {"nvlink": 0.78, "ib": 0.843}
 _LATENCY = {"nvlink": 1e-6, "pcie": 1.5e-6, "upi": 1e-6, "ib": 2.5e-6, "ethernet": 5e-6, "shm": 10e-6}
 
 
@@ -43,7 +47,8 @@ PRESETS: dict[str, dict] = {
     "dgx-v100": _dgx("v100-32g", 4, nvlink=150e9, pcie=16e9, upi=19.2e9, ib=12.5e9),
     # Sockets: AMD EPYC joined by xGMI, one x16 link at 16 GT/s; 8 x HDR IB, one per GPU.
     "dgx-a100-40g": _dgx("a100-40g", 8, nvlink=300e9, pcie=32e9, upi=32e9, ib=25e9),
-    "dgx-a100-80g": _dgx("a100-80g", 8, nvlink=300e9, pcie=32e9, upi=32e9, ib=25e9),
+    "dgx-a100-80g": {**_dgx("a100-80g", 8, nvlink=300e9, pcie=32e9, upi=32e9, ib=25e9),
+                     "coefficients": {"link_efficiency": A100_LINK_EFFICIENCY}},
     # Sockets: Xeon with UPI 2.0 at 16 GT/s; 8 x NDR IB, one per GPU.
     "dgx-h100": _dgx("h100", 8, nvlink=450e9, pcie=64e9, upi=32e9, ib=50e9),
     "dgx-h200": _dgx("h200", 8, nvlink=450e9, pcie=64e9, upi=32e9, ib=50e9),

@@ -2,9 +2,18 @@
 
 Everything else in the cost model is a datasheet figure (peak FLOP/s, link rate, memory) or a
 measured model figure (the profile). These coefficients say how much of the datasheet a real
-run reaches; calibration fits them to measured traces and stores them in a cluster JSON under
-`coefficients`. The defaults were fitted once to Megatron-LM's published A100 figures
-(REFERENCES.md §1-2, see tests/test_cost_published.py) and are used for every preset.
+run reaches. They come in three layers, later ones winning:
+
+1. the dataclass defaults: generic values (an earlier fit to A100 rows), all a GPU without
+   public measurements gets; such a GPU is *uncalibrated* and estimates say so;
+2. `GPU_CALIBRATION`, per GPU type: at most four coefficients fitted to that GPU's published
+   training rows (`experiments/cost_vs_published.py --fit`), each inside `FITTED_BOUNDS` and the
+   GEMM efficiency below the GPU's measured maximum achievable matmul FLOP/s (docs/hardware.md);
+   a GPU of the same architecture without rows of its own derives them from a fitted one
+   (`derive`), scaling only by measured figures;
+3. the cluster's own `coefficients` (a preset's measured link efficiencies, or what
+   `autopar calibrate` fitted to traces from that cluster): a link efficiency belongs to the
+   cluster it was measured on and is never moved to another.
 """
 
 from __future__ import annotations
@@ -63,6 +72,11 @@ class Coefficients:
         return asdict(self)
 
     @classmethod
+    def for_cluster(cls, cluster) -> Coefficients:
+        """The coefficients the cost model uses on `cluster`: layers 1-3 of the module doc."""
+        return cls.from_dict({**gpu_calibration(cluster.gpu.name).fitted, **cluster.coefficients})
+
+    @classmethod
     def from_dict(cls, d: dict | None) -> Coefficients:
         if not d:
             return cls()
@@ -74,3 +88,79 @@ class Coefficients:
         if "link_efficiency" in d:
             d["link_efficiency"] = {**DEFAULT_LINK_EFFICIENCY, **d["link_efficiency"]}
         return cls(**d)
+
+
+# Bounds of the coefficients fitted per GPU type: physical ranges (an efficiency never above 1, a GEMM
+# never above its measured maximum, see GpuCalibration.gemm_ceiling). link_efficiency.ib is fitted to
+# the same rows but stored on the cluster preset the rows ran on (autopar/cluster/presets.py).
+FITTED_BOUNDS = {
+    "gemm_efficiency": (0.3, 1.0),  # fraction of peak a large GEMM reaches in training (<= gemm_ceiling)
+    "gemm_half_flops": (1e9, 1e13),  # per-GPU FLOPs of a block's forward at which GEMM efficiency halves
+    "elementwise_traffic": (0.2, 2.0),  # HBM bytes per profiled elementwise byte (kernel fusion)
+    "link_efficiency.ib": (0.5, 1.0),  # fraction of the NICs' rate NCCL reaches across nodes
+}
+MAX_FITTED = 4
+
+
+@dataclass(frozen=True)
+class GpuCalibration:
+    """What the cost model knows of one GPU type beyond its datasheet (docs/hardware.md).
+
+    gemm_ceiling: maximum achievable matmul FLOP/s over datasheet peak, bf16, measured (MAMF);
+    fitted: coefficients fitted to published training rows on this GPU (or derived, see `derive`);
+    regime: what those rows covered (precisions, recompute modes, runtimes, largest tp, pp, dp);
+    source: where the rows and the ceiling come from."""
+
+    gemm_ceiling: float | None = None
+    fitted: dict = field(default_factory=dict)
+    regime: dict = field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.fitted)
+
+    def __post_init__(self):
+        if len(self.fitted) > MAX_FITTED:
+            raise ValueError(f"at most {MAX_FITTED} fitted coefficients per GPU type, got {sorted(self.fitted)}")
+        for name, value in self.fitted.items():
+            lo, hi = FITTED_BOUNDS[name]
+            if name == "gemm_efficiency" and self.gemm_ceiling:
+                hi = min(hi, self.gemm_ceiling)
+            if not lo <= value <= hi:
+                raise ValueError(f"{name} = {value} outside its physical range [{lo}, {hi}]")
+
+
+def derive(base: GpuCalibration, base_peak: float, peak: float, gemm_ceiling: float, source: str) -> GpuCalibration:
+    """A same-lineage GPU's calibration from a fitted one, scaled only by measured figures: the GEMM
+    efficiency keeps its share of the measured ceiling; the half point scales with peak FLOP/s (a
+    faster GPU needs proportionally more work per kernel to fill its SMs); software fusion (elementwise
+    traffic) carries over. Its regime is the base's: nothing on this GPU was fitted."""
+    fitted = {k: v for k, v in base.fitted.items() if k in ("elementwise_traffic",)}
+    fitted["gemm_efficiency"] = base.fitted["gemm_efficiency"] * gemm_ceiling / base.gemm_ceiling
+    fitted["gemm_half_flops"] = base.fitted["gemm_half_flops"] * peak / base_peak
+    return GpuCalibration(gemm_ceiling, fitted, {**base.regime, "derived": True}, source)
+
+
+_MEGATRON_A100 = "Megatron-LM SC'21 Table 1 + Korthikanti et al. 2022 Table 5 (DGX A100 80GB)"
+_A100 = GpuCalibration(
+    gemm_ceiling=267.9 / 312,  # MAMF, A100 SXM, bf16 (ml-engineering, docs/hardware.md)
+    # experiments/cost_vs_published.py --fit (with link_efficiency.ib = 0.843, kept on the dgx-a100-80g preset)
+    fitted={"gemm_efficiency": 0.7678, "gemm_half_flops": 1.234e11, "elementwise_traffic": 0.8001},
+    regime={"precision": ("bf16", "fp16"), "recompute": ("full", "selective"), "runtime": ("megatron",),
+            "tp": 8, "pp": 64, "dp": 32},
+    source=_MEGATRON_A100)
+GPU_CALIBRATION: dict[str, GpuCalibration] = {
+    "A100-SXM4-80GB": _A100,
+    "A100-SXM4-40GB": _A100,  # the same chip, less and slower HBM (the datasheet figures differ)
+    "H100-SXM5-80GB": derive(_A100, 312e12, 989e12, 792.1 / 989, "derived from A100; MAMF H100 SXM"),
+    "H200-SXM5-141GB": derive(_A100, 312e12, 989e12, 794.5 / 989, "derived from A100; MAMF H100/H200 SXM"),
+    "B200": derive(_A100, 312e12, 2250e12, 1745.0 / 2250, "derived from A100; MAMF B200 SXM"),
+    "GB200": derive(_A100, 312e12, 2500e12, 1745.0 / 2250, "derived from A100; MAMF of B200 (same die)"),
+}
+UNCALIBRATED = GpuCalibration()
+
+
+def gpu_calibration(gpu_name: str) -> GpuCalibration:
+    """The calibration of a GPU by its spec name; UNCALIBRATED for GPUs without public measurements."""
+    return GPU_CALIBRATION.get(gpu_name, UNCALIBRATED)

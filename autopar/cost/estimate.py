@@ -8,7 +8,7 @@ import numpy as np
 
 from autopar.cost.arrays import PlanArrays
 from autopar.cost.coefficients import Coefficients
-from autopar.cost.model import MEMORY_PARTS, TIME_PARTS, evaluate
+from autopar.cost.model import HIDDEN_PARTS, MEMORY_PARTS, TIME_PARTS, evaluate
 from autopar.plan import Plan
 
 
@@ -25,6 +25,8 @@ class Estimate:
     num_gpus: int
     peak_flops: float  # per GPU, in the plan's precision
     tokens_per_iteration: int
+    hidden: dict = None  # seconds of tp / dp communication the runtime's overlaps hid (not in the breakdown)
+    runtime: str = "torch"
 
     @property
     def fits(self) -> bool:
@@ -58,6 +60,8 @@ class Estimate:
             "usable_memory_gb": self.usable_memory_bytes / 1e9,
             "fits": self.fits,
             "breakdown": dict(self.breakdown),
+            "runtime": self.runtime,
+            "hidden": dict(self.hidden or {}),
             "memory_gb": {k: v / 1e9 for k, v in self.memory.items()},
         }
 
@@ -81,6 +85,8 @@ def estimates_from(workload, pa: PlanArrays, result: dict[str, np.ndarray], inde
             num_gpus=workload.cluster.num_gpus,
             peak_flops=float(gpu.peak_flops[plan_precision]),
             tokens_per_iteration=workload.global_batch * workload.profile.seq_len,
+            hidden={p.removeprefix("hidden_"): float(result[p][i]) for p in HIDDEN_PARTS},
+            runtime=workload.runtime,
         ))
     return out
 

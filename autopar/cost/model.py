@@ -16,6 +16,13 @@ torch.distributed.pipelining), at their measured `collective_efficiency`. Memory
 gradients, master weights and Adam moments by ZeRO stage, the activations the schedule keeps in
 flight on each rank (from the profiled saved bytes), communication buffers and a workspace.
 
+The workload's runtime (autopar/runtime.py) decides what overlaps: under ``torch`` the attention
+runs as the model file writes it and DDP / FSDP hide `dp_overlap` of backward's time; under
+``megatron`` attention is Megatron-Core's fused kernel whatever the file writes (the profile's
+unfused-softmax traffic and saved scores are dropped, the flash backward's score recompute added),
+and each overlap switch the workload turns on hides its collective as Megatron-Core schedules it.
+What each overlap hid is returned as `hidden_tp_comm` and `hidden_dp_comm`.
+
 Shapes: N plans; K block kinds of the profile (embed, layer kinds, head); J representative
 pipeline ranks per plan (see SplitTable). Everything is seconds and bytes.
 """
@@ -33,6 +40,7 @@ COMM_BYTES = np.array([DTYPE_BYTES[p] for p in COMM_DTYPES], dtype=float)
 SELECTIVE, FULL = RECOMPUTE_MODES.index("selective"), RECOMPUTE_MODES.index("full")
 GPIPE, INTERLEAVED = SCHEDULES.index("gpipe"), SCHEDULES.index("interleaved")
 
+HIDDEN_PARTS = ("hidden_tp_comm", "hidden_dp_comm")  # seconds of communication an overlap hid
 TIME_PARTS = ("compute", "recompute", "tp_comm", "pp_p2p", "pp_bubble", "dp_comm", "optimizer", "overhead")
 MEMORY_PARTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations",
                 "comm_buffers", "workspace")
@@ -40,10 +48,44 @@ MEMORY_PARTS = ("weights", "gradients", "master_weights", "optimizer_states", "a
 
 def _kind_arrays(profile) -> dict[str, np.ndarray]:
     names = ("params", "tp_params", "fwd_flops", "bwd_flops", "tp_fwd_flops", "saved_bytes", "saved_tp_bytes",
-             "attn_core_bytes", "attn_core_flops", "io_bytes", "out_bytes", "tp_comm_bytes")
+             "attn_core_bytes", "attn_core_flops", "io_bytes", "out_bytes", "tp_comm_bytes", "attn_flops",
+             "attn_core_io_bytes", "attn_scores")
     out = {n: np.array([float(getattr(b, n)) for b in profile.blocks]) for n in names}
     out["is_layer"] = np.array([0.0] + [1.0] * len(profile.layers) + [0.0])
     return out
+
+
+# Megatron's unfused attention, per score element in 16-bit: q·kᵀ writes the scores (2 bytes: with
+# K = head size the batched matmuls are bound by this traffic, not by FLOPs), the fused
+# scale-mask-softmax kernel reads and writes them (4), dropout reads them and writes its output and a
+# byte mask (5), probs·v reads them (2). It saves the softmax output, the mask and the dropout output
+# (5: Korthikanti et al.'s 5as^2 per layer). Check: 22B at tp 8, micro-batch 4 gives 1.3 ms per layer
+# for the core's forward, Korthikanti et al.'s measured selective-recompute cost (13.2 - 11.9 ms).
+MEGATRON_SOFTMAX_IO_BYTES = 13.0
+MEGATRON_SOFTMAX_SAVED_BYTES = 5.0
+
+
+def _as_runtime_runs(k: dict[str, np.ndarray], workload, c: Coefficients) -> dict[str, np.ndarray]:
+    """The per-kind figures as the runtime's attention kernels make them, plus `fused_attn_flops`
+    (forward FLOPs of attention run by a fused kernel, whose backward recomputes the scores).
+    torch runs the model file's own ops. Megatron-Core runs its own attention whatever the file
+    writes: the file's core (traffic, saved bytes) is replaced by Megatron's, from the score count
+    alone: none with flash attention, MEGATRON_SOFTMAX_* bytes per score without."""
+    k = dict(k)
+    if workload.runtime != "megatron":
+        k["fused_attn_flops"] = k["attn_flops"] - k["attn_core_flops"]
+        return k
+    flash = "flash_attn" in workload.switches
+    scores = k["attn_scores"] * DTYPE_BYTES[workload.profile.dtype] / 2  # per 16-bit element figures
+    core_io = np.zeros_like(scores) if flash else MEGATRON_SOFTMAX_IO_BYTES * c.elementwise_traffic * scores
+    core_saved = np.zeros_like(scores) if flash else MEGATRON_SOFTMAX_SAVED_BYTES * scores
+    k["io_bytes"] = k["io_bytes"] - k["attn_core_io_bytes"] + core_io
+    k["saved_bytes"] = k["saved_bytes"] - k["attn_core_bytes"] + core_saved
+    k["saved_tp_bytes"] = k["saved_tp_bytes"] - k["attn_core_bytes"] + core_saved
+    k["fused_attn_flops"] = k["attn_flops"] if flash else np.zeros_like(scores)
+    k["attn_core_bytes"], k["attn_core_io_bytes"] = core_saved, core_io
+    k["attn_core_flops"] = k["attn_flops"]  # what selective recompute reruns
+    return k
 
 
 def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -97,7 +139,8 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     offload): computed once per group of plans sharing degrees, micro-batching, schedule,
     recompute, sequence parallel, precision and mesh order."""
     profile, cluster = workload.profile, workload.cluster
-    k = _kind_arrays(profile)
+    k = _as_runtime_runs(_kind_arrays(profile), workload, c)
+    tp_overlap = "tp_comm_overlap" in workload.switches
     col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (G,) -> (G, 1)
 
     t, b, m, v, pp = col(g.tp), col(g.mbs), col(g.nmb), col(g.v), col(g.pp)
@@ -118,8 +161,14 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     base = c.collective_latency_s
     tp_ar = np.where(t > 1, all_reduce_time(b * act_scale * k["tp_comm_bytes"], t, tp_bw, tp_lat, base), 0.0)
     compute_f = flops_f / rate + io_f
-    compute_b = flops_b / rate + 2 * io_f
-    attn_io = io_f * _ratio(k["attn_core_bytes"], k["saved_bytes"])
+    # a fused attention backward recomputes q·kᵀ: half its forward FLOPs again
+    compute_b = (flops_b + 0.5 * b * k["fused_attn_flops"] / t) / rate + 2 * io_f
+    if tp_overlap:  # TE userbuffers: each pass's collective in t chunks under that pass's GEMMs
+        tp_f = np.maximum(tp_ar - flops_f / rate, tp_ar / t)
+        tp_b = np.maximum(tp_ar - flops_b / rate, tp_ar / t)
+    else:
+        tp_f = tp_b = tp_ar
+    attn_io = b * act_scale * k["attn_core_io_bytes"] / t / hbm  # the core is split by heads
     selective_f = b * k["attn_core_flops"] / t / rate + attn_io
     act_full = b * act_scale * (k["saved_tp_bytes"] / t + (k["saved_bytes"] - k["saved_tp_bytes"]) / sp_div)
     act_sel = act_full - b * act_scale * k["attn_core_bytes"] / t
@@ -134,10 +183,14 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     ckpt_frac = np.where(mode == FULL, _ratio(np.minimum(col(g.recompute_blocks), n_layers), n_layers), 0.0)
 
     compute = on(compute_f + compute_b)
-    tp_comm = on(2 * tp_ar)
+    tp_comm = on(tp_f + tp_b)
+    tp_hidden = on(2 * tp_ar) - tp_comm
     recompute = np.select([mode == FULL, mode == SELECTIVE],
-                          [ckpt_frac * on_layers(compute_f + tp_ar), on_layers(selective_f)], 0.0)
-    p2p_bytes = b * act_scale * k["out_bytes"][0] / sp_div  # boundary activations ~ the hidden states
+                          [ckpt_frac * on_layers(compute_f + tp_f), on_layers(selective_f)], 0.0)
+    # boundary activations ~ the hidden states; Megatron's scatter/gather sends 1/t of them from each
+    # tensor-parallel rank (and all-gathers them over the node's links), as sequence parallelism does
+    p2p_div = t if workload.runtime == "megatron" else sp_div
+    p2p_bytes = b * act_scale * k["out_bytes"][0] / p2p_div
     p2p_one = np.where(pp > 1, p2p_bytes / col(links["pp_bw"]) + (col(links["pp_lat"]) + base), 0.0)
     p2p = 2 * v * p2p_one * np.ones_like(compute)
     gpu_mb = compute + tp_comm + recompute + p2p  # one micro-batch, forward + backward, on each rank
@@ -176,12 +229,23 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     return {
         "pipe": pipe, "pp_bubble": pipe - m1 * slowest, "compute": at(compute), "recompute": at(recompute),
         "tp_comm": at(tp_comm), "pp_p2p": at(p2p), "host": at(per_mb - gpu_mb) if host else np.zeros(len(g)),
-        "hide_b": c.dp_overlap * on(compute_b + tp_ar), "hide_f": c.dp_overlap * on(compute_f + tp_ar),
+        "hidden_tp_comm": at(tp_hidden),
+        "backward_s": on(compute_b + tp_b), "forward_s": on(compute_f + tp_f),
         "local_params": on(k["tp_params"] / t + (k["params"] - k["tp_params"])),
         "activations": act_mb * in_flight + working, "block_params": block_params,
         "model_flops_per_sample": np.full(len(g), float((total_counts * (k["fwd_flops"] + k["bwd_flops"])).sum())),
         "recompute_flops_per_sample": (recompute_flops * mult).sum(axis=1),
     }
+
+
+def _dp_hiding(workload, c: Coefficients, backward_s: np.ndarray, forward_s: np.ndarray):
+    """Seconds of one micro-batch's backward and forward under which data-parallel collectives hide:
+    torch's DDP / FSDP2 buckets hide `dp_overlap` of them (fitted: launch order and stream contention
+    decide); Megatron-Core all of them, but only with its overlap switch on (else they run after)."""
+    if workload.runtime == "megatron":
+        return ((1.0 if "overlap_grad_reduce" in workload.switches else 0.0) * backward_s,
+                (1.0 if "overlap_param_gather" in workload.switches else 0.0) * forward_s)
+    return c.dp_overlap * backward_s, c.dp_overlap * forward_s
 
 
 def _norm(a: np.ndarray, b: np.ndarray, p: float) -> np.ndarray:
@@ -207,7 +271,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     plan in `pa`. Returns a dict of arrays of length N (keys: TIME_PARTS, MEMORY_PARTS,
     iteration_time, peak_memory, fits, model_flops, hw_flops)."""
     cluster = workload.cluster
-    c = coeffs if coeffs is not None else Coefficients.from_dict(cluster.coefficients)
+    c = coeffs if coeffs is not None else Coefficients.for_cluster(cluster)
     first, inverse = _groups(pa)
     part = {name: value[inverse] for name, value in _pipeline(workload, pa.take(first), c).items()}
     col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (N,) -> (N, 1)
@@ -216,7 +280,9 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     links = _links(cluster, pa, c)
     zero, dpn = col(pa.zero), col(pa.dp)
     dp_bw, dp_lat = col(links["dp_bw"]), col(links["dp_lat"])
-    local_params, hide_b, hide_f = part["local_params"], part["hide_b"], part["hide_f"]
+    local_params = part["local_params"]
+    hide_b, hide_f = _dp_hiding(workload, c, part["backward_s"], part["forward_s"])
+    megatron = workload.runtime == "megatron"
     grad_bytes = local_params * col(COMM_BYTES[pa.comm])
     prec_bytes = col(PRECISION_BYTES[pa.precision])
     param_bytes = local_params * prec_bytes
@@ -226,23 +292,33 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     reduce_all = 2 * (dpn - 1) / dpn * grad_bytes / dp_bw + n_buckets * 2 * (dpn - 1) * dp_lat
     if base:
         reduce_all = reduce_all + n_buckets * base
-    ddp = np.maximum(reduce_all - hide_b, all_reduce_time(np.minimum(grad_bytes, bucket), dpn, dp_bw, dp_lat, base))
-    scatter = all_gather_time(grad_bytes, dpn, dp_bw * c.collective("reduce_scatter"), dp_lat, base)
-    scatter = np.maximum(scatter - hide_b, scatter / n_buckets)
+    last_bucket = all_reduce_time(np.minimum(grad_bytes, bucket), dpn, dp_bw, dp_lat, base)
+    scatter_all = all_gather_time(grad_bytes, dpn, dp_bw * c.collective("reduce_scatter"), dp_lat, base)
     gather = all_gather_time(param_bytes, dpn, dp_bw * c.collective("all_gather"), dp_lat, base)
     broadcast = all_gather_time(param_bytes, dpn, dp_bw * c.collective("broadcast"), dp_lat, base)
-    # FSDP2 reduce-scatters after every micro-batch's backward (gradients stay sharded) unless the
-    # pipeline schedule accumulates them unsharded and reduces once, after the last micro-batch
-    # (torch.distributed.pipelining does with more than one micro-batch); ZeRO-2 keeps the gathered
-    # parameters across micro-batches, ZeRO-3 gathers them for each forward and backward
     nmb = col(pa.nmb)
     accumulate = ((pa.pp > 1) & (pa.nmb > 1))[:, None]
-    scatters = np.where(accumulate, 1.0, nmb) * scatter
-    dp_time = np.select(
-        [zero == 0, zero == 1, zero == 2],
-        [ddp, ddp + broadcast, scatters + np.maximum(gather - hide_f, 0)],
-        scatters + nmb * np.maximum(2 * gather - hide_f - hide_b, (dpn - 1) * dp_lat + base))
-    dp_time = np.where(dpn > 1, dp_time, 0.0)
+
+    def exposed(hide_b, hide_f):
+        """The data-parallel collectives' time on the critical path, given what can hide them.
+        FSDP2 reduce-scatters after every micro-batch's backward (gradients stay sharded) unless the
+        pipeline schedule accumulates them unsharded and reduces once, after the last micro-batch
+        (torch.distributed.pipelining does with more than one micro-batch); ZeRO-2 keeps the gathered
+        parameters across micro-batches, ZeRO-3 gathers them for each forward and backward.
+        Megatron's distributed optimizer (ZeRO-1) reduce-scatters gradients and all-gathers
+        parameters in buckets; ZeroRedundancyOptimizer all-reduces and broadcasts."""
+        ddp = np.maximum(reduce_all - hide_b, last_bucket)
+        scatters = np.where(accumulate, 1.0, nmb) * np.maximum(scatter_all - hide_b, scatter_all / n_buckets)
+        distributed = (np.maximum(scatter_all - hide_b, scatter_all / n_buckets)
+                       + np.maximum(gather - hide_f, gather / n_buckets))
+        t = np.select(
+            [zero == 0, zero == 1, zero == 2],
+            [ddp, distributed if megatron else ddp + broadcast, scatters + np.maximum(gather - hide_f, 0)],
+            scatters + nmb * np.maximum(2 * gather - hide_f - hide_b, (dpn - 1) * dp_lat + base))
+        return np.where(dpn > 1, t, 0.0)
+
+    dp_time = exposed(hide_b, hide_f)
+    dp_hidden = exposed(0.0 * hide_b, 0.0 * hide_f) - dp_time
     offload = np.asarray(pa.offload, dtype=bool)[:, None]
     shard_states = np.where(zero >= 1, dpn, 1.0)
     opt_params = local_params / shard_states
@@ -253,6 +329,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
                          opt_params * c.optimizer_bytes_per_param / hbm)
     at_tail = np.argmax(dp_time + optimizer, axis=1)[:, None]
     dp_exposed = np.take_along_axis(dp_time, at_tail, axis=1)[:, 0]
+    dp_hidden = np.take_along_axis(dp_hidden, at_tail, axis=1)
     opt_exposed = np.take_along_axis(optimizer, at_tail, axis=1)[:, 0]
 
     # -- memory per representative rank ----------------------------------------------------------------
@@ -275,7 +352,8 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     peak_rank = sum(mem.values())
     at_peak = np.argmax(peak_rank, axis=1)[:, None]
 
-    out = {name: part[name] for name in ("compute", "recompute", "tp_comm", "pp_p2p", "pp_bubble")}
+    out = {name: part[name] for name in ("compute", "recompute", "tp_comm", "pp_p2p", "pp_bubble", "hidden_tp_comm")}
+    out["hidden_dp_comm"] = dp_hidden[:, 0]
     out.update({
         "dp_comm": dp_exposed, "optimizer": opt_exposed,
         "overhead": part["host"] + c.step_overhead_s,

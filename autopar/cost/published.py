@@ -71,14 +71,16 @@ KORTHIKANTI_TABLE5 = (
 )
 
 
-def _workload(size: str, gpus: int, global_batch: int):
+def _workload(size: str, gpus: int, global_batch: int, model=ZOO_GPT):
+    """The paper's model (from `model`, any GPT file taking the zoo's sizes) on its DGX A100s, run
+    by Megatron-LM as of 2021-22: runtime megatron with none of the later overlap switches."""
     from autopar.cluster import load_cluster
     from autopar.profile import profile_model
     from autopar.workload import Workload
 
-    profile = profile_model(ZOO_GPT, {"size": size}, dtype="bf16")
+    profile = profile_model(model, {"size": size}, dtype="bf16")
     return Workload(profile, load_cluster("dgx-a100-80g", nodes=gpus // 8 or 1, gpus_per_node=min(gpus, 8)),
-                    global_batch)
+                    global_batch, runtime="megatron")
 
 
 def best(workload, candidates, coeffs=None):
@@ -94,12 +96,12 @@ def best(workload, candidates, coeffs=None):
     return sub.plan(i), estimates_from(workload, sub, res, i)[0]
 
 
-def megatron_candidates(row: MegatronRow):
+def megatron_candidates(row: MegatronRow, model=ZOO_GPT):
     """(workload, plans) with the paper's tp, pp and full recompute; micro-batch and
     interleaving open."""
     from autopar.search.space import TP_INNER, enumerate_plans
 
-    w = _workload(row.size, row.gpus, row.global_batch)
+    w = _workload(row.size, row.gpus, row.global_batch, model)
     s = enumerate_plans(w)
     full_all = s.recompute_blocks == np.array([s.splits.entries[i]["layers"].max() for i in s.split])
     mask = ((s.tp == row.tp) & (s.pp == row.pp) & (s.recompute == FULL) & full_all & (s.zero == 0)
@@ -107,12 +109,12 @@ def megatron_candidates(row: MegatronRow):
     return w, s.take(np.flatnonzero(mask))
 
 
-def korthikanti_candidates(row: KorthikantiRow, selective: bool):
+def korthikanti_candidates(row: KorthikantiRow, selective: bool, model=ZOO_GPT):
     """(workload, plans) for one Table 5 cell: the paper's degrees and micro-batch; full
     recompute, or selective recompute with sequence parallelism."""
     from autopar.search.space import enumerate_plans
 
-    w = _workload(row.size, row.gpus, row.global_batch)
+    w = _workload(row.size, row.gpus, row.global_batch, model)
     s = enumerate_plans(w)
     full_all = s.recompute_blocks == np.array([s.splits.entries[i]["layers"].max() for i in s.split])
     mode = (s.recompute == SELECTIVE) & s.sp if selective else (s.recompute == FULL) & full_all & ~s.sp

@@ -15,7 +15,7 @@ from pathlib import Path
 from autopar.atomic import write_text_atomic
 from autopar.profile.model_profile import ModelProfile
 
-PROFILER_VERSION = "autopar-profiler-2"
+PROFILER_VERSION = "autopar-profiler-4"
 ZOO = Path(__file__).resolve().parent.parent / "zoo"
 
 

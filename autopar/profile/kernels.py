@@ -6,15 +6,19 @@ math path, which saves the seq x seq probabilities in fp32 (CUDA's flash kernel 
 output and a per-row log-sum-exp); ``F.rms_norm`` decomposes into fp32 ops that save two fp32
 copies of the input (CUDA's fused kernel saves the input and the per-row 1/rms). Inside
 :class:`CudaKernels` these calls are rerouted to ops that save what the CUDA kernels save, so
-saved bytes and FLOPs match a GPU run.
+saved bytes and FLOPs match a GPU run. :func:`fused_norms` does the same for RMS norm modules
+written out op by op (HF's), so that how a norm is written does not change the profile.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 _DROPOUT = inspect.signature(F.dropout)
@@ -29,13 +33,19 @@ def _dropout(input, p, training, inplace):
 
 
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    if enable_gqa and query.dim() == 4 and query.shape[-3] % key.shape[-3] == 0:  # flash-eligible too
-        repeats = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
-    if attn_mask is None and query.shape[-3] == key.shape[-3] == value.shape[-3] and query.dim() == 4:
-        return torch.ops.aten._scaled_dot_product_flash_attention(
-            query, key, value, dropout_p, is_causal, False, scale=scale)[0]
-    return NotImplemented  # masks or grouped heads: keep torch's own choice
+    """The flash kernel wherever CUDA takes it: no mask, 4-d inputs, and query heads equal to the
+    key/value heads or (``enable_gqa``) a multiple of them. Grouped K/V are repeated first, as a
+    model that repeats them itself does (torchtitan's repeat_kv, the bundled Llama), so both ways
+    of writing grouped-query attention profile alike (the repeated copies are what flash saves)."""
+    heads, kv_heads = query.shape[-3], key.shape[-3]
+    if attn_mask is not None or query.dim() != 4 or key.shape[-3] != value.shape[-3]:
+        return NotImplemented  # masks: keep torch's own choice
+    if heads != kv_heads:
+        if not (enable_gqa and heads % kv_heads == 0):
+            return NotImplemented  # torch raises its own error
+        key, value = (t.repeat_interleave(heads // kv_heads, dim=-3) for t in (key, value))
+    return torch.ops.aten._scaled_dot_product_flash_attention(
+        query, key, value, dropout_p, is_causal, False, scale=scale)[0]
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -74,6 +84,37 @@ _REROUTE = {
     F.scaled_dot_product_attention: (_SDPA, _sdpa),
     F.rms_norm: (inspect.signature(F.rms_norm), _rms_norm),
 }
+
+
+def _norm_eps(module: nn.Module) -> float | None:
+    """The epsilon of a hand-written RMS norm module (HF's ``LlamaRMSNorm`` and kin: a class named
+    ...RMSNorm with a 1-d ``weight``), or None for any other module."""
+    weight = getattr(module, "weight", None)
+    if "rmsnorm" not in type(module).__name__.lower() or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return None
+    eps = next((v for a in ("eps", "variance_epsilon") if isinstance(v := getattr(module, a, None), float)), None)
+    return eps
+
+
+@contextlib.contextmanager
+def fused_norms(model: nn.Module):
+    """Run hand-written RMS norm modules as the fused kernel (``F.rms_norm``, rerouted below), as
+    torch.compile, Transformer Engine or Liger run them on a GPU: written out in eager ops they would
+    save fp32 copies of their input, and the profile would depend on how the norm is written."""
+    patched = []
+    for module in model.modules():
+        if (eps := _norm_eps(module)) is not None and "forward" not in module.__dict__:
+            module.forward = functools.partial(_module_rms_norm, module.weight, eps)
+            patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def _module_rms_norm(weight, eps, x):
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class CudaKernels(TorchFunctionMode):

@@ -34,6 +34,9 @@ class BlockProfile:
     out_bytes: float  # bytes of the block's output per sample (pipeline p2p, checkpoint boundary)
     tp_comm_bytes: float  # bytes all-reduced per sample in forward under TP (backward: the same)
     tp_units: tuple[int, ...] = ()  # the tensor-parallel degree must divide each of these
+    attn_flops: float = 0.0  # forward FLOPs of attention's score and value products, fused kernel or not
+    attn_core_io_bytes: float = 0.0  # part of io_bytes moved by the core's elementwise ops (unfused softmax)
+    attn_scores: float = 0.0  # attention score elements per sample (heads x seq x seq), fused kernel or not
 
     def __post_init__(self):
         object.__setattr__(self, "tp_units", tuple(int(u) for u in self.tp_units))

@@ -18,7 +18,7 @@ from autopar.capability import model_limits
 from autopar.errors import AutoparError
 from autopar.modelfile import ModelFile, load_model_file, priced_styles
 from autopar.profile import cache as profile_cache
-from autopar.profile.kernels import CudaKernels
+from autopar.profile.kernels import CudaKernels, fused_norms
 from autopar.profile.model_profile import BlockProfile, ModelProfile
 from autopar.profile.recorder import Recorder, Tally, storage_key, tensor_bytes
 
@@ -155,10 +155,12 @@ def _measure(mf: ModelFile, model_args: dict, dtype: str, digest: str) -> ModelP
     with narrowing:
         owner = _run(mf, model, units, inputs, targets, rec, styles)
 
-    def entry(kind, segment, count, modules, params):
-        return _block_profile(kind, count, rec.tallies[segment], modules, params, sharded, styles)
+    def entry(kind, segment, count, modules, params, extra_units=()):
+        return _block_profile(kind, count, rec.tallies[segment], modules, params, sharded, styles, extra_units)
 
-    layers = [entry(type(rep).__name__, i, count, list(rep.modules()), list(rep.parameters()))
+    # whole heads per rank: the config's head counts bound tp however the attention module names them
+    heads = tuple(sorted({dims[d] for d in ("heads", "kv_heads") if d in dims})) if plan else ()
+    layers = [entry(type(rep).__name__, i, count, list(rep.modules()), list(rep.parameters()), heads)
               for i, (rep, count) in enumerate(runs)]
     ends = _outside_blocks(model, blocks if blocks else [model], owner)
     chain = (entry("embed", "embed", 1, *ends["embed"]), *layers, entry("head", "head", 1, *ends["head"]))
@@ -176,7 +178,8 @@ def _measure(mf: ModelFile, model_args: dict, dtype: str, digest: str) -> ModelP
                         limits=model_limits(model, blocks, tp_plan), notes=getattr(mf.module, "notes", ()))
 
 
-def _block_profile(kind: str, count: int, t: Tally, modules, params, sharded: dict, styles: dict) -> BlockProfile:
+def _block_profile(kind: str, count: int, t: Tally, modules, params, sharded: dict, styles: dict,
+                   extra_units: tuple[int, ...] = ()) -> BlockProfile:
     return BlockProfile(
         kind=kind, count=count, params=sum(p.numel() for p in params),
         tp_params=sum(p.numel() for p in params if id(p) in sharded),
@@ -184,7 +187,8 @@ def _block_profile(kind: str, count: int, t: Tally, modules, params, sharded: di
         saved_bytes=t.saved_bytes(), saved_tp_bytes=t.saved_bytes("sharded"),
         attn_core_bytes=t.saved_bytes("core"),
         attn_core_flops=t.attn_core_flops, io_bytes=t.io_bytes, out_bytes=t.out_bytes,
-        tp_comm_bytes=t.tp_comm_bytes, tp_units=_tp_units(modules, styles))
+        tp_comm_bytes=t.tp_comm_bytes, tp_units=tuple(sorted({*_tp_units(modules, styles), *extra_units})),
+        attn_flops=t.attn_flops, attn_core_io_bytes=t.attn_core_io_bytes, attn_scores=t.attn_scores)
 
 
 def _run(mf: ModelFile, model, units, inputs, targets, rec: Recorder, styles: dict) -> dict:
@@ -201,7 +205,7 @@ def _run(mf: ModelFile, model, units, inputs, targets, rec: Recorder, styles: di
                 for m in model.modules() if styles.get(id(m)) in _COLLECTIVE_STYLES]
     handles += _segment_hooks(rec, units)
     try:
-        with CudaKernels(), rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+        with fused_norms(model), CudaKernels(), rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
             loss = mf.loss_fn(model(*inputs), targets)
         rec.tallies["head"].out_bytes = tensor_bytes(loss)
         rec.backward = True

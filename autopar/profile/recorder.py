@@ -17,6 +17,12 @@ Counting rules:
   activations (no parameter) with a seq x seq result starts it (q·kᵀ), other ops with a core input
   continue it (mask, softmax, dropout), and matmuls with a core input end it (probs·v). Looking at
   shapes alone would mistake (seq, hidden) activations for scores whenever hidden == seq.
+- Attention scores (`attn_scores`, elements) are counted the same way: the first core tensor, or
+  the (heads x s_q x s_k) a fused kernel computes without storing.
+- Attention FLOPs (`attn_flops`) are the score and value products whatever computes them: the
+  core's matmuls, or a fused attention kernel (flash). A fused kernel's backward recomputes the
+  scores; that matmul is hardware work, not model FLOPs, so backward counts the other four (as an
+  unfused attention's backward does), and the cost model prices the recompute as time.
 """
 
 from __future__ import annotations
@@ -34,6 +40,22 @@ from torch.utils.flop_counter import flop_registry
 def storage_key(t: torch.Tensor) -> int:
     """Identity of the memory behind ``t`` (shared by all views of it)."""
     return t.untyped_storage()._cdata
+
+
+_aten = torch.ops.aten
+FUSED_ATTENTION = {_aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_efficient_attention,
+                   _aten._scaled_dot_product_cudnn_attention, _aten._flash_attention_forward,
+                   _aten._efficient_attention_forward}
+FUSED_ATTENTION_BACKWARD = {_aten._scaled_dot_product_flash_attention_backward,
+                            _aten._scaled_dot_product_efficient_attention_backward,
+                            _aten._scaled_dot_product_cudnn_attention_backward,
+                            _aten._flash_attention_backward, _aten._efficient_attention_backward}
+
+
+def _score_recompute_flops(args) -> float:
+    """FLOPs of q·kᵀ that a fused attention backward (grad_out, query, key, ...) recomputes."""
+    query, key = args[1], args[2]
+    return 2.0 * query.numel() * key.shape[-2]
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -54,7 +76,10 @@ class Tally:
     bwd_flops: float = 0.0
     tp_fwd_flops: float = 0.0
     attn_core_flops: float = 0.0
+    attn_flops: float = 0.0
+    attn_scores: float = 0.0
     io_bytes: float = 0.0
+    attn_core_io_bytes: float = 0.0
     out_bytes: float = 0.0
     tp_comm_bytes: float = 0.0
     saved: dict[int, Saved] = field(default_factory=dict)  # by storage key
@@ -124,6 +149,8 @@ class Recorder(TorchDispatchMode):
         flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
         tally = self.tally
         if self.backward:
+            if packet in FUSED_ATTENTION_BACKWARD:
+                flops -= _score_recompute_flops(args)
             tally.bwd_flops += flops
             return out
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -139,10 +166,19 @@ class Recorder(TorchDispatchMode):
         starts_core = bool(flops) and not core_in and self._is_scores(inputs, outputs)
         if core_in or starts_core:
             tally.attn_core_flops += flops
+        if core_in or starts_core or packet in FUSED_ATTENTION:
+            tally.attn_flops += flops
+        if starts_core:
+            tally.attn_scores += sum(t.numel() for t in outputs)
+        elif packet in FUSED_ATTENTION:  # (batch, heads, s_q) x s_k scores, never materialised
+            tally.attn_scores += args[0].shape[:-1].numel() * args[1].shape[-2]
         if starts_core or (core_in and not flops):
             self._core.update((storage_key(t), t) for t in outputs)
         if not flops and not func.is_view:
             if packet is torch.ops.aten.embedding:  # reads the looked-up rows, not the whole table
                 inputs = [*inputs[1:], *outputs]
-            tally.io_bytes += sum(tensor_bytes(t) for t in inputs + outputs)
+            io = sum(tensor_bytes(t) for t in inputs + outputs)
+            tally.io_bytes += io
+            if core_in:
+                tally.attn_core_io_bytes += io
         return out

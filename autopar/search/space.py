@@ -66,10 +66,10 @@ def schedule_choices(workload, pp: int, num_micro_batches: int) -> list[tuple[st
 
 def recompute_choices(workload, pp: int, v: int) -> list[tuple[str, int]]:
     """(mode, checkpointed blocks per pipeline rank): none, selective when the model has an
-    attention core, and full recompute of 1 ... all blocks of the busiest rank (every count up to
+    attention core (or Megatron-Core, which recomputes its core attention), and full recompute of 1 ... all blocks of the busiest rank (every count up to
     16, then a geometric grid, always including all)."""
     out = [("none", 0)]
-    if any(b.attn_core_bytes > 0 for b in workload.profile.layers):
+    if workload.runtime == "megatron" or any(b.attn_core_bytes > 0 for b in workload.profile.layers):
         out.append(("selective", 0))
     most = max(device_blocks(balanced_split(workload.profile.num_layers, pp * v), pp))
     counts = set(range(1, min(most, 16) + 1))

@@ -1,0 +1,52 @@
+"""The training runtime a workload runs under: what schedules the communication the cost model prices.
+
+The same plan costs different time under different software: Megatron-Core with Transformer
+Engine hides tensor-parallel collectives under GEMMs and the data-parallel reduction under
+backward, runs fused (flash) attention whatever a model file writes, and shards the optimizer by
+reduce-scatter and all-gather; autopar's own executor runs what the model file writes through
+torch's DDP, FSDP2, ZeroRedundancyOptimizer, DTensor and torch.distributed.pipelining. Each
+overlap is named in an estimate's ``hidden`` breakdown (seconds of communication it hid).
+
+Megatron's switches are off unless the workload names them, as in Megatron-LM's own defaults and
+in the runs of its 2021-22 papers (unfused attention with a fused scale-mask-softmax kernel, no
+overlaps); NeMo's pretraining recipes turn them all on (`NEMO_SWITCHES`).
+"""
+
+from __future__ import annotations
+
+from autopar.errors import AutoparError
+
+RUNTIMES = {
+    "torch": "autopar's executor: DDP / FSDP2 / ZeroRedundancyOptimizer, DTensor, torch.distributed.pipelining; "
+             "attention as the model file writes it",
+    "megatron": "Megatron-Core with Transformer Engine: fused attention, distributed optimizer, its pipeline "
+                "schedules, and the overlaps it is told to run",
+}
+# Megatron-Core's switches that change what the cost model prices (named after their flags)
+MEGATRON_SWITCHES = {
+    "flash_attn": "--use-flash-attn / TE fused attention: no seq x seq tensor; else Megatron's unfused "
+                  "attention (fused scale-mask-softmax, dropout), whose traffic and saved bytes scale with "
+                  "the score count",
+    "tp_comm_overlap": "--tp-comm-overlap: TE userbuffers split each tensor-parallel collective into chunks "
+                       "under the neighbouring GEMM",
+    "overlap_grad_reduce": "--overlap-grad-reduce: gradient buckets reduced (distributed optimizer: "
+                           "reduce-scattered) during the last micro-batch's backward",
+    "overlap_param_gather": "--overlap-param-gather: the distributed optimizer's parameter all-gather during "
+                            "the next forward",
+}
+NEMO_SWITCHES = tuple(MEGATRON_SWITCHES)
+
+
+def check_runtime(runtime: str, switches) -> tuple[str, ...]:
+    """The switches as a sorted tuple, after checking both names (one-line errors)."""
+    if runtime not in RUNTIMES:
+        raise AutoparError(f"unknown runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
+    switches = tuple(sorted(set(switches)))
+    unknown = [o for o in switches if o not in MEGATRON_SWITCHES]
+    if unknown:
+        raise AutoparError(f"unknown Megatron switch(es) {', '.join(unknown)}; use any of "
+                           f"{', '.join(MEGATRON_SWITCHES)}")
+    if switches and runtime != "megatron":
+        raise AutoparError(f"{', '.join(switches)}: Megatron-Core switches need runtime 'megatron' "
+                           "(the torch runtime overlaps as DDP and FSDP2 do)")
+    return switches
