@@ -30,6 +30,12 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
     parser.add_argument("--memory-headroom", type=float, default=DEFAULT_MEMORY_HEADROOM, metavar="F",
                         help="fraction of GPU memory plans leave free for the allocator's fragmentation "
                              f"(default {DEFAULT_MEMORY_HEADROOM:g})")
+    parser.add_argument("--runtime", choices=("torch", "megatron"), default="torch",
+                        help="what runs the plan: autopar's torch executor (default) or Megatron-Core with "
+                             "Transformer Engine; it decides which communication overlaps")
+    parser.add_argument("--megatron", action="append", default=[], metavar="SWITCH",
+                        help="a Megatron-Core switch that is on (flash_attn, tp_comm_overlap, overlap_grad_reduce, "
+                             "overlap_param_gather; repeatable; needs --runtime megatron)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -73,7 +79,8 @@ def load_workload(args, nodes: int | None = None, global_batch: int | None = Non
         raise AutoparError(f"--memory-headroom must be a fraction in [0, 1), got {args.memory_headroom}")
     cluster = load_cluster(args.cluster, nodes=args.nodes or nodes, gpus_per_node=args.gpus_per_node)
     profile = profile_model(args.model, parse_model_args(args.model_arg, args.seq_len), dtype=args.precision)
-    return Workload(profile=profile, cluster=cluster, global_batch=batch, memory_headroom=args.memory_headroom)
+    return Workload(profile=profile, cluster=cluster, global_batch=batch, memory_headroom=args.memory_headroom,
+                    runtime=getattr(args, "runtime", "torch"), switches=tuple(getattr(args, "megatron", ())))
 
 
 def print_json(obj) -> None:
@@ -86,4 +93,5 @@ def workload_dict(workload) -> dict:
     return {"model": p.name, "params": p.params, "layers": p.num_layers, "seq_len": p.seq_len,
             "dims": p.dims, "cluster": c.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
             "gpu": c.gpu.name, "global_batch": workload.global_batch, "precision": p.dtype,
-            "memory_headroom": workload.memory_headroom, "notes": list(p.notes), "excluded": dict(p.limits)}
+            "memory_headroom": workload.memory_headroom, "notes": list(p.notes), "excluded": dict(p.limits),
+            "runtime": workload.runtime, "megatron_switches": list(workload.switches)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from autopar.cost.regime import regime_note
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
 from autopar.errors import PlanError
 
@@ -107,9 +108,12 @@ def run(args) -> int:
     plan, workload = plan_and_workload(args)
     est = estimate(workload, plan)
     if args.json:
-        print_json({**est.to_dict(), "plan": plan.to_dict(), "workload": workload_dict(workload)})
+        print_json({**est.to_dict(), "plan": plan.to_dict(), "workload": workload_dict(workload),
+                    "calibration_note": regime_note(workload, plan)})
         return 0
     console = Console()
     console.print(f"[bold]{workload.describe()}[/bold]")
     print_estimate(console, plan, est)
+    if note := regime_note(workload, plan):
+        console.print(f"[yellow]{note}[/yellow]")
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+from autopar.cost.regime import regime_note
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
 from autopar.cli.explain import add_plot_flag, check_plot, draw
 
@@ -74,6 +75,7 @@ def run(args) -> int:
                              for p, e in zip(plans[1:], estimates[1:])],
             "why": [{"knob": r.knob, "chosen": r.chosen, "instead": r.text} for r in reasons],
             "workload": workload_dict(workload), "method": args.method,
+            "calibration_note": regime_note(workload, best),
             "confidence": None if confidence is None else {"probability": confidence.probability,
                                                            "min_step": confidence.min_step},
             "cost_model_evaluations": planner.evaluations, "wall_time_s": wall, "plot": written,
@@ -85,6 +87,8 @@ def run(args) -> int:
     for note in workload.profile.notes:
         console.print(note, style="yellow", markup=False)
     print_estimate(console, best, best_est)
+    if note := regime_note(workload, best):
+        console.print(f"[yellow]{note}[/yellow]")
     console.print(why_table(best_est, reasons))
     if len(plans) > 1:
         console.print(alternatives_table(best_est, list(zip(plans[1:], estimates[1:]))))

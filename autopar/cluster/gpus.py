@@ -35,6 +35,11 @@ GPUS: dict[str, GPUSpec] = {
     "a100-80g": _spec("A100-SXM4-80GB", 312e12, 19.5e12, 80, 2039),
     "h100": _spec("H100-SXM5-80GB", 989e12, 67e12, 80, 3350),
     "h200": _spec("H200-SXM5-141GB", 989e12, 67e12, 141, 4800),
+    # Blackwell (docs/hardware.md): B200 as in DGX B200 (1,440 GB and 64 TB/s HBM3e over 8 GPUs;
+    # 2.25 PFLOP/s dense bf16, 75 TFLOP/s fp32); GB200 as in GB200 NVL72 (13.4 TB and 576 TB/s HBM3e,
+    # 180 PFLOP/s dense bf16, 5,760 TFLOP/s fp32 over 72 GPUs)
+    "b200": _spec("B200", 2250e12, 75e12, 180, 8000),
+    "gb200": _spec("GB200", 2500e12, 80e12, 186, 8000),
     "l40s": _spec("L40S", 362e12, 91.6e12, 48, 864),
     # GeForce: 165 TFLOP/s is the fp32-accumulate rate (330 with fp16 accumulation).
     "rtx4090": _spec("RTX-4090", 165e12, 82.6e12, 24, 1008),
@@ -45,7 +50,7 @@ GPUS: dict[str, GPUSpec] = {
 
 # Substrings of torch.cuda.get_device_name() -> GPUS key; the first match wins, so more
 # specific patterns come first.
-_NAME_PATTERNS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-"), ("v100", "v100-32g"),
+_NAME_PATTERNS = (("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"), ("a100", "a100-"), ("v100", "v100-32g"),
                   ("l40s", "l40s"), ("4090", "rtx4090"))
 
 

@@ -7,7 +7,10 @@ model's per-kind efficiency (fitted by calibration) turns them into what NCCL re
   upi     one link between CPU sockets: PCIe peer traffic across sockets does not stripe over
           the several links, and NCCL's own topology model rates this path below a PCIe x16
           (topo.h: SKL_QPI_BW 10 vs PCI_BW 12 GB/s), so it is the bottleneck of a PCIe box.
+  nvlink  NVLink5 (Blackwell) 900 GB/s per GPU each way
   ib/ethernet  per NIC: 100 Gb/s = 12.5 GB/s, HDR 200 Gb/s = 25, NDR 400 Gb/s = 50.
+A "node" is an NVLink domain: GB200 NVL72's 72 GPUs on one NVLink switch fabric are one node, so
+every group of up to 72 GPUs rings over NVLink and only larger ones cross the InfiniBand fabric.
 Latencies are per edge, typical figures: a GPU-to-GPU hop crosses two edges, so it costs 2 us
 over NVLink, 3 us under one PCIe switch, and NIC to NIC 5 us over IB plus the PCIe legs.
 """
@@ -52,6 +55,14 @@ PRESETS: dict[str, dict] = {
     # Sockets: Xeon with UPI 2.0 at 16 GT/s; 8 x NDR IB, one per GPU.
     "dgx-h100": _dgx("h100", 8, nvlink=450e9, pcie=64e9, upi=32e9, ib=50e9),
     "dgx-h200": _dgx("h200", 8, nvlink=450e9, pcie=64e9, upi=32e9, ib=50e9),
+    # DGX B200: 2 Xeon sockets, 8 B200 on NVLink5 switches, 8 x 400 Gb/s ConnectX-7 (one per GPU).
+    "dgx-b200": _dgx("b200", 8, nvlink=900e9, pcie=64e9, upi=32e9, ib=50e9),
+    # GB200 NVL72: one NVLink domain of 72 GPUs (18 compute trays of 2 Grace + 4 B200 joined by 9 NVLink
+    # switch trays). Each GPU has its own 400 Gb/s NIC on a PCIe Gen5 path; the Grace CPUs talk to their
+    # GPUs over NVLink-C2C, which no collective here uses, so the domain is drawn with one host socket.
+    "gb200-nvl72": _preset("gb200", 72, {"intra": "nvswitch", "sockets": 1, "gpus_per_pcie_switch": 1, "nics": 72,
+                                         "nic_attach": "switch", "nic_kind": "ib"},
+                           nvlink=900e9, pcie=64e9, ib=50e9),
     # Workstation-class server: 2 GPUs per PCIe switch, 2 x 100 GbE on the CPUs; UPI 10.4 GT/s.
     # (GeForce drivers may disable peer-to-peer; calibration's pcie efficiency absorbs that.)
     "pcie-4090x8": _pcie_box("rtx4090", 2, "cpu", "ethernet", pcie=32e9, upi=20.8e9, ethernet=12.5e9),

@@ -72,9 +72,18 @@ class Coefficients:
         return asdict(self)
 
     @classmethod
-    def for_cluster(cls, cluster) -> Coefficients:
-        """The coefficients the cost model uses on `cluster`: layers 1-3 of the module doc."""
-        return cls.from_dict({**gpu_calibration(cluster.gpu.name).fitted, **cluster.coefficients})
+    def for_cluster(cls, cluster, runtime: str = "megatron") -> Coefficients:
+        """The coefficients the cost model uses on `cluster` under `runtime`: layers 1-3 of the module
+        doc. A GPU type's fit describes its hardware (GEMM rates) and the fitting rows' software
+        (kernel fusion); under another runtime the software part does not carry: torch runs a model
+        file's elementwise ops eagerly, each reading its inputs and writing its output through HBM,
+        which is what the profile counts (elementwise_traffic 1)."""
+        cal = gpu_calibration(cluster.gpu.name)
+        fitted = dict(cal.fitted)
+        if cal.regime and runtime not in cal.regime["runtime"]:
+            fitted.pop("elementwise_traffic", None)
+            fitted["elementwise_traffic"] = EAGER_ELEMENTWISE_TRAFFIC
+        return cls.from_dict({**fitted, **cluster.coefficients})
 
     @classmethod
     def from_dict(cls, d: dict | None) -> Coefficients:
@@ -100,6 +109,7 @@ FITTED_BOUNDS = {
     "link_efficiency.ib": (0.5, 1.0),  # fraction of the NICs' rate NCCL reaches across nodes
 }
 MAX_FITTED = 4
+EAGER_ELEMENTWISE_TRAFFIC = 1.0  # HBM bytes per profiled byte when every elementwise op is its own kernel
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,7 @@ class GpuCalibration:
     fitted: dict = field(default_factory=dict)
     regime: dict = field(default_factory=dict)
     source: str = ""
+    derived_from: str = ""  # the GPU whose fit this one's coefficients were scaled from (see `derive`)
 
     @property
     def calibrated(self) -> bool:
@@ -131,7 +142,7 @@ class GpuCalibration:
                 raise ValueError(f"{name} = {value} outside its physical range [{lo}, {hi}]")
 
 
-def derive(base: GpuCalibration, base_peak: float, peak: float, gemm_ceiling: float, source: str) -> GpuCalibration:
+def derive(base_name: str, base: GpuCalibration, base_peak: float, peak: float, gemm_ceiling: float) -> GpuCalibration:
     """A same-lineage GPU's calibration from a fitted one, scaled only by measured figures: the GEMM
     efficiency keeps its share of the measured ceiling; the half point scales with peak FLOP/s (a
     faster GPU needs proportionally more work per kernel to fill its SMs); software fusion (elementwise
@@ -139,7 +150,7 @@ def derive(base: GpuCalibration, base_peak: float, peak: float, gemm_ceiling: fl
     fitted = {k: v for k, v in base.fitted.items() if k in ("elementwise_traffic",)}
     fitted["gemm_efficiency"] = base.fitted["gemm_efficiency"] * gemm_ceiling / base.gemm_ceiling
     fitted["gemm_half_flops"] = base.fitted["gemm_half_flops"] * peak / base_peak
-    return GpuCalibration(gemm_ceiling, fitted, {**base.regime, "derived": True}, source)
+    return GpuCalibration(gemm_ceiling, fitted, base.regime, base.source, derived_from=base_name)
 
 
 _MEGATRON_A100 = "Megatron-LM SC'21 Table 1 + Korthikanti et al. 2022 Table 5 (DGX A100 80GB)"
@@ -153,10 +164,12 @@ _A100 = GpuCalibration(
 GPU_CALIBRATION: dict[str, GpuCalibration] = {
     "A100-SXM4-80GB": _A100,
     "A100-SXM4-40GB": _A100,  # the same chip, less and slower HBM (the datasheet figures differ)
-    "H100-SXM5-80GB": derive(_A100, 312e12, 989e12, 792.1 / 989, "derived from A100; MAMF H100 SXM"),
-    "H200-SXM5-141GB": derive(_A100, 312e12, 989e12, 794.5 / 989, "derived from A100; MAMF H100/H200 SXM"),
-    "B200": derive(_A100, 312e12, 2250e12, 1745.0 / 2250, "derived from A100; MAMF B200 SXM"),
-    "GB200": derive(_A100, 312e12, 2500e12, 1745.0 / 2250, "derived from A100; MAMF of B200 (same die)"),
+    # MAMF (docs/hardware.md): H100 SXM 792.1, H100/H200 SXM 794.5, B200 1745 of 2250 TFLOP/s; GB200 has
+    # the B200's die at a higher power limit: its ceiling fraction is taken as the B200's
+    "H100-SXM5-80GB": derive("A100", _A100, 312e12, 989e12, 792.1 / 989),
+    "H200-SXM5-141GB": derive("A100", _A100, 312e12, 989e12, 794.5 / 989),
+    "B200": derive("A100", _A100, 312e12, 2250e12, 1745.0 / 2250),
+    "GB200": derive("A100", _A100, 312e12, 2500e12, 1745.0 / 2250),
 }
 UNCALIBRATED = GpuCalibration()
 

@@ -271,7 +271,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     plan in `pa`. Returns a dict of arrays of length N (keys: TIME_PARTS, MEMORY_PARTS,
     iteration_time, peak_memory, fits, model_flops, hw_flops)."""
     cluster = workload.cluster
-    c = coeffs if coeffs is not None else Coefficients.for_cluster(cluster)
+    c = coeffs if coeffs is not None else Coefficients.for_cluster(cluster, workload.runtime)
     first, inverse = _groups(pa)
     part = {name: value[inverse] for name, value in _pipeline(workload, pa.take(first), c).items()}
     col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (N,) -> (N, 1)

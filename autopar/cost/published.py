@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from autopar.plan import COMM_DTYPES, RECOMPUTE_MODES, SCHEDULES
+from autopar.plan import COMM_DTYPES, RECOMPUTE_MODES, SCHEDULES, balanced_split
 
 FULL, SELECTIVE = RECOMPUTE_MODES.index("full"), RECOMPUTE_MODES.index("selective")
 GPIPE, ONE_F_ONE_B, INTERLEAVED = (SCHEDULES.index(s) for s in ("gpipe", "1f1b", "interleaved"))
@@ -121,3 +121,61 @@ def korthikanti_candidates(row: KorthikantiRow, selective: bool, model=ZOO_GPT):
     sched = (s.schedule == INTERLEAVED) if row.interleaved else (s.schedule == ONE_F_ONE_B)
     mask = (s.tp == row.tp) & (s.pp == row.pp) & (s.mbs == row.micro_batch) & mode & sched
     return w, s.take(np.flatnonzero(mask))
+
+
+@dataclass(frozen=True)
+class Llama3Row:
+    """Dubey et al. 2024 (The Llama 3 Herd of Models), Table 4: Llama 3 405B pre-training on H100
+    SXM 80GB (DGX-H100-class nodes, NVLink within 8, RoCE / InfiniBand across), BF16, sequence 8192,
+    no context parallelism (the CP16 row at 131072 tokens needs context parallelism: next issue).
+    The paper gives model TFLOP/s per GPU; its FLOPs convention is not stated, so rows are compared on
+    tokens/s derived with autopar's own (docs/hardware.md), equivalently on TFLOP/s per GPU."""
+
+    gpus: int
+    tp: int
+    pp: int
+    dp: int
+    batch_per_dp: int
+    tflops_per_gpu: float
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.batch_per_dp
+
+
+LLAMA3_TABLE4 = (
+    Llama3Row(8192, 8, 16, 64, 32, 430),
+    Llama3Row(16384, 8, 16, 128, 16, 400),
+)
+ZOO_LLAMA = Path(__file__).resolve().parent.parent / "zoo" / "llama.py"
+
+
+def llama3_candidates(row: Llama3Row, model=ZOO_LLAMA):
+    """(workload, plans) for one Table 4 row on dgx-h100 nodes, runtime megatron with every switch on
+    (Meta's stack overlaps its collectives and runs fused attention): the paper's degrees and batch,
+    micro-batch 1, sequence parallel; open: 1F1B or interleaved with 2-7 virtual stages (126 layers
+    split unevenly, as the paper's pipeline does), recompute none / selective / full, ZeRO 1 or 2
+    (the paper shards optimizer states and gradients), gradients reduced in bf16 or fp32."""
+    from autopar.cluster import load_cluster
+    from autopar.cost.arrays import PlanArrays
+    from autopar.plan import Plan
+    from autopar.profile import profile_model
+    from autopar.runtime import NEMO_SWITCHES
+    from autopar.workload import Workload
+
+    profile = profile_model(model, {"size": "llama3-405b"}, dtype="bf16")
+    w = Workload(profile, load_cluster("dgx-h100", nodes=row.gpus // 8), row.global_batch, runtime="megatron",
+                 switches=NEMO_SWITCHES)
+    layers = profile.num_layers
+    plans = []
+    for v in range(1, 8):
+        for recompute, blocks in (("none", 0), ("selective", 0), ("full", layers)):
+            for zero in (1, 2):
+                for comm in ("bf16", "fp32"):
+                    plans.append(Plan(dp=row.dp, tp=row.tp, pp=row.pp, micro_batch_size=1,
+                                      num_micro_batches=row.batch_per_dp, zero=zero, recompute=recompute,
+                                      recompute_blocks=min(blocks, -(-layers // row.pp)),
+                                      schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v,
+                                      sequence_parallel=True, grad_comm_dtype=comm,
+                                      layer_split=balanced_split(layers, row.pp * v)))
+    return w, PlanArrays.from_plans(plans, profile)
