@@ -2,36 +2,56 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from autopar.cost import estimate
-from autopar.cost.published import (KORTHIKANTI_TABLE5, MEGATRON_TABLE1, best, korthikanti_candidates,
-                                    megatron_candidates)
+from autopar.cost.published import (KORTHIKANTI_TABLE5, LLAMA3_TABLE4, MEGATRON_TABLE1, ZOO_GPT, best,
+                                    korthikanti_candidates, llama3_candidates, megatron_candidates)
 from autopar.plan import Plan
 from conftest import workload
 
 
-def test_megatron_sc21_table1_hardware_tflops():
-    """Narayanan et al. SC'21 Table 1: every row within 15%, median error <= 8%."""
-    errors = []
+SECOND_GPT = Path(__file__).resolve().parent / "models" / "gpt_sdpa.py"
+
+
+@pytest.fixture(scope="module", params=[ZOO_GPT, SECOND_GPT], ids=["bundled-gpt", "gpt-sdpa"])
+def table_errors(request):
+    """Relative errors of Narayanan et al. SC'21 Table 1 (hardware TFLOP/s, 10 rows) and Korthikanti et
+    al. 2022 Table 5 (iteration time, 8 cells), runtime megatron, with the A100 coefficients (fitted to
+    the bundled GPT's rows only; the SDPA GPT is never fitted)."""
+    errors = {}
     for row in MEGATRON_TABLE1:
-        plan, est = best(*megatron_candidates(row))
+        plan, est = best(*megatron_candidates(row, request.param))
         assert (plan.tp, plan.pp, plan.recompute) == (row.tp, row.pp, "full")
-        errors.append(est.hw_tflops_per_gpu / row.tflops_per_gpu - 1)
-    errors = np.abs(errors)
-    assert errors.max() <= 0.15, errors
-    assert np.median(errors) <= 0.08, errors
+        errors[f"table1 {row.size}"] = est.hw_tflops_per_gpu / row.tflops_per_gpu - 1
+    for row in KORTHIKANTI_TABLE5:
+        for selective in (False, True):
+            plan, est = best(*korthikanti_candidates(row, selective, request.param))
+            assert plan.micro_batch_size == row.micro_batch
+            published = row.selective_sp_s if selective else row.full_recompute_s
+            errors[f"table5 {row.size} {selective}"] = est.iteration_time_s / published - 1
+    return errors
 
 
-@pytest.mark.parametrize("row", KORTHIKANTI_TABLE5, ids=lambda r: r.size)
-@pytest.mark.parametrize("selective", [False, True], ids=["full", "selective+sp"])
-def test_korthikanti_table5_iteration_time(row, selective):
-    """Korthikanti et al. 2022 Table 5: iteration time within 15% for both recompute modes."""
-    plan, est = best(*korthikanti_candidates(row, selective))
-    published = row.selective_sp_s if selective else row.full_recompute_s
-    assert plan.micro_batch_size == row.micro_batch
-    assert abs(est.iteration_time_s / published - 1) <= 0.15, (plan.describe(), est.iteration_time_s, published)
+def test_megatron_and_korthikanti_rows_both_gpt_files(table_errors):
+    """Every one of the 18 figures within 8%, median within 4.5% (issue 10 asks 3%: see docs/hardware.md
+    for what is left), whichever way the GPT is written."""
+    errors = np.abs(list(table_errors.values()))
+    assert errors.max() <= 0.08, table_errors
+    assert np.median(errors) <= 0.045, table_errors
+
+
+@pytest.mark.parametrize("row", LLAMA3_TABLE4, ids=lambda r: f"{r.gpus}gpus")
+def test_llama3_table4_rows_without_context_parallelism(row):
+    """Dubey et al. 2024 Table 4, BF16 on H100 (coefficients derived from the A100 fit by the measured
+    matmul ceilings, nothing fitted on H100): within 10% on TFLOP/s per GPU (equivalently tokens/s)."""
+    plan, est = best(*llama3_candidates(row))
+    assert (plan.tp, plan.pp, plan.dp) == (row.tp, row.pp, row.dp)
+    assert abs(est.tflops_per_gpu / row.tflops_per_gpu - 1) <= 0.10, (plan.describe(), est.tflops_per_gpu)
+    assert est.hidden["tp_comm"] > 0  # the overlaps of Megatron-style runtimes are named and counted
 
 
 def test_seed_8b_memory_accounting():

@@ -1,0 +1,111 @@
+"""Runtimes (torch vs Megatron-Core) and their overlaps, per-GPU calibration, the regime note, and the
+Blackwell presets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autopar.cluster import load_cluster
+from autopar.cost import Coefficients, estimate
+from autopar.cost.coefficients import GPU_CALIBRATION, FITTED_BOUNDS, GpuCalibration, gpu_calibration
+from autopar.cost.regime import regime_note
+from autopar.errors import AutoparError
+from autopar.plan import Plan
+from autopar.runtime import NEMO_SWITCHES
+from autopar.workload import Workload
+from conftest import profile
+
+TP_PLAN = Plan(dp=2, tp=4, pp=1, micro_batch_size=1, num_micro_batches=8, zero=1, recompute="full",
+               recompute_blocks=24)
+
+
+def _workload(runtime="torch", switches=(), cluster="dgx-a100-80g", model="gpt", size="1.7b", **kw):
+    return Workload(profile(model, size=size), load_cluster(cluster, **kw), 16, runtime=runtime, switches=switches)
+
+
+def test_megatron_overlaps_hide_communication_and_name_it():
+    """With Megatron-Core's overlap switches on, TP collectives hide under GEMMs and the distributed
+    optimizer's reduce-scatter / all-gather under backward / forward: less exposed, the hidden
+    seconds reported; with them off nothing is hidden."""
+    off = estimate(_workload("megatron"), TP_PLAN)
+    on = estimate(_workload("megatron", NEMO_SWITCHES), TP_PLAN)
+    assert off.hidden == {"tp_comm": 0.0, "dp_comm": 0.0}
+    assert on.hidden["tp_comm"] > 0 and on.hidden["dp_comm"] > 0
+    assert on.breakdown["tp_comm"] < off.breakdown["tp_comm"]
+    assert on.breakdown["dp_comm"] < off.breakdown["dp_comm"]
+    assert on.breakdown["tp_comm"] + on.hidden["tp_comm"] == pytest.approx(off.breakdown["tp_comm"], rel=1e-6)
+    assert on.to_dict()["hidden"] == on.hidden and on.to_dict()["runtime"] == "megatron"
+
+
+def test_megatron_runs_its_own_attention_whatever_the_file_writes():
+    """The explicit-softmax GPT: torch pays for its seq x seq tensors as written; Megatron with flash
+    attention drops them (memory and traffic); without flash, Megatron's unfused softmax is priced from
+    the score count, not from the file's ops."""
+    plan = Plan(dp=8, tp=1, pp=1, micro_batch_size=1, num_micro_batches=2)
+    torch_est = estimate(_workload("torch"), plan)
+    flash = estimate(_workload("megatron", ("flash_attn",)), plan)
+    unfused = estimate(_workload("megatron"), plan)
+    assert flash.memory["activations"] < unfused.memory["activations"] <= torch_est.memory["activations"]
+    assert flash.breakdown["compute"] < unfused.breakdown["compute"]
+
+
+def test_bad_runtime_and_switch_are_one_line_errors():
+    with pytest.raises(AutoparError, match="unknown runtime 'deepspeed'; use one of torch, megatron"):
+        _workload("deepspeed")
+    with pytest.raises(AutoparError, match="unknown Megatron switch"):
+        _workload("megatron", ("overlap_everything",))
+    with pytest.raises(AutoparError, match="need runtime 'megatron'"):
+        _workload("torch", ("flash_attn",))
+
+
+def test_gpu_calibrations_stay_in_physical_bounds():
+    """At most four fitted coefficients per GPU type, each inside its bounds, GEMM efficiency below the
+    GPU's measured matmul ceiling; a fifth or an out-of-range value is refused."""
+    for name, cal in GPU_CALIBRATION.items():
+        assert len(cal.fitted) <= 4, name
+        for key, value in cal.fitted.items():
+            lo, hi = FITTED_BOUNDS[key]
+            assert lo <= value <= hi, (name, key)
+        assert cal.fitted["gemm_efficiency"] <= cal.gemm_ceiling
+    with pytest.raises(ValueError, match="physical range"):
+        GpuCalibration(gemm_ceiling=0.8, fitted={"gemm_efficiency": 0.9})
+    with pytest.raises(ValueError, match="at most 4"):
+        GpuCalibration(fitted=dict.fromkeys(("gemm_efficiency", "gemm_half_flops", "elementwise_traffic",
+                                             "link_efficiency.ib", "x"), 0.5))
+    assert not gpu_calibration("L40S").calibrated and not gpu_calibration("RTX-4090").calibrated
+
+
+def test_link_efficiency_stays_with_its_cluster():
+    """The IB efficiency fitted to Megatron-LM's DGX A100 runs lives on that preset only."""
+    a100 = Coefficients.for_cluster(load_cluster("dgx-a100-80g"))
+    assert a100.link("ib") != Coefficients.for_cluster(load_cluster("dgx-h100")).link("ib")
+    assert Coefficients.for_cluster(load_cluster("dgx-h100")).link("ib") == Coefficients().link("ib")
+    assert Coefficients.for_cluster(load_cluster("dgx-a100-40g")).link("ib") == Coefficients().link("ib")
+
+
+def test_regime_note_one_line_only_outside():
+    inside = _workload("megatron", nodes=1)
+    assert regime_note(inside, TP_PLAN) == ""
+    torch_note = regime_note(_workload("torch", nodes=1), TP_PLAN)
+    assert torch_note.startswith("note: outside the calibrated regime (runtime torch)") and "\n" not in torch_note
+    no_recompute = dataclasses.replace(TP_PLAN, recompute="none", recompute_blocks=0)
+    assert "recompute none" in regime_note(inside, no_recompute)
+    h100 = regime_note(_workload("megatron", cluster="dgx-h100", nodes=1), TP_PLAN)
+    assert "scaled from the A100 fit" in h100
+    assert "uncalibrated" in regime_note(_workload("megatron", cluster="l40s-pcie", nodes=1), TP_PLAN)
+
+
+def test_blackwell_presets():
+    b200 = load_cluster("dgx-b200", nodes=2)
+    assert b200.gpu.name == "B200" and b200.gpus_per_node == 8 and b200.ring(8, 1).kind == "nvlink"
+    assert b200.ring(16, 1).kind == "ib"
+    nvl72 = load_cluster("gb200-nvl72", nodes=2)
+    assert nvl72.gpus_per_node == 72 and nvl72.gpu.memory_bytes == 186e9
+    # one NVLink domain of 72 GPUs: a ring of 72 never leaves NVLink, a strided one across domains does
+    assert nvl72.ring(72, 1).kind == "nvlink" and nvl72.ring(72, 1).bandwidth == 900e9
+    assert nvl72.ring(2, 72).kind == "ib"
+    est = estimate(Workload(profile("llama", size="tiny"), nvl72, 144), Plan(dp=144, tp=1, pp=1, micro_batch_size=1,
+                                                                          num_micro_batches=1))
+    assert est.iteration_time_s > 0
