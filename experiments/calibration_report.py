@@ -19,7 +19,7 @@ Protocol (the same as `autopar calibrate`):
 
 Writes calibration_scatter.png (log-log predicted vs measured), calibration_errors.png (relative
 error histograms) and calibration_report.md (the table) into --out-dir, and prints the table.
-The vTrain data stays in shared/data/vtrain; the imported trace files go to a temporary directory.
+The vTrain data is in data/vtrain (copied, MIT); the imported trace files go to a temporary directory.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from rich.table import Table
 from autopar.calibrate.calibration import calibrate
 from autopar.traces.vtrain import import_vtrain, write_records
 
-VTRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "vtrain"
+VTRAIN = Path(__file__).resolve().parents[1] / "data" / "vtrain"  # copied from vTrain (MIT), see SOURCE.md
 VTRAIN_MAPE = {"vTrain single-node": 0.0837, "vTrain multi-node": 0.1473}  # Bang et al., MICRO 2024
 
 

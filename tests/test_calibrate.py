@@ -25,9 +25,9 @@ from autopar.plan import Plan
 from autopar.traces.record import TraceRecord
 from autopar.traces.vtrain import write_records
 
-VTRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "vtrain"
+VTRAIN = Path(__file__).resolve().parents[1] / "data" / "vtrain"  # copied from vTrain (MIT), see SOURCE.md
 needs_vtrain = pytest.mark.skipif(not (VTRAIN / "ground_truth_single.csv").is_file(),
-                                  reason=f"vTrain data not found at {VTRAIN} (shared/ beside the clone)")
+                                  reason=f"vTrain data not found at {VTRAIN} (data/vtrain/ in the repository)")
 TRUE = Coefficients(gemm_half_flops=4e10, elementwise_traffic=0.5, block_host_s=3e-4, host_overlap=6.0,
                     step_overhead_s=2e-3)
 

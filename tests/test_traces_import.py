@@ -13,9 +13,9 @@ from autopar.errors import AutoparError
 from autopar.traces.record import TraceRecord, read_records
 from autopar.traces.vtrain import COLUMNS, import_vtrain, read_vtrain_csv, write_records
 
-VTRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "vtrain"
+VTRAIN = Path(__file__).resolve().parents[1] / "data" / "vtrain"  # copied from vTrain (MIT), see SOURCE.md
 needs_vtrain = pytest.mark.skipif(not (VTRAIN / "ground_truth_single.csv").is_file(),
-                                  reason=f"vTrain data not found at {VTRAIN} (shared/ beside the clone)")
+                                  reason=f"vTrain data not found at {VTRAIN} (data/vtrain/ in the repository)")
 HEADER = ",".join(COLUMNS)
 
 

@@ -11,9 +11,9 @@ import pytest
 
 from autopar.cli import main
 
-VTRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "vtrain"
+VTRAIN = Path(__file__).resolve().parents[1] / "data" / "vtrain"  # copied from vTrain (MIT), see SOURCE.md
 needs_vtrain = pytest.mark.skipif(not (VTRAIN / "ground_truth_single.csv").is_file(),
-                                  reason=f"vTrain data not found at {VTRAIN} (shared/ beside the clone)")
+                                  reason=f"vTrain data not found at {VTRAIN} (data/vtrain/ in the repository)")
 MEGATRON_GPT = Path(__file__).resolve().parents[1] / "autopar" / "traces" / "megatron_gpt.py"
 TINY = ["--timesteps", "64", "--n-steps", "32", "--imitation-epochs", "2", "--dagger-rounds", "1",
         "--eval-every", "64", "--checkpoint-every", "64", "--replay", "0"]
