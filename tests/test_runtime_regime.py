@@ -109,3 +109,15 @@ def test_blackwell_presets():
     est = estimate(Workload(profile("llama", size="tiny"), nvl72, 144), Plan(dp=144, tp=1, pp=1, micro_batch_size=1,
                                                                           num_micro_batches=1))
     assert est.iteration_time_s > 0
+
+
+def test_selective_recompute_with_fused_attention_says_why_it_changes_nothing():
+    from autopar.cost.regime import selective_note
+
+    plan = Plan(dp=2, tp=1, pp=1, micro_batch_size=1, num_micro_batches=4, recompute="selective")
+    flash = Workload(profile("llama", size="tiny"), load_cluster("dgx-a100-80g", nodes=1, gpus_per_node=2), 8)
+    assert "fused (flash) kernel" in selective_note(flash, plan)
+    explicit = Workload(profile("gpt", size="tiny"), load_cluster("dgx-a100-80g", nodes=1, gpus_per_node=2), 8)
+    assert selective_note(explicit, plan) == ""
+    sel, none = (estimate(flash, dataclasses.replace(plan, recompute=m)) for m in ("selective", "none"))
+    assert sel.memory["activations"] == pytest.approx(none.memory["activations"])

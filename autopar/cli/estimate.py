@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autopar.cost.regime import regime_note
+from autopar.cost.regime import notes, regime_note
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
 from autopar.errors import PlanError
 
@@ -114,6 +114,6 @@ def run(args) -> int:
     console = Console()
     console.print(f"[bold]{workload.describe()}[/bold]")
     print_estimate(console, plan, est)
-    if note := regime_note(workload, plan):
+    for note in notes(workload, plan):
         console.print(f"[yellow]{note}[/yellow]")
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from autopar.cost.regime import regime_note
+from autopar.cost.regime import notes, regime_note
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
 from autopar.cli.explain import add_plot_flag, check_plot, draw
 
@@ -87,7 +87,7 @@ def run(args) -> int:
     for note in workload.profile.notes:
         console.print(note, style="yellow", markup=False)
     print_estimate(console, best, best_est)
-    if note := regime_note(workload, best):
+    for note in notes(workload, best):
         console.print(f"[yellow]{note}[/yellow]")
     console.print(why_table(best_est, reasons))
     if len(plans) > 1:

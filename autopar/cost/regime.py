@@ -38,3 +38,23 @@ def regime_note(workload, plan) -> str:
     if not outside:
         return ""
     return f"note: outside the calibrated regime ({'; '.join(outside)}) of {cal.source}: the estimate is extrapolated"
+
+
+def selective_note(workload, plan) -> str:
+    """Why selective recompute changes nothing when the attention is a fused (flash) kernel: it keeps
+    no seq x seq tensor, so there is nothing for selective recompute to drop ("" otherwise)."""
+    if plan.recompute != "selective":
+        return ""
+    layers = workload.profile.layers
+    fused = workload.runtime == "megatron" and "flash_attn" in workload.switches
+    fused = fused or (workload.runtime != "megatron" and all(b.attn_core_bytes == 0 for b in layers)
+                      and any(b.attn_flops > 0 for b in layers))
+    if not fused:
+        return ""
+    return ("note: selective recompute saves no memory here: the attention runs as a fused (flash) kernel, "
+            "which keeps no seq x seq tensor to drop; it only reruns the attention forward")
+
+
+def notes(workload, plan) -> list[str]:
+    """The one-line notes `autopar search` and `autopar estimate` print under an estimate."""
+    return [n for n in (regime_note(workload, plan), selective_note(workload, plan)) if n]
