@@ -121,3 +121,22 @@ def test_selective_recompute_with_fused_attention_says_why_it_changes_nothing():
     assert selective_note(explicit, plan) == ""
     sel, none = (estimate(flash, dataclasses.replace(plan, recompute=m)) for m in ("selective", "none"))
     assert sel.memory["activations"] == pytest.approx(none.memory["activations"])
+
+
+def test_cli_runtime_flags(capsys):
+    """`--runtime megatron --megatron SWITCH` reaches the estimate (hidden overlaps, the note); a bad
+    runtime or switch is one line on stderr and exit code 2."""
+    import json
+
+    from autopar.cli import main
+
+    gpt = ["estimate", "gpt", "--model-arg", "size=tiny", "--nodes", "1", "--gpus-per-node", "8",
+           "--global-batch", "16", "--dp", "2", "--tp", "4", "--micro-batch", "1"]
+    assert main([*gpt, "--runtime", "megatron", "--megatron", "tp_comm_overlap", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["runtime"] == "megatron" and d["workload"]["megatron_switches"] == ["tp_comm_overlap"]
+    assert d["hidden"]["tp_comm"] > 0 and "recompute none" in d["calibration_note"]
+    for bad, message in ((["--runtime", "deepspeed"], "unknown runtime"), (["--megatron", "flash_attn"], "need runtime")):
+        assert main([*gpt, *bad]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and err.startswith("autopar: error: ")

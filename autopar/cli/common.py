@@ -30,7 +30,7 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
     parser.add_argument("--memory-headroom", type=float, default=DEFAULT_MEMORY_HEADROOM, metavar="F",
                         help="fraction of GPU memory plans leave free for the allocator's fragmentation "
                              f"(default {DEFAULT_MEMORY_HEADROOM:g})")
-    parser.add_argument("--runtime", choices=("torch", "megatron"), default="torch",
+    parser.add_argument("--runtime", default="torch", metavar="torch|megatron",
                         help="what runs the plan: autopar's torch executor (default) or Megatron-Core with "
                              "Transformer Engine; it decides which communication overlaps")
     parser.add_argument("--megatron", action="append", default=[], metavar="SWITCH",
