@@ -18,9 +18,10 @@ flight on each rank (from the profiled saved bytes), communication buffers and a
 
 The workload's runtime (autopar/runtime.py) decides what overlaps: under ``torch`` the attention
 runs as the model file writes it and DDP / FSDP hide `dp_overlap` of backward's time; under
-``megatron`` attention is Megatron-Core's fused kernel whatever the file writes (the profile's
-unfused-softmax traffic and saved scores are dropped, the flash backward's score recompute added),
-and each overlap switch the workload turns on hides its collective as Megatron-Core schedules it.
+``megatron`` attention is Megatron's own whatever the file writes (its unfused softmax priced from
+the score count, or with `flash_attn` a flash kernel whose backward recomputes the scores), the
+pipeline's boundary activations travel scattered over the tensor-parallel ranks, and each overlap
+switch the workload turns on hides its collective as Megatron-Core schedules it.
 What each overlap hid is returned as `hidden_tp_comm` and `hidden_dp_comm`.
 
 Shapes: N plans; K block kinds of the profile (embed, layer kinds, head); J representative
@@ -65,7 +66,7 @@ MEGATRON_SOFTMAX_IO_BYTES = 13.0
 MEGATRON_SOFTMAX_SAVED_BYTES = 5.0
 
 
-def _as_runtime_runs(k: dict[str, np.ndarray], workload, c: Coefficients) -> dict[str, np.ndarray]:
+def _attention_as_run(k: dict[str, np.ndarray], workload, c: Coefficients) -> dict[str, np.ndarray]:
     """The per-kind figures as the runtime's attention kernels make them, plus `fused_attn_flops`
     (forward FLOPs of attention run by a fused kernel, whose backward recomputes the scores).
     torch runs the model file's own ops. Megatron-Core runs its own attention whatever the file
@@ -139,7 +140,7 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     offload): computed once per group of plans sharing degrees, micro-batching, schedule,
     recompute, sequence parallel, precision and mesh order."""
     profile, cluster = workload.profile, workload.cluster
-    k = _as_runtime_runs(_kind_arrays(profile), workload, c)
+    k = _attention_as_run(_kind_arrays(profile), workload, c)
     tp_overlap = "tp_comm_overlap" in workload.switches
     col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (G,) -> (G, 1)
 
