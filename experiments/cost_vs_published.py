@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--fit", action="store_true", help="refit the A100 coefficients to the bundled GPT's rows")
     args = parser.parse_args()
     console = Console()
-    c = Coefficients.for_cluster(load_cluster("dgx-a100-80g"))
+    c = Coefficients.for_cluster(load_cluster("selene"), "megatron")
     bundled = cases()
     if args.fit:
         c, values = fit(bundled, c)

@@ -18,9 +18,11 @@ over NVLink, 3 us under one PCIe switch, and NIC to NIC 5 us over IB plus the PC
 from __future__ import annotations
 
 # Measured on DGX A100 (docs/hardware.md): NVLink from nccl-tests all-reduce bus bandwidth on one
-# node, 4 GiB (233.9 of 300 GB/s, REFERENCES.md §3); IB fitted to Megatron-LM's multi-node rows on the
-# same DGX A100 cluster (experiments/cost_vs_published.py --fit): it stays with this preset.
-A100_LINK_EFFICIENCY = {"nvlink": 0.78, "ib": 0.843}
+# node, 4 GiB (233.9 of 300 GB/s, REFERENCES.md §3), a property of the node. The InfiniBand
+# efficiency was fitted to Megatron-LM's multi-node rows (experiments/cost_vs_published.py --fit),
+# measured on NVIDIA's Selene: it belongs to the `selene` preset alone, never to another cluster.
+DGX_A100_NVLINK_EFFICIENCY = 0.78
+SELENE_IB_EFFICIENCY = 0.843
 _LATENCY = {"nvlink": 1e-6, "pcie": 1.5e-6, "upi": 1e-6, "ib": 2.5e-6, "ethernet": 5e-6, "shm": 10e-6}
 
 
@@ -51,7 +53,12 @@ PRESETS: dict[str, dict] = {
     # Sockets: AMD EPYC joined by xGMI, one x16 link at 16 GT/s; 8 x HDR IB, one per GPU.
     "dgx-a100-40g": _dgx("a100-40g", 8, nvlink=300e9, pcie=32e9, upi=32e9, ib=25e9),
     "dgx-a100-80g": {**_dgx("a100-80g", 8, nvlink=300e9, pcie=32e9, upi=32e9, ib=25e9),
-                     "coefficients": {"link_efficiency": A100_LINK_EFFICIENCY}},
+                     "coefficients": {"link_efficiency": {"nvlink": DGX_A100_NVLINK_EFFICIENCY}}},
+    # NVIDIA's Selene (DGX A100 80GB SuperPOD, 8 x HDR per node), where Megatron-LM's published runs
+    # (Narayanan et al. SC'21, Korthikanti et al. 2022) were measured, with its fitted IB efficiency
+    "selene": {**_dgx("a100-80g", 8, nvlink=300e9, pcie=32e9, upi=32e9, ib=25e9),
+               "coefficients": {"link_efficiency": {"nvlink": DGX_A100_NVLINK_EFFICIENCY,
+                                                    "ib": SELENE_IB_EFFICIENCY}}},
     # Sockets: Xeon with UPI 2.0 at 16 GT/s; 8 x NDR IB, one per GPU.
     "dgx-h100": _dgx("h100", 8, nvlink=450e9, pcie=64e9, upi=32e9, ib=50e9),
     "dgx-h200": _dgx("h200", 8, nvlink=450e9, pcie=64e9, upi=32e9, ib=50e9),

@@ -101,7 +101,7 @@ class Coefficients:
 
 # Bounds of the coefficients fitted per GPU type: physical ranges (an efficiency never above 1, a GEMM
 # never above its measured maximum, see GpuCalibration.gemm_ceiling). link_efficiency.ib is fitted to
-# the same rows but stored on the cluster preset the rows ran on (autopar/cluster/presets.py).
+# the same rows but stored on the cluster preset the rows ran on (`selene`, autopar/cluster/presets.py).
 FITTED_BOUNDS = {
     "gemm_efficiency": (0.3, 1.0),  # fraction of peak a large GEMM reaches in training (<= gemm_ceiling)
     "gemm_half_flops": (1e9, 1e13),  # per-GPU FLOPs of a block's forward at which GEMM efficiency halves
@@ -156,7 +156,7 @@ def derive(base_name: str, base: GpuCalibration, base_peak: float, peak: float, 
 _MEGATRON_A100 = "Megatron-LM SC'21 Table 1 + Korthikanti et al. 2022 Table 5 (DGX A100 80GB)"
 _A100 = GpuCalibration(
     gemm_ceiling=267.9 / 312,  # MAMF, A100 SXM, bf16 (ml-engineering, docs/hardware.md)
-    # experiments/cost_vs_published.py --fit (with link_efficiency.ib = 0.843, kept on the dgx-a100-80g preset)
+    # experiments/cost_vs_published.py --fit (with link_efficiency.ib = 0.843, kept on the selene preset)
     fitted={"gemm_efficiency": 0.7678, "gemm_half_flops": 1.234e11, "elementwise_traffic": 0.8001},
     regime={"precision": ("bf16", "fp16"), "recompute": ("full", "selective"), "runtime": ("megatron",),
             "tp": 8, "pp": 64, "dp": 32},

@@ -72,14 +72,14 @@ KORTHIKANTI_TABLE5 = (
 
 
 def _workload(size: str, gpus: int, global_batch: int, model=ZOO_GPT):
-    """The paper's model (from `model`, any GPT file taking the zoo's sizes) on its DGX A100s, run
+    """The paper's model (from `model`, any GPT file taking the zoo's sizes) on Selene's DGX A100s, run
     by Megatron-LM as of 2021-22: runtime megatron with none of the later overlap switches."""
     from autopar.cluster import load_cluster
     from autopar.profile import profile_model
     from autopar.workload import Workload
 
     profile = profile_model(model, {"size": size}, dtype="bf16")
-    return Workload(profile, load_cluster("dgx-a100-80g", nodes=gpus // 8 or 1, gpus_per_node=min(gpus, 8)),
+    return Workload(profile, load_cluster("selene", nodes=gpus // 8 or 1, gpus_per_node=min(gpus, 8)),
                     global_batch, runtime="megatron")
 
 
