@@ -190,9 +190,12 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
                           [ckpt_frac * on_layers(compute_f + tp_f), on_layers(selective_f)], 0.0)
     # boundary activations ~ the hidden states; Megatron's scatter/gather sends 1/t of them from each
     # tensor-parallel rank (and all-gathers them over the node's links), as sequence parallelism does
-    p2p_div = t if workload.runtime == "megatron" else sp_div
-    p2p_bytes = b * act_scale * k["out_bytes"][0] / p2p_div
+    scatter_gather = workload.runtime == "megatron"
+    p2p_bytes = b * act_scale * k["out_bytes"][0] / (t if scatter_gather else sp_div)
     p2p_one = np.where(pp > 1, p2p_bytes / col(links["pp_bw"]) + (col(links["pp_lat"]) + base), 0.0)
+    if scatter_gather:  # the receiving stage all-gathers the pieces over its tensor-parallel group
+        gathered = np.where(t > 1, all_gather_time(p2p_bytes * t, t, tp_bw, tp_lat, base), 0.0)
+        p2p_one = p2p_one + np.where(pp > 1, gathered, 0.0)
     p2p = 2 * v * p2p_one * np.ones_like(compute)
     gpu_mb = compute + tp_comm + recompute + p2p  # one micro-batch, forward + backward, on each rank
     host = c.host
