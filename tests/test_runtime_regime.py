@@ -141,3 +141,17 @@ def test_cli_runtime_flags(capsys):
         assert main([*gpt, *bad]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1 and err.startswith("autopar: error: ")
+
+
+def test_note_when_predicted_mfu_beats_every_published_one():
+    """A plan predicted above the best MFU published on its GPU type is flagged, saying whether the
+    calibration covers it; below it, inside the regime, nothing is printed."""
+    w = _workload("megatron", nodes=1)
+    est = estimate(w, TP_PLAN)
+    assert regime_note(w, TP_PLAN, est) == ""  # 1.7B at tp 4: well below 56.3%
+    fake = dataclasses.replace(est, model_flops=est.model_flops * 0.6 / est.mfu)
+    assert fake.mfu == pytest.approx(0.6)
+    assert regime_note(w, TP_PLAN, fake).startswith("note: MFU 60.0% above the best published on A100-SXM4-80GB "
+                                                    "(56.3%); the plan lies inside the calibrated regime")
+    outside = regime_note(_workload("torch", nodes=1), TP_PLAN, fake)
+    assert "outside the calibrated regime (MFU 60.0% above" in outside and "runtime torch" in outside

@@ -109,11 +109,11 @@ def run(args) -> int:
     est = estimate(workload, plan)
     if args.json:
         print_json({**est.to_dict(), "plan": plan.to_dict(), "workload": workload_dict(workload),
-                    "calibration_note": regime_note(workload, plan)})
+                    "calibration_note": regime_note(workload, plan, est)})
         return 0
     console = Console()
     console.print(f"[bold]{workload.describe()}[/bold]")
     print_estimate(console, plan, est)
-    for note in notes(workload, plan):
+    for note in notes(workload, plan, est):
         console.print(f"[yellow]{note}[/yellow]")
     return 0

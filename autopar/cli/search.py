@@ -75,7 +75,7 @@ def run(args) -> int:
                              for p, e in zip(plans[1:], estimates[1:])],
             "why": [{"knob": r.knob, "chosen": r.chosen, "instead": r.text} for r in reasons],
             "workload": workload_dict(workload), "method": args.method,
-            "calibration_note": regime_note(workload, best),
+            "calibration_note": regime_note(workload, best, best_est),
             "confidence": None if confidence is None else {"probability": confidence.probability,
                                                            "min_step": confidence.min_step},
             "cost_model_evaluations": planner.evaluations, "wall_time_s": wall, "plot": written,
@@ -87,7 +87,7 @@ def run(args) -> int:
     for note in workload.profile.notes:
         console.print(note, style="yellow", markup=False)
     print_estimate(console, best, best_est)
-    for note in notes(workload, best):
+    for note in notes(workload, best, best_est):
         console.print(f"[yellow]{note}[/yellow]")
     console.print(why_table(best_est, reasons))
     if len(plans) > 1:

@@ -126,6 +126,7 @@ class GpuCalibration:
     regime: dict = field(default_factory=dict)
     source: str = ""
     derived_from: str = ""  # the GPU whose fit this one's coefficients were scaled from (see `derive`)
+    best_mfu: float | None = None  # the best model-FLOPs utilisation published on this GPU type
 
     @property
     def calibrated(self) -> bool:
@@ -160,7 +161,8 @@ _A100 = GpuCalibration(
     fitted={"gemm_efficiency": 0.7821, "gemm_half_flops": 1.249e11, "elementwise_traffic": 0.8169},
     regime={"precision": ("bf16", "fp16"), "recompute": ("full", "selective"), "runtime": ("megatron",),
             "tp": 8, "pp": 64, "dp": 32},
-    source=_MEGATRON_A100)
+    source=_MEGATRON_A100,
+    best_mfu=0.563)  # Korthikanti et al. 2022 Table 5: 1T, selective recompute + sequence parallelism
 GPU_CALIBRATION: dict[str, GpuCalibration] = {
     "A100-SXM4-80GB": _A100,
     "A100-SXM4-40GB": _A100,  # the same chip, less and slower HBM (the datasheet figures differ)

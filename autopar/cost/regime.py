@@ -14,8 +14,10 @@ from autopar.cost.coefficients import gpu_calibration
 _TRACE_FITTED = ("gemm_efficiency", "gemm_half_flops", "block_host_s")
 
 
-def regime_note(workload, plan) -> str:
-    """"" when the plan is inside the calibrated regime, else one line saying what is outside."""
+def regime_note(workload, plan, est=None) -> str:
+    """"" when the plan is inside the calibrated regime, else one line saying what is outside; with
+    the plan's estimate, also when it predicts a higher MFU than any published on the GPU type (then
+    the line says whether the calibration covers the plan)."""
     cluster = workload.cluster
     if any(k in cluster.coefficients for k in _TRACE_FITTED):
         return ""
@@ -35,6 +37,12 @@ def regime_note(workload, plan) -> str:
     if cal.derived_from:
         outside.insert(0, f"GPU {cluster.gpu.name}: coefficients scaled from the {cal.derived_from} fit by "
                           "measured matmul ceilings")
+    above = est is not None and cal.best_mfu is not None and est.mfu > cal.best_mfu
+    if above:
+        best = f"MFU {est.mfu:.1%} above the best published on {cluster.gpu.name} ({cal.best_mfu:.1%})"
+        if not outside:
+            return f"note: {best}; the plan lies inside the calibrated regime of {cal.source}"
+        outside.insert(0, best)
     if not outside:
         return ""
     return f"note: outside the calibrated regime ({'; '.join(outside)}) of {cal.source}: the estimate is extrapolated"
@@ -55,6 +63,6 @@ def selective_note(workload, plan) -> str:
             "which keeps no seq x seq tensor to drop; it only reruns the attention forward")
 
 
-def notes(workload, plan) -> list[str]:
+def notes(workload, plan, est=None) -> list[str]:
     """The one-line notes `autopar search` and `autopar estimate` print under an estimate."""
-    return [n for n in (regime_note(workload, plan), selective_note(workload, plan)) if n]
+    return [n for n in (regime_note(workload, plan, est), selective_note(workload, plan)) if n]
