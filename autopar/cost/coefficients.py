@@ -81,7 +81,6 @@ class Coefficients:
         cal = gpu_calibration(cluster.gpu.name)
         fitted = dict(cal.fitted)
         if cal.regime and runtime not in cal.regime["runtime"]:
-            fitted.pop("elementwise_traffic", None)
             fitted["elementwise_traffic"] = EAGER_ELEMENTWISE_TRAFFIC
         return cls.from_dict({**fitted, **cluster.coefficients})
 
