@@ -22,7 +22,7 @@ from autopar.cost.arrays import MESH_ORDERS
 from autopar.errors import NoValidPlanError
 from autopar.plan import COMM_DTYPES, RECOMPUTE_MODES, Plan
 from autopar.search.exhaustive import STRUCTURE, no_plan_error
-from autopar.search.simplicity import simpler_variants, simplest_first
+from autopar.search.simplicity import simpler_variants, simplest_first, tie_buckets
 from autopar.search.space import (
     INNER,
     MAX_VIRTUAL_STAGES,
@@ -126,8 +126,10 @@ def best_distinct(workload, plans: list[Plan], result: dict, k: int, method: str
     fitted = [plans[i] for i in fit]
     times = np.asarray(result["iteration_time"], dtype=float)[fit]
     tried = set(plans)
-    extra = list(dict.fromkeys(v for i in np.argsort(times, kind="stable")[:k]
-                               for v in simpler_variants(workload, fitted[i]) if v not in tried))
+    # the k fastest, and every plan tied with the fastest: the simplest of the tie is returned, so its
+    # simpler variants must have been tried too
+    best = dict.fromkeys([*np.argsort(times, kind="stable")[:k], *np.flatnonzero(tie_buckets(times) == 0)])
+    extra = list(dict.fromkeys(v for i in best for v in simpler_variants(workload, fitted[i]) if v not in tried))
     if extra:
         res = evaluate(workload, PlanArrays.from_plans(extra, workload.profile))
         fitted += [p for p, ok in zip(extra, res["fits"]) if ok]
