@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import networkx as nx
 
-PROFILE_SCHEMA_VERSION = 2
+PROFILE_SCHEMA_VERSION = 3
 
 
 @dataclass(frozen=True)
