@@ -41,21 +41,32 @@ class DecoderLayer(nn.Module):
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
+class Embeddings(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(c.vocab, c.hidden), nn.Embedding(c.seq_len, c.hidden)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, tokens):
+        return self.drop(self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device)))
+
+
 class Decoder(nn.Module):
+    """Top-level names as pipeline stages need them (tok_embeddings, norm, output); blocks in ``h``."""
+
     def __init__(self, c):
         super().__init__()
         self.config = c
-        self.wte, self.wpe = nn.Embedding(c.vocab, c.hidden), nn.Embedding(c.seq_len, c.hidden)
-        self.drop = nn.Dropout(c.dropout)
+        self.tok_embeddings = Embeddings(c)
         self.h = nn.ModuleList(DecoderLayer(c) for _ in range(c.layers))
-        self.ln_f = nn.LayerNorm(c.hidden)
-        self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
+        self.norm = nn.LayerNorm(c.hidden)
+        self.output = nn.Linear(c.hidden, c.vocab, bias=False)
 
     def forward(self, tokens):
-        x = self.drop(self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device)))
+        x = self.tok_embeddings(tokens)
         for layer in self.h:
             x = layer(x)
-        return self.lm_head(self.ln_f(x))
+        return self.output(self.norm(x))
 
 
 def build_model(size: str = "tiny", **overrides):
@@ -74,7 +85,7 @@ PARALLEL_PLAN = {"h.*.attn.q_proj": ColwiseParallel(), "h.*.attn.k_proj": Colwis
 def tp_plan(model) -> dict[str, str]:
     """torch's ParallelStyle plan as autopar's style names, with vocab-sharded ends."""
     styles = {ColwiseParallel: "colwise", RowwiseParallel: "rowwise"}
-    return {"wte": "vocab", **{k: styles[type(v)] for k, v in PARALLEL_PLAN.items()}, "lm_head": "vocab"}
+    return {"tok_embeddings.wte": "vocab", **{k: styles[type(v)] for k, v in PARALLEL_PLAN.items()}, "output": "vocab"}
 
 
 def blocks(model):
