@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from autopar.cluster import load_cluster
-from autopar.cost import estimate
+from autopar.cost import PlanArrays, evaluate
 from autopar.plan import Plan
 from autopar.profile import profile_model
 from autopar.workload import Workload
@@ -66,7 +66,10 @@ def test_three_llamas_predict_alike(llamas, runtime, tolerance):
     Llama's fp32 rotary moves more bytes than HF's bf16 one (up to 3.3%)."""
     cluster = load_cluster("dgx-a100-80g")
     for plan in FIVE_PLANS:
-        times = [estimate(Workload(p, cluster, 64, runtime=runtime), plan).iteration_time_s for p in llamas]
+        # the cost model's figure, whether or not autopar's executor could run the file this way
+        # (HF's and the fused file's layouts limit its pipeline and sequence parallelism)
+        times = [float(evaluate(Workload(p, cluster, 64, runtime=runtime),
+                                PlanArrays.from_plans([plan], p))["iteration_time"][0]) for p in llamas]
         assert max(times) / min(times) - 1 <= tolerance, (plan.describe(), times)
 
 
