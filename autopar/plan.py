@@ -16,6 +16,7 @@ from typing import Any
 from autopar.atomic import write_text_atomic
 from autopar.capability import check_plan
 from autopar.errors import PlanError
+from autopar.schema import check_plan_dict, loads, read_file
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -236,23 +237,15 @@ class Plan:
         missing = [k for k in ("dp", "tp", "pp", "micro_batch_size", "num_micro_batches") if k not in d]
         if missing:
             raise PlanError(f"plan is missing required key(s) {missing}")
-        return cls(**d)
+        return cls(**check_plan_dict(d, cls, PlanError))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanError(f"plan is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(loads(text, "plan", PlanError))
 
     @classmethod
     def load(cls, path) -> Plan:
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise PlanError(f"cannot read plan file {path}: {e.strerror}") from None
+        text = read_file(path, "plan file", PlanError)
         try:
             return cls.from_json(text)
         except PlanError as e:

@@ -28,7 +28,7 @@ def test_json_round_trip_keeps_every_field():
 @pytest.mark.parametrize("change, message", [
     ({"bogus": 1}, "unknown plan key(s) ['bogus']"),
     ({"schema_version": 99}, "schema_version is 99"),
-    ({"tp": 0}, "'tp' must be a positive integer"),
+    ({"tp": 0}, "plan: tp must be an integer in [1, 131072], got 0"),
     ({"zero": 5}, "zero must be one of"),
     ({"schedule": "zigzag"}, "schedule must be one of"),
     ({"recompute": "full"}, "needs recompute_blocks >= 1"),

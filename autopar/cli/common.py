@@ -7,6 +7,7 @@ import json
 import sys
 
 from autopar.errors import AutoparError
+from autopar.schema import check_global_batch
 from autopar.workload import DEFAULT_MEMORY_HEADROOM
 
 DEFAULT_CLUSTER = "dgx-a100-80g"
@@ -63,8 +64,7 @@ def load_workload(args, nodes: int | None = None, global_batch: int | None = Non
     from autopar.workload import Workload
 
     batch = args.global_batch if args.global_batch is not None else global_batch
-    if batch is None or batch < 1:
-        raise AutoparError(f"--global-batch must be a positive integer, got {batch}")
+    check_global_batch(batch)
     for flag in ("nodes", "gpus_per_node"):
         value = getattr(args, flag)
         if value is not None and value < 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
 from autopar.errors import PlanError
+from autopar.schema import PLAN_RANGES, check
 
 
 def add_plan_flags(p) -> None:
@@ -50,7 +51,7 @@ def _fit_cluster_to(args, world: int) -> int:
 
 
 def _plan_from_flags(args, workload):
-    from autopar.plan import Plan, balanced_split, device_blocks
+    from autopar.plan import PLAN_SCHEMA_VERSION, Plan, balanced_split, device_blocks
 
     batch = workload.global_batch
     if batch % (args.dp * args.micro_batch):
@@ -67,12 +68,13 @@ def _plan_from_flags(args, workload):
         mode, blocks = "full", int(mode)
     elif mode == "full":
         blocks = max(device_blocks(balanced_split(workload.profile.num_layers, args.pp * v), args.pp))
-    return Plan(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch_size=args.micro_batch,
+    return Plan.from_dict(dict(schema_version=PLAN_SCHEMA_VERSION, dp=args.dp, tp=args.tp, pp=args.pp,
+                               micro_batch_size=args.micro_batch,
                 num_micro_batches=batch // (args.dp * args.micro_batch),
                 mesh_order=tuple(args.mesh_order.split(",")), zero=args.zero, bucket_mb=args.bucket_mb,
                 recompute=mode, recompute_blocks=blocks, schedule=schedule, virtual_stages=v,
                 sequence_parallel=args.sequence_parallel, precision=args.precision,
-                grad_comm_dtype=args.grad_comm_dtype, offload_optimizer=args.offload_optimizer)
+                grad_comm_dtype=args.grad_comm_dtype, offload_optimizer=args.offload_optimizer))
 
 
 def plan_and_workload(args):
@@ -91,6 +93,9 @@ def plan_and_workload(args):
         args.precision = args.precision or "bf16"
         if args.dp is None or args.micro_batch is None:
             raise PlanError("give --plan plan.json, or at least --dp and --micro-batch (with --tp, --pp ...)")
+        for flag in ("dp", "tp", "pp", "micro_batch"):  # before they size the cluster
+            check(getattr(args, flag), PLAN_RANGES[flag.replace("micro_batch", "micro_batch_size")],
+                  f"--{flag.replace('_', '-')}", PlanError)
         nodes = _fit_cluster_to(args, args.dp * args.tp * args.pp)
         workload = load_workload(args, nodes=nodes, global_batch=args.dp * args.micro_batch)
         plan = _plan_from_flags(args, workload)

@@ -9,6 +9,7 @@ parallel without tensor parallelism) so the space holds no duplicate plans.
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 
@@ -22,7 +23,9 @@ TP_INNER, DP_INNER = MESH_ORDERS.index(("pp", "dp", "tp")), MESH_ORDERS.index(("
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n in increasing order, found up to sqrt(n) (n may be a large batch)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def tp_choices(workload) -> list[int]:
