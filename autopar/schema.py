@@ -237,14 +237,15 @@ def read_file(path, what: str, error: type[AutoparError] = SchemaError, max_byte
 
 def loads(text: str | bytes, where: str, error: type[AutoparError] = SchemaError):
     """Parse JSON text; malformed or pathologically nested text is one `error` line."""
+    prefix = f"{where}: " if where else ""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise error(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise error(f"{prefix}not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except RecursionError:
-        raise error(f"{where} is nested more than {MAX_DEPTH} levels deep") from None
+        raise error(f"{prefix}nested more than {MAX_DEPTH} levels deep") from None
     except UnicodeDecodeError as e:
-        raise error(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise error(f"{prefix}not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 # -- schemas derived from dataclasses --------------------------------------------------------------------
@@ -260,8 +261,8 @@ def _spec_for(hint, default=dataclasses.MISSING):
         return Bool()
     if hint is int:
         return Int()
-    if hint is float:  # a default of 0 admits 0, any other default needs a positive value
-        return Num(open_lo=not (isinstance(default, (int, float)) and default == 0))
+    if hint is float:  # >= 0; a positive default (a rate, a size) needs a positive value
+        return Num(open_lo=isinstance(default, (int, float)) and default > 0)
     if hint is str:
         return Str()
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
@@ -292,7 +293,7 @@ PLAN_RANGES = {  # fields whose range is narrower than their type's
     "dp": Int(1, MAX_GPUS), "tp": Int(1, MAX_GPUS), "pp": Int(1, MAX_GPUS),
     "micro_batch_size": Int(1, MAX_GLOBAL_BATCH), "num_micro_batches": Int(1, MAX_GLOBAL_BATCH),
     "virtual_stages": Int(1, MAX_GPUS), "recompute_blocks": Int(0, MAX_ITEMS),
-    "bucket_mb": Num(0.1, 1e5), "layer_split": List(Int(1, MAX_ITEMS), max_len=MAX_GPUS),
+    "bucket_mb": Num(0.1, 1e7), "layer_split": List(Int(1, MAX_ITEMS), max_len=MAX_GPUS),
     "schema_version": Int(),
 }
 
@@ -362,6 +363,17 @@ TRACE_SCHEMA = Obj({
     "error": Opt(Str()),
     "versions": Map(Str()),
 })
+
+
+def profile_schema() -> Obj:
+    """A model profile stored in a trace record (what the profiler measured, as data)."""
+    from autopar.profile.model_profile import BlockProfile, ModelProfile
+
+    block = dataclass_schema(BlockProfile, {"tp_units": List(Int(1, MAX_INT))})
+    return Obj({**dataclass_schema(ModelProfile).fields, "blocks": List(block, max_len=MAX_ITEMS),
+                "dims": Map(Anything()), "dtype": Str(("bf16", "fp16", "fp32")),
+                "seq_len": Int(1, MAX_INT), "schema_version": Int()},
+               required=("name", "digest", "seq_len", "dtype", "blocks", "has_tp_plan"))
 
 
 def workload_spec_schema() -> Obj:

@@ -30,7 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+from autopar.atomic import write_text_atomic
 from autopar.errors import AutoparError
+from autopar.policies.files import sidecar_path
 
 DEFAULT_TIMESTEPS = 10_000  # fine-tuning from the shipped policy: the imitation does most of the work
 MIN_SHAPES = 2  # one to train on, one to hold out
@@ -46,6 +48,7 @@ class TraceTrainConfig:
     params: list | None = None  # coefficients to fit (default: those the traces identify)
     from_scratch: bool = False  # do not start from the shipped policy's weights
     replay: int = REPLAY  # workloads of the shipped policy's training distribution mixed into the pool
+    models: object = None  # autopar.traces.models.ModelSources: the model code records may be profiled with
 
 
 def file_digest(path) -> str:
@@ -167,12 +170,12 @@ def train_on_traces(tcfg: TraceTrainConfig, cfg, console) -> dict:
         console.print(f"[dim]{msg}[/dim]", soft_wrap=True)
 
     result = calibrate(tcfg.traces, tcfg.cluster, allreduce=tcfg.allreduce, params=tcfg.params, seed=cfg.seed,
-                       progress=say)
+                       progress=say, models=tcfg.models)
     calibrated = result.cluster
     cal = calibration_summary(result)
     say(f"calibrated on {cal['rows']} rows: in-sample MAPE {cal['mape']:.2%}, Spearman {cal['spearman']:.4f}")
 
-    mix = job_mix(tcfg.traces, calibrated)
+    mix = job_mix(tcfg.traces, calibrated, tcfg.models)
     train_set, heldout = split_mix(mix, tcfg.holdout, cfg.seed)
     pool = expand(train_set, mix)
     train_shapes = sorted({shape_key(w.profile) for w in train_set})
@@ -219,5 +222,5 @@ def train_on_traces(tcfg: TraceTrainConfig, cfg, console) -> dict:
     # the held-out workloads are the validation set: progress figures only, nothing is selected on them
     meta = train(cfg, console, pool=pool, validation=heldout, start_from=start_from, finish=finish)
     meta["traces"]["wall_seconds"] = time.perf_counter() - started
-    Path(cfg.output).with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    write_text_atomic(sidecar_path(cfg.output), json.dumps(meta, indent=1) + "\n")
     return meta

@@ -128,19 +128,19 @@ def model_label(model: dict) -> str:
     return str(model.get("name", "model"))
 
 
-def build_dataset(records, cluster, sources: list[str] | None = None) -> Dataset:
+def build_dataset(records, cluster, sources: list[str] | None = None, models=None) -> Dataset:
     """A Dataset of the records with outcome "ok" on `cluster` (a Cluster, or a preset name / cluster
     JSON path), each sized to its record's nodes and GPUs per node. Records of the same plan of the
     same workload (repeated runs) make one row: the median of their times, labelled with the first
-    record's source and the number of runs. Profiles are loaded once per model and precision (from
-    the profile cache when warm)."""
+    record's source and the number of runs. Profiles are loaded once per model and precision, from
+    the record or the code `models` (a ModelSources) allows: a trace never names code to run."""
     from autopar.cluster import Cluster, load_cluster
     from autopar.cost import PlanArrays
     from autopar.plan import Plan
-    from autopar.profile import profile_model
-    from autopar.traces.vtrain import resolve_model_path
+    from autopar.traces.models import ModelSources
     from autopar.workload import Workload
 
+    models = models or ModelSources()
     base = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     profiles: dict[tuple, object] = {}
     clusters: dict[tuple, object] = {}
@@ -153,18 +153,11 @@ def build_dataset(records, cluster, sources: list[str] | None = None) -> Dataset
             skipped.append(f"{source}: outcome {record.outcome}")
             continue
         model = record.model
-        path = resolve_model_path(str(model.get("path") or model.get("name")))
-        args = model.get("args")
-        if args is None:
-            raise AutoparError(f"{source}: the record's model has no 'args' (the model arguments it was profiled "
-                               f"with), so its profile cannot be rebuilt")
         plan = Plan.from_dict(record.plan)
-        key = (path, json.dumps(args, sort_keys=True), plan.precision)
+        key = (str(model.get("path") or model.get("name")), json.dumps(model.get("args"), sort_keys=True),
+               str(model.get("digest")), plan.precision)
         if key not in profiles:
-            try:
-                profiles[key] = profile_model(path, args, dtype=plan.precision)
-            except AutoparError as e:
-                raise AutoparError(f"{source}: cannot profile the record's model {path!r}: {e}") from None
+            profiles[key] = models.profile(model, plan.precision, source)
         size = (int(record.cluster.get("nodes", 1)), int(record.cluster.get("gpus_per_node", base.gpus_per_node)))
         if size not in clusters:
             clusters[size] = base.with_nodes(*size)
@@ -222,14 +215,14 @@ def _read_with_lines(path, read_records):
     return list(zip(records, lines)), problems
 
 
-def job_mix(paths, cluster) -> list[tuple[object, int]]:
+def job_mix(paths, cluster, models=None) -> list[tuple[object, int]]:
     """(Workload, runs) for each distinct workload (model profile, cluster size, global batch) the
     trace files describe: the job mix a policy trained for this cluster should cover (for
     `autopar train --traces`). `cluster` is usually the calibrated cluster JSON."""
     from autopar.workload import Workload
 
     records, sources, _ = load_traces(paths)
-    ds = build_dataset(records, cluster, sources)
+    ds = build_dataset(records, cluster, sources, models)
     mix: dict[tuple, list] = {}
     for g in ds.groups:
         for i in g.rows:

@@ -26,10 +26,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_outputs(args) -> None:
+    """Every file a command will write (-o, --trace) is checked before its work starts."""
+    from autopar.atomic import check_output
+
+    for attr, flag in (("output", "-o"), ("trace", "--trace")):
+        value = getattr(args, attr, None)
+        if isinstance(value, str):
+            check_output(value, f"{flag}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_outputs(args)
         return args.func(args) or 0
     except AutoparError as e:
         print(f"autopar: error: {e}".replace("\n", " "), file=sys.stderr)

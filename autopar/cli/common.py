@@ -34,6 +34,22 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
+def add_trace_model_flags(group) -> None:
+    """How trace records' models may be profiled: traces are data and name no code to run."""
+    group.add_argument("--model-file", action="append", default=[], metavar="MODEL.py",
+                       help="a model file you trust for records whose model digest matches it (repeatable); "
+                            "records with a stored profile or a bundled model need none")
+    group.add_argument("--trust-model-paths", action="store_true",
+                       help="import the model files the trace records name (runs their code: only for your own "
+                            "traces)")
+
+
+def model_sources(args):
+    from autopar.traces.models import ModelSources
+
+    return ModelSources(tuple(args.model_file), args.trust_model_paths)
+
+
 def parse_model_args(pairs: list[str], seq_len: int | None) -> dict:
     out: dict = {}
     for pair in pairs:

@@ -8,9 +8,6 @@ the run finished; the trace records oom / timeout / error outcomes too.
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 from autopar.cli.common import parse_model_args
 
 
@@ -86,22 +83,25 @@ def _prediction(model, model_args: dict, plan, cluster) -> tuple[dict | None, di
     try:
         profile = profile_model(model, model_args, dtype=plan.precision)
     except Exception as e:  # noqa: BLE001 - see the docstring
-        return None, {}, f"no prediction: {type(e).__name__}: {e}"
+        return None, None, f"no prediction: {type(e).__name__}: {e}"
     workload = Workload(profile=profile, cluster=cluster, global_batch=plan.global_batch)
     plan.validate(workload)
     try:
         est = estimate(workload, plan)
     except Exception as e:  # noqa: BLE001 - see the docstring
-        return None, dict(profile.dims), f"no prediction: {type(e).__name__}: {e}"
-    return {"iteration_time_s": est.iteration_time_s, "peak_memory_gb": est.peak_memory_bytes / 1e9}, \
-        dict(profile.dims), ""
+        return None, profile, f"no prediction: {type(e).__name__}: {e}"
+    return {"iteration_time_s": est.iteration_time_s, "peak_memory_gb": est.peak_memory_bytes / 1e9}, profile, ""
 
 
-def _model_info(model_file, model_args: dict, dims: dict) -> dict:
-    digest = hashlib.sha256(f"{model_file.digest}{json.dumps(model_args, sort_keys=True)}".encode()).hexdigest()
+def _model_info(model_file, model_args: dict, profile) -> dict:
+    """The record's model, with its profile: calibration reads the profile and runs no code."""
+    from autopar.traces.vtrain import model_digest
+
+    digest = model_digest(model_file.path, model_args)
     params = sum(p.numel() for p in model_file.build(**model_args).parameters())  # meta: free
     return {"name": model_file.name, "path": str(model_file.path), "digest": digest, "args": model_args,
-            "dims": dims, "params": params}
+            "dims": dict(profile.dims) if profile else {}, "params": params,
+            "profile": profile.to_dict() if profile else None}
 
 
 def _record(plan, spec, cluster, model, predicted, launched):
@@ -171,9 +171,9 @@ def run(args) -> int:
     model_file = load_model_file(args.model)
     console = Console()
     cluster = _cluster(args, spec)
-    predicted, dims, note = _prediction(args.model, model_args, plan, cluster)
+    predicted, profile, note = _prediction(args.model, model_args, plan, cluster)
     preflight(plan, model_file, model_args)  # what apply() would refuse on every rank, refused now
-    model = _model_info(model_file, model_args, dims)
+    model = _model_info(model_file, model_args, profile)
     launched = launch(args.plan, args.model, model_args, spec)
     if args.node_rank != 0:  # rank 0, its measurement and the trace live on node 0
         console.print(f"node {args.node_rank}: {launched.outcome}" + (f": {launched.error}" if launched.error else ""))

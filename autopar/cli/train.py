@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from autopar.cli.common import add_trace_model_flags
+
 DEFAULT_TIMESTEPS = 100_000
 TRACES_TIMESTEPS = 10_000
 REPLAY = 128  # autopar.policies.traces.REPLAY (not imported here: --help stays instant)
@@ -27,6 +29,7 @@ def add_parser(sub) -> None:
                    help="fraction of the trace workloads held out for evaluation, whole model shapes (default 0.2)")
     t.add_argument("--allreduce", nargs="+", default=[], metavar="TABLE.csv",
                    help="all-reduce tables for the calibration (as `autopar calibrate --allreduce`)")
+    add_trace_model_flags(t)
     t.add_argument("--from-scratch", action="store_true",
                    help="do not start from the shipped policy's weights")
     t.add_argument("--replay", type=int, default=None, metavar="N",
@@ -124,10 +127,12 @@ def run(args) -> int:
 
 
 def _run_traces(args, cfg, console) -> int:
+    from autopar.cli.common import model_sources
     from autopar.policies.traces import TraceTrainConfig, cluster_path, train_on_traces
 
     tcfg = TraceTrainConfig(traces=args.traces, cluster=args.cluster, holdout=args.holdout,
-                            allreduce=args.allreduce, from_scratch=args.from_scratch, replay=args.replay)
+                            allreduce=args.allreduce, from_scratch=args.from_scratch, replay=args.replay,
+                            models=model_sources(args))
     meta = train_on_traces(tcfg, cfg, console)
     t = meta["traces"]
     h, before = t["heldout"], t["heldout_before"]
