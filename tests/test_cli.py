@@ -90,7 +90,7 @@ BAD_INPUTS = [
     (["search", "{d}/nobuild.py"], "no function build_model()"),
     (["search", "{d}/cpu.py"], "off the meta device"),
     (["search", GPT, *TINY, "--cluster", "nope"], "unknown cluster 'nope'"),
-    (["search", GPT, *TINY, "--cluster", "{d}/bad_cluster.json"], "invalid JSON at line 1 column 27"),
+    (["search", GPT, *TINY, "--cluster", "{d}/bad_cluster.json"], "not valid JSON (Expecting property name enclosed in double quotes at line 1 column 27)"),
     (["search", GPT, *TINY, "--nodes", "8", "--global-batch", "6"], "global batch 6 is not divisible"),
     (["search", GPT, "--model-arg", "size=1t", "--global-batch", "8"], "fits no plan on 8 x"),
     (["estimate", GPT, *TINY, "--plan", "{d}/plan_unknown.json"], "unknown plan key(s) ['foo']"),

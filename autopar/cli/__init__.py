@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
 from autopar.errors import AutoparError
 
@@ -26,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def _check_outputs(args) -> None:
     """Every file a command will write (-o, --trace) is checked before its work starts."""
     from autopar.atomic import check_output
@@ -39,6 +45,8 @@ def _check_outputs(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if threading.current_thread() is threading.main_thread():  # SIGTERM ends a command as Ctrl-C does
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         _check_outputs(args)
         return args.func(args) or 0

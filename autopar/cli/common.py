@@ -32,6 +32,15 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
                         help="fraction of GPU memory plans leave free for the allocator's fragmentation "
                              f"(default {DEFAULT_MEMORY_HEADROOM:g})")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_profile_timeout_flag(parser)
+
+
+def add_profile_timeout_flag(parser) -> None:
+    from autopar.profile.isolated import DEFAULT_PROFILE_TIMEOUT
+
+    parser.add_argument("--profile-timeout", type=float, default=DEFAULT_PROFILE_TIMEOUT, metavar="S",
+                        help="profile the model.py in a child process and stop it after S seconds "
+                             f"(default {DEFAULT_PROFILE_TIMEOUT:g})")
 
 
 def add_trace_model_flags(group) -> None:
@@ -77,6 +86,7 @@ def load_workload(args, nodes: int | None = None, global_batch: int | None = Non
     """Profile the model (cached) and load the cluster; flags win over the given defaults."""
     from autopar.cluster import load_cluster
     from autopar.profile import profile_model
+    from autopar.profile.isolated import check_timeout
     from autopar.workload import Workload
 
     batch = args.global_batch if args.global_batch is not None else global_batch
@@ -88,7 +98,8 @@ def load_workload(args, nodes: int | None = None, global_batch: int | None = Non
     if not 0 <= args.memory_headroom < 1:
         raise AutoparError(f"--memory-headroom must be a fraction in [0, 1), got {args.memory_headroom}")
     cluster = load_cluster(args.cluster, nodes=args.nodes or nodes, gpus_per_node=args.gpus_per_node)
-    profile = profile_model(args.model, parse_model_args(args.model_arg, args.seq_len), dtype=args.precision)
+    profile = profile_model(args.model, parse_model_args(args.model_arg, args.seq_len), dtype=args.precision,
+                            timeout=check_timeout(args.profile_timeout))
     return Workload(profile=profile, cluster=cluster, global_batch=batch, memory_headroom=args.memory_headroom)
 
 

@@ -8,7 +8,11 @@ the run finished; the trace records oom / timeout / error outcomes too.
 
 from __future__ import annotations
 
-from autopar.cli.common import parse_model_args
+import math
+import sys
+
+from autopar.cli.common import add_profile_timeout_flag, parse_model_args
+from autopar.executor.launch import DEFAULT_TIMEOUT_S
 
 
 def add_parser(sub) -> None:
@@ -30,7 +34,9 @@ def add_parser(sub) -> None:
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="auto: NCCL when CUDA is available, else gloo")
     p.add_argument("--trace", metavar="traces.jsonl", help="append the run's trace record here")
-    p.add_argument("--timeout", type=float, metavar="S", help="end the job after S seconds (outcome 'timeout')")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help=f"end the job after S seconds, outcome 'timeout'; also the collectives' timeout "
+                        f"(default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--cluster", metavar="PRESET|FILE.json",
                    help="the cluster to record and predict for (default: detected from this machine)")
     p.add_argument("--seed", type=int, default=0, help="initial weights and batch seed (default 0)")
@@ -41,6 +47,7 @@ def add_parser(sub) -> None:
                         "with what explains a mismatch (dropout, BatchNorm, low precision)")
     p.add_argument("--no-dropout", action="store_true",
                    help="turn every dropout of the model off (for --check-parity: dropout masks differ by rank)")
+    add_profile_timeout_flag(p)
     p.set_defaults(func=run)
 
 
@@ -54,8 +61,12 @@ def _spec(args):
     if args.warmup < 0 or not 0 <= args.node_rank < args.nnodes:
         raise AutoparError(f"need --warmup >= 0 and 0 <= --node-rank < --nnodes, got {args.warmup}, "
                            f"{args.node_rank}, {args.nnodes}")
-    if args.timeout is not None and args.timeout <= 0:
-        raise AutoparError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not 0 < args.timeout < math.inf:
+        raise AutoparError(f"--timeout must be a positive finite number of seconds, got {args.timeout}")
+    if not 1 <= args.master_port <= 65535:
+        raise AutoparError(f"--master-port must be a TCP port in [1, 65535], got {args.master_port}")
+    if not 0 < args.lr < math.inf:
+        raise AutoparError(f"--lr must be a positive finite number, got {args.lr}")
     return LaunchSpec(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                       master_addr=args.master_addr, master_port=args.master_port, backend=args.backend,
                       timeout_s=args.timeout, steps=args.steps, warmup=args.warmup, seed=args.seed,
@@ -71,17 +82,22 @@ def _cluster(args, spec):
     return detect().with_nodes(spec.nnodes, spec.nproc_per_node)
 
 
-def _prediction(model, model_args: dict, plan, cluster) -> tuple[dict | None, dict, str]:
+def _prediction(model, model_args: dict, plan, cluster, timeout: float) -> tuple[dict | None, object, str]:
     """The cost model's figures for this plan on this cluster, the model profile's dims, and a
     note when there is no prediction (a model the profiler cannot handle). A plan the model's
     profile rejects (PlanError: what the executor cannot run for it) is refused before launching;
-    otherwise the prediction is an aside: whatever goes wrong in it, the run goes ahead."""
+    otherwise the prediction is an aside: whatever goes wrong in it, the run goes ahead. The profile
+    runs the model file in a child process first (within `timeout`), so a model that exits or hangs
+    at import is reported before the launcher imports it."""
     from autopar.cost import estimate
+    from autopar.errors import ModelFileError
     from autopar.profile import profile_model
     from autopar.workload import Workload
 
     try:
-        profile = profile_model(model, model_args, dtype=plan.precision)
+        profile = profile_model(model, model_args, dtype=plan.precision, timeout=timeout)
+    except ModelFileError:
+        raise  # a model that cannot be imported or built cannot run either
     except Exception as e:  # noqa: BLE001 - see the docstring
         return None, None, f"no prediction: {type(e).__name__}: {e}"
     workload = Workload(profile=profile, cluster=cluster, global_batch=plan.global_batch)
@@ -168,18 +184,21 @@ def run(args) -> int:
     check_world_size(plan, spec)
     check_backend(plan, resolve_backend(spec.backend))
     model_args = parse_model_args(args.model_arg, None)
-    model_file = load_model_file(args.model)
     console = Console()
     cluster = _cluster(args, spec)
-    predicted, profile, note = _prediction(args.model, model_args, plan, cluster)
+    predicted, profile, note = _prediction(args.model, model_args, plan, cluster, args.profile_timeout)
+    model_file = load_model_file(args.model)
     preflight(plan, model_file, model_args)  # what apply() would refuse on every rank, refused now
     model = _model_info(model_file, model_args, profile)
     launched = launch(args.plan, args.model, model_args, spec)
-    if args.node_rank != 0:  # rank 0, its measurement and the trace live on node 0
-        console.print(f"node {args.node_rank}: {launched.outcome}" + (f": {launched.error}" if launched.error else ""))
-        return 0 if launched.outcome == "ok" else 1
-    record = _record(plan, spec, cluster, model, predicted, launched)
-    if args.trace:
-        append_record(args.trace, record)
-    _show(console, record, launched, note)
-    return 0 if launched.outcome == "ok" else 1
+    if args.node_rank == 0:  # rank 0, its measurement and the trace live on node 0
+        record = _record(plan, spec, cluster, model, predicted, launched)
+        if args.trace:
+            append_record(args.trace, record)
+        _show(console, record, launched, note)
+    else:
+        console.print(f"node {args.node_rank}: {launched.outcome}")
+    if launched.outcome != "ok":  # the last line: the failing rank and its own error
+        print(f"autopar: run failed ({launched.outcome}): {launched.error}", file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from functools import partial
 
@@ -56,20 +57,58 @@ def failure_note(result_path, rank) -> str:
     return f"{result_path}.rank{rank}.failure"
 
 
+def heartbeat_file(result_path, rank) -> str:
+    """Where a rank beats: its pid, the step it is at, and (by the file's mtime) that it lives."""
+    return f"{result_path}.rank{rank}.beat"
+
+
+HEARTBEAT_S = 1.0  # a rank rewrites its heartbeat file this often, from a thread of its own
+_progress = {"step": -1}  # the training step this rank is in (-1: starting up)
+
+
+def _where(frame) -> str:
+    """`file:line function` of the main thread's innermost frame: where a hung rank waits."""
+    if frame is None:
+        return ""
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
+def _beat(path: str) -> None:
+    """Beat until the process ends. A thread keeps beating while the main thread waits in a
+    collective, so a stale beat means the whole process is stopped (SIGSTOP) or gone."""
+    from autopar.atomic import write_text_atomic
+
+    main = threading.main_thread().ident
+    while True:
+        try:
+            write_text_atomic(path, json.dumps({"pid": os.getpid(), "step": _progress["step"], "time": time.time(),
+                                                "where": _where(sys._current_frames().get(main))}))
+        except Exception:  # noqa: BLE001 - a full disk must not kill the rank; the launcher sees the stale beat
+            pass
+        time.sleep(HEARTBEAT_S)
+
+
 def main(argv=None) -> None:
     """Bind to the launcher first, then import torch (seconds) and train. `record` writes an
     uncaught error to torchrun's error file; the failure note adds a precise time, so the
     launcher can tell the rank that failed first from peers that failed because of it (error
     files carry whole seconds only)."""
     _die_with_launcher()
+    args = parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    threading.Thread(target=_beat, args=(heartbeat_file(args.result, rank),), daemon=True).start()
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    args = parse_args(argv)
+    from autopar.atomic import write_text_atomic
+
     try:
         record(_train)(args)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says "interrupted", once
+        os._exit(130)
     except Exception as e:
-        with open(failure_note(args.result, os.environ.get("RANK", "0")), "w", encoding="utf-8") as f:
-            json.dump({"time": time.time(), "message": f"{type(e).__name__}: {e}"}, f)
+        first = (str(e).strip().splitlines() or ["(no message)"])[0]
+        write_text_atomic(failure_note(args.result, rank),
+                          json.dumps({"time": time.time(), "message": f"{type(e).__name__}: {first}"}))
         raise
 
 
@@ -103,7 +142,8 @@ def _train(args: argparse.Namespace) -> None:
     inputs, targets = model_file.example_batch(plan.global_batch, device="cpu", **model_args)
     local_inputs, local_targets = par.local_batch(inputs, targets)
     times, losses = [], []
-    for _ in range(args.warmup + args.steps):
+    for step in range(args.warmup + args.steps):
+        _progress["step"] = step
         synchronize(par.device)
         start = time.perf_counter()
         losses.append(par.train_step(local_inputs, local_targets))
