@@ -8,13 +8,16 @@ trial suggests every knob, including the ones its plan ignores, so multivariate 
 the knobs jointly. Plans that do not fit in memory are infeasible through a constraint (peak
 memory minus GPU memory). With a storage URL the study is resumable: `trials` is the study's
 total budget, so rerunning a killed search runs only the trials still missing, and processes
-sharing one study stop together at the budget.
+sharing one study stop together at exactly the budget. Trials beat a heartbeat on the storage:
+one left RUNNING by a killed process is failed after GRACE_S and retried with its parameters
+(Optuna's RetryHeartbeatStaleTrialCallback, which replaced RetryFailedTrialCallback in 4.9).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from contextlib import contextmanager
 
 from autopar.cost import PlanArrays, evaluate
@@ -24,6 +27,8 @@ from autopar.search.base import Planner
 from autopar.search.sampling import KNOBS, KnobSpace, best_distinct, nearest
 
 CONSTRAINT = "memory_over_gb"  # peak memory per GPU minus GPU memory: feasible when <= 0
+HEARTBEAT_S = 1  # a running trial's heartbeat on the study storage
+GRACE_S = 5  # a trial without a heartbeat this long was killed: failed, then retried
 
 
 class OptunaPlanner(Planner):
@@ -46,8 +51,7 @@ class OptunaPlanner(Planner):
             complete = (optuna.trial.TrialState.COMPLETE,)
             done = len(study.get_trials(deepcopy=False, states=complete))
             with _progress_bar(self.progress, done, self.trials) as advance:
-                study.optimize(lambda trial: self._objective(trial, space), n_trials=max(0, self.trials - done),
-                               callbacks=[optuna.study.MaxTrialsCallback(self.trials, states=complete), advance])
+                self._fill_budget(study, lambda trial: self._objective(trial, space), advance)
             trials = study.get_trials(deepcopy=False, states=complete)
         plans = [Plan.from_dict(t.user_attrs["plan"]) for t in trials]
         result = {"iteration_time": [t.value for t in trials],
@@ -57,7 +61,30 @@ class OptunaPlanner(Planner):
         self.evaluations += extra
         return best
 
+    def _fill_budget(self, study, objective, advance) -> None:
+        """Run trials until the study holds `trials` complete ones. When none can start because
+        the missing ones are RUNNING elsewhere, wait: another process finishes them, or they
+        belonged to a killed process and go stale after GRACE_S, fail, and are retried here."""
+        from optuna.storages import fail_stale_trials
+        from optuna.trial import TrialState
+
+        idle_since = None
+        while True:
+            fail_stale_trials(study)  # a no-op without heartbeats (an in-memory study)
+            done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+            if done >= self.trials:
+                return
+            study.optimize(objective, n_trials=self.trials - done, callbacks=[advance])
+            if len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))) > done:
+                idle_since = None
+                continue
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since > 2 * GRACE_S + HEARTBEAT_S:
+                return  # the other processes' trials never finished nor went stale
+            time.sleep(HEARTBEAT_S / 2)
+
     def _objective(self, trial, space: KnobSpace) -> float:
+        _within_budget(trial, self.trials)
         universe = space.universe
 
         def suggest(name: str) -> float:
@@ -101,6 +128,20 @@ class OptunaPlanner(Planner):
         return study
 
 
+def _within_budget(trial, budget: int) -> None:
+    """Keep the study's budget exact across processes: a trial runs only if fewer than `budget`
+    trials numbered before it completed, run or wait to run (a failed one does not count: its
+    retry does). Trial numbers are assigned by the storage in order, so two processes never
+    both take the last slot; the one that finds the budget spent stops its loop."""
+    import optuna
+
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)
+    before = sum(t.number < trial.number for t in trial.study.get_trials(deepcopy=False, states=states))
+    if before >= budget:
+        trial.study.stop()
+        raise optuna.TrialPruned(f"the study's budget of {budget} trials is spent")
+
+
 def _study_key(workload) -> str:
     """A short hash of everything the study's space and objective depend on."""
     text = json.dumps([workload.profile.digest, workload.cluster.to_dict(), workload.global_batch,
@@ -112,7 +153,12 @@ def _rdb_storage(optuna, url: str):
     """Optuna commits some 25 times a trial; on SQLite each commit waited for the disk, and a
     200-trial study took minutes. WAL mode without a sync per commit loses nothing that was
     committed when the process is killed (a power cut may lose the last trials)."""
-    storage = optuna.storages.RDBStorage(url)
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+    # heartbeats: a trial whose process was killed is failed once its beat is GRACE_S old (the next
+    # optimize call of any process on the study checks), and retried with the same parameters
+    storage = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                                         heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
     if storage.engine.dialect.name == "sqlite":
         from sqlalchemy import event
 
@@ -138,11 +184,16 @@ def _import_optuna():
 
 @contextmanager
 def _quiet(optuna):
-    """Silence Optuna's line per trial (the progress bar replaces it), then restore it."""
+    """Silence Optuna's line per trial (the progress bar replaces it) and its warnings that the
+    heartbeat API is experimental, then restore both."""
+    import warnings
+
     before = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            yield
     finally:
         optuna.logging.set_verbosity(before)
 
@@ -167,6 +218,8 @@ def _progress_bar(enabled: bool, done: int, total: int):
 
         def advance(study, trial) -> None:
             nonlocal best
+            if trial.state.name != "COMPLETE":  # pruned past the budget, or failed
+                return
             if trial.constraints[CONSTRAINT] <= 0:
                 best = min(best, trial.value)
             bar.update(task, advance=1, description=f"best {best:.4g} s" if best < float("inf") else "none fits yet")
