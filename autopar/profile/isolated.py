@@ -19,7 +19,7 @@ from pathlib import Path
 
 from autopar.errors import AutoparError, ModelFileError
 
-DEFAULT_PROFILE_TIMEOUT = 300.0  # seconds: the largest zoo models profile in well under a minute
+DEFAULT_PROFILE_TIMEOUT = 120.0  # seconds: the largest zoo models (175b GPT, 70b Llama) profile in ~10 s here
 
 
 def check_timeout(seconds: float, flag: str = "--profile-timeout") -> float:

@@ -29,6 +29,7 @@ from autopar.search.sampling import KNOBS, KnobSpace, best_distinct, nearest
 CONSTRAINT = "memory_over_gb"  # peak memory per GPU minus GPU memory: feasible when <= 0
 HEARTBEAT_S = 1  # a running trial's heartbeat on the study storage
 GRACE_S = 5  # a trial without a heartbeat this long was killed: failed, then retried
+ORPHAN_S = 20  # a trial RUNNING this long that never beat was killed before its first heartbeat
 
 
 class OptunaPlanner(Planner):
@@ -79,8 +80,9 @@ class OptunaPlanner(Planner):
                 idle_since = None
                 continue
             idle_since = idle_since or time.monotonic()
-            if time.monotonic() - idle_since > 2 * GRACE_S + HEARTBEAT_S:
+            if time.monotonic() - idle_since > ORPHAN_S + GRACE_S:
                 return  # the other processes' trials never finished nor went stale
+            _fail_orphans(study)
             time.sleep(HEARTBEAT_S / 2)
 
     def _objective(self, trial, space: KnobSpace) -> float:
@@ -126,6 +128,22 @@ class OptunaPlanner(Planner):
         seed = None if self.seed is None else self.seed + len(study.trials)
         study.sampler = optuna.samplers.TPESampler(multivariate=True, seed=seed)
         return study
+
+
+def _fail_orphans(study) -> None:
+    """Fail and retry trials RUNNING for ORPHAN_S without ever beating: a process killed between
+    creating a trial and its first heartbeat leaves one, and Optuna's stale check skips trials
+    without a heartbeat. A live trial beats within HEARTBEAT_S and lasts milliseconds."""
+    import datetime
+
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+    from optuna.trial import TrialState
+
+    now = datetime.datetime.now()
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if t.datetime_start is not None and (now - t.datetime_start).total_seconds() > ORPHAN_S:
+            study.tell(t.number, state=TrialState.FAIL)
+            RetryHeartbeatStaleTrialCallback(max_retry=3)(study, study.trials[t.number])
 
 
 def _within_budget(trial, budget: int) -> None:
