@@ -1,6 +1,7 @@
 """Bad inputs, run as a user would: every case through the `autopar` command line in a fresh
-folder, each with a 20 s bound. A case is clean when autopar exits with status 2 after one line
-on stderr ("autopar: error: ..."), with no Python traceback, and leaves the output it was asked
+folder, each with a 20 s bound. A case is clean when autopar exits with status 2 and its error is
+one line, the last on stderr ("autopar: error: ..."; progress lines such as calibrate's may come
+before it), with no Python traceback, and leaves the output it was asked
 to write (a sentinel file, or the odd path itself) untouched.
 
     python experiments/bad_input_campaign.py [--only SUBSTRING] [--jobs 2] [--list]
@@ -180,7 +181,7 @@ def output_cases() -> list[Case]:
         "search": ("search", "gpt", *TINY, "--cluster", "cpu", "--global-batch", "8", "-o"),
         "calibrate": ("calibrate", "{d}/t.jsonl", "--cluster", "cpu", "-o"),
         "traces_import": ("traces", "import", "vtrain", "{d}/v.csv", "-o"),
-        "traces_collect": ("traces", "collect", "gpt", *TINY, "--cluster", "cpu", "-o"),
+        "traces_collect": ("traces", "collect", "gpt", *TINY, "--cluster", "cpu", "--plans", "2", "-o"),
         "profile_cluster": ("profile-cluster", "-o"),
         "train": ("train", "--timesteps", "64", "-o"),
     }
@@ -351,13 +352,14 @@ def run_case(case: Case, env: dict) -> Outcome:
             return Outcome(case, "traceback", err[-1] if err else "")
         if done.returncode == 0:
             return Outcome(case, "accepted", (done.stdout.strip().splitlines() or [""])[-1][:160])
-        if done.returncode != 2 or len(err) != 1 or not err[0].startswith("autopar: error: "):
+        errors = [line for line in err if line.startswith("autopar: error: ")]
+        if done.returncode != 2 or len(errors) != 1 or err[-1] != errors[0]:
             return Outcome(case, "wrong exit", f"exit {done.returncode}, {len(err)} stderr line(s): "
                                                f"{(err or [''])[-1][:160]}")
         if touched or (d / "RAN").exists():
             return Outcome(case, "touched", f"changed {touched}" + (" and ran the trace's model" if
                                                                      (d / "RAN").exists() else ""))
-        return Outcome(case, "clean", f"{wall:.1f} s: {err[0][:200]}")
+        return Outcome(case, "clean", f"{wall:.1f} s: {err[-1][:200]}")
 
 
 def campaign_env(cache: Path) -> dict:

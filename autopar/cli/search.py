@@ -49,6 +49,8 @@ def run(args) -> int:
 
     if args.top_k < 1:
         raise AutoparError(f"--top-k must be at least 1, got {args.top_k}")
+    if not 0 <= args.seed < 2**32:
+        raise AutoparError(f"--seed must be an integer in [0, 2**32), got {args.seed}")
     check_plot(args)  # a missing matplotlib fails before the search, not after it
     started = time.perf_counter()
     console = Console(stderr=args.json)

@@ -81,8 +81,10 @@ def run(args) -> int:
     from rich.console import Console
 
     from autopar.errors import AutoparError
+    from autopar.policies.files import sidecar_path
     from autopar.policies.train import TrainConfig, train
 
+    sidecar_path(args.output)  # -o pol.json would clash with its sidecar: refuse before any work
     for flag in ("imitation_epochs", "dagger_rounds"):
         if getattr(args, flag) < 0:
             raise AutoparError(f"--{flag.replace('_', '-')} must be 0 or more, got {getattr(args, flag)}")

@@ -99,5 +99,5 @@ class ModelSources:
         if self.trust_paths:
             return resolve_model_path(named)
         raise AutoparError(f"{source}: the record names the model file {named!r} and carries no profile; a trace is "
-                           f"data and autopar does not run code it names: pass --model FILE (a file whose digest "
-                           f"matches the record), or --trust-model-paths if you trust the traces' files")
+                           f"data and autopar does not run code it names: pass --model-file FILE (a file whose "
+                           f"digest matches the record), or --trust-model-paths if you trust the traces' files")
