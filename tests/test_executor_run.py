@@ -121,6 +121,7 @@ def faulty_model(tmp_path, action: str) -> Path:
 @pytest.mark.parametrize("action,shown", [
     ('raise RuntimeError("injected failure on rank 1")', "rank 1 failed: RuntimeError: injected failure on rank 1"),
     ("os.kill(os.getpid(), 9)", "rank 1 failed: killed by SIGKILL"),  # e.g. the OOM killer
+    ("os._exit(9)", "rank 1 failed: exited with code 9 without raising (os._exit or sys.exit)"),
 ])
 def test_a_failing_rank_fails_the_job_quickly_and_is_named(tmp_path, action, shown):
     """Rank 0 fails too (its peer is gone); the message must name the cause, not the echo."""
@@ -187,6 +188,40 @@ def test_kill_9_of_the_launcher_leaves_whole_lines_and_no_workers(tmp_path):
     while any(map(_running, workers)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not any(map(_running, workers)), "orphaned workers kept running"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_stopped_rank_is_named_through_its_heartbeat_and_killed(tmp_path):
+    """SIGSTOP: the rank's peers wait in a collective, torchrun sees nothing fail; the heartbeat
+    goes stale, the launcher kills the stopped rank, and the record names it."""
+    from autopar.executor.launch import STALE_S
+
+    model = faulty_model(tmp_path, "os.kill(os.getpid(), 19)")  # SIGSTOP itself in its first forward
+    save_plan(tmp_path / "p.json", dp=2)
+    started = time.monotonic()
+    ran = autopar("run", "p.json", model, *TINY, "--nproc-per-node", 2, "--trace", "t.jsonl", cwd=tmp_path)
+    assert ran.returncode == 1 and time.monotonic() - started < STALE_S + 120
+    record = only_record(tmp_path / "t.jsonl")
+    assert record.outcome == "timeout" and record.error.startswith("rank 1 stopped responding"), record.error
+    assert ran.stderr.strip().splitlines()[-1] == f"autopar: run failed (timeout): {record.error}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigint_to_the_launcher_is_interrupted_130_and_ends_the_workers(tmp_path):
+    save_plan(tmp_path / "p.json", dp=2)
+    launcher = subprocess.Popen([sys.executable, "-m", "autopar", "run", "p.json", "gpt", *TINY, "--nproc-per-node",
+                                 "2", "--steps", "100000", "--trace", "t.jsonl"], cwd=tmp_path, env=env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while len(_children(launcher.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    workers = _children(launcher.pid)
+    assert len(workers) == 2, "workers did not start"
+    time.sleep(3)
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130 and err.strip().splitlines()[-1] == "autopar: interrupted", err[-2000:]
+    assert not any(map(_running, workers)), "workers outlived the launcher"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA out-of-memory needs a GPU")
