@@ -171,6 +171,8 @@ def train_on_traces(tcfg: TraceTrainConfig, cfg, console) -> dict:
 
     result = calibrate(tcfg.traces, tcfg.cluster, allreduce=tcfg.allreduce, params=tcfg.params, seed=cfg.seed,
                        progress=say, models=tcfg.models)
+    for problem in result.problems:  # the rest of the file is used
+        console.print(f"autopar: warning: skipped malformed trace line {problem}", markup=False, soft_wrap=True)
     calibrated = result.cluster
     cal = calibration_summary(result)
     say(f"calibrated on {cal['rows']} rows: in-sample MAPE {cal['mape']:.2%}, Spearman {cal['spearman']:.4f}")

@@ -136,3 +136,22 @@ def test_campaign_case_is_one_line_exit_2_and_touches_nothing(case, tmp_path, ca
     assert code == 2 and len(errors) == 1 and err[-1] == errors[0], (code, err)
     assert campaign.snapshot(tmp_path) == before
     assert not (tmp_path / "RAN").exists()  # no trace made autopar run the model file it names
+
+
+# -- resource bounds -----------------------------------------------------------------------------------------
+@given(n=st.integers(min_value=1, max_value=10**12))
+def test_divisors_are_exact_without_looping_to_n(n):
+    from autopar.search.space import divisors
+
+    ds = divisors(n)
+    assert ds == sorted(set(ds)) and ds[0] == 1 and ds[-1] == n and all(n % d == 0 for d in ds)
+    assert len(ds) == 2 * sum(1 for d in ds if d * d < n) + (math.isqrt(n) ** 2 == n)
+
+
+def test_plan_space_enumeration_stops_at_its_limit(monkeypatch):
+    import autopar.search.space as space
+    from conftest import workload
+
+    monkeypatch.setattr(space, "MAX_PLANS", 1000)
+    with pytest.raises(AutoparError, match="more than 1,000 plans; autopar enumerates at most 1,000"):
+        space.enumerate_plans(workload("gpt", size="gpt2-small", global_batch=64))

@@ -169,19 +169,20 @@ def _show(console, record, launched, note: str) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
-
-    from autopar.executor.data_parallel import check_backend
     from autopar.executor.launch import check_world_size, launch
-    from autopar.executor.preflight import preflight
-    from autopar.executor.mesh import resolve_backend
-    from autopar.modelfile import load_model_file
     from autopar.plan import Plan
-    from autopar.traces import append_record
 
     plan = Plan.load(args.plan)
     spec = _spec(args)
-    check_world_size(plan, spec)
+    check_world_size(plan, spec)  # the flags and the plan, before torch is imported (seconds)
+    from rich.console import Console
+
+    from autopar.executor.data_parallel import check_backend
+    from autopar.executor.mesh import resolve_backend
+    from autopar.executor.preflight import preflight
+    from autopar.modelfile import load_model_file
+    from autopar.traces import append_record
+
     check_backend(plan, resolve_backend(spec.backend))
     model_args = parse_model_args(args.model_arg, None)
     console = Console()

@@ -15,10 +15,12 @@ import numpy as np
 
 from autopar.capability import sequence_parallel_options
 from autopar.cost.arrays import MESH_ORDERS, PlanArrays, SplitTable
+from autopar.errors import AutoparError
 from autopar.plan import COMM_DTYPES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, balanced_split, device_blocks
 
 BUCKETS_MB = (5.0, 25.0, 100.0)
 MAX_VIRTUAL_STAGES = 8
+MAX_PLANS = 10_000_000  # rows of PlanArrays one enumeration may build (~1.5 GB); a 175B GPT on 1,024 GPUs has 1.5M
 TP_INNER, DP_INNER = MESH_ORDERS.index(("pp", "dp", "tp")), MESH_ORDERS.index(("pp", "tp", "dp"))
 
 
@@ -112,7 +114,7 @@ def enumerate_plans(workload) -> PlanArrays:
     table = SplitTable(profile)
     precision = PRECISIONS.index(workload.precision)
     cols: dict[str, list[np.ndarray]] = {name: [] for name in OUTER + INNER + ("recompute", "recompute_blocks", "group")}
-    next_group = 0
+    next_group = total = 0
     for dp, tp, pp in degree_choices(workload):
         inner = _data_parallel_options(workload, dp, tp)
         # plans differing only in ZeRO, bucket, gradient dtype or offload share a cost-model group
@@ -124,6 +126,11 @@ def enumerate_plans(workload) -> PlanArrays:
                 split_id = table.add(pp, v, balanced_split(profile.num_layers, pp * v))
                 rc = np.array([(RECOMPUTE_MODES.index(m), n) for m, n in recompute_choices(workload, pp, v)])
                 n_rc, size = len(rc), len(inner) * len(rc)
+                total += size
+                if total > MAX_PLANS:  # bounded memory and time, whatever the workload
+                    raise AutoparError(f"the plan space of {workload.describe()} has more than {MAX_PLANS:,} plans; "
+                                       f"autopar enumerates at most {MAX_PLANS:,}: use --method rl, optuna or "
+                                       f"random, which sample it, or fewer GPUs or a smaller global batch")
                 for name, value in zip(OUTER, (dp, tp, pp, mbs, nmb, SCHEDULES.index(schedule), v, precision,
                                                split_id)):
                     cols[name].append(np.full(size, value, dtype=np.int64))
