@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import tempfile
 import threading
@@ -118,33 +119,49 @@ def _deadline(seconds: float | None):
 
 
 class _Watch(threading.Thread):
-    """Polls the ranks' heartbeat files: when each rank's process ended (to order failures by when
-    they happened, which torchrun's whole-second error files cannot), and which rank stopped
-    beating (SIGSTOP, a frozen host): that one is killed so the job ends now, and named."""
+    """Watches the ranks: when each rank's process ended (a pidfd per rank becomes readable at its
+    exit, so the order of the ends is exact, which torchrun's whole-second error files are not),
+    and which rank stopped beating its heartbeat file (SIGSTOP, a frozen host): that one is
+    killed so the job ends now, and named."""
 
     def __init__(self, result_path: Path, ranks: range, stale_s: float):
         super().__init__(daemon=True)
         self.result_path, self.ranks, self.stale_s = result_path, ranks, stale_s
         self.beats: dict[int, dict] = {}
-        self.gone: dict[int, float] = {}  # rank -> when its process was first seen ended
+        self.gone: dict[int, int] = {}  # rank -> the order its process ended in (0 first)
+        self.pidfds: dict[int, int] = {}  # pidfd -> rank
         self.stopped: str | None = None  # the verdict on a rank that stopped beating
         self.done = threading.Event()
 
     def run(self) -> None:
-        while not self.done.wait(POLL_S):
-            now = time.time()
-            for rank in self.ranks:
-                beat = _read_json(heartbeat_file(self.result_path, rank))
-                if beat is None:
-                    continue
-                self.beats[rank] = beat
-                if rank not in self.gone and not _alive(beat["pid"]):
-                    self.gone[rank] = now
-                age = now - beat["time"]
-                if self.stopped is None and rank not in self.gone and age > self.stale_s:
-                    self.stopped = (f"rank {rank} stopped responding: no heartbeat for {age:.0f} s at step "
-                                    f"{beat['step']} (process {beat['pid']} stopped or frozen)")
-                    _kill(beat["pid"])
+        try:
+            while not self.done.is_set():
+                self._look()
+                ready, _, _ = select.select(list(self.pidfds), [], [], POLL_S)
+                for fd in ready:  # ended in this order (ties: the same wake-up)
+                    self.gone.setdefault(self.pidfds.pop(fd), len(self.gone))
+                    os.close(fd)
+        finally:
+            for fd in self.pidfds:
+                os.close(fd)
+
+    def _look(self) -> None:
+        now = time.time()
+        for rank in self.ranks:
+            beat = _read_json(heartbeat_file(self.result_path, rank))
+            if beat is None or rank in self.gone:
+                continue
+            if rank not in self.beats or self.beats[rank]["pid"] != beat["pid"]:
+                try:
+                    self.pidfds[os.pidfd_open(beat["pid"])] = rank
+                except OSError:  # ended already
+                    self.gone.setdefault(rank, len(self.gone))
+            self.beats[rank] = beat
+            age = now - beat["time"]
+            if self.stopped is None and age > self.stale_s:
+                self.stopped = (f"rank {rank} stopped responding: no heartbeat for {age:.0f} s, the last at step "
+                                f"{beat['step']} (process {beat['pid']} stopped or frozen)")
+                _kill(beat["pid"])
 
     def slowest(self) -> str:
         """Which rank a timed-out job waited for: the one at the earliest step, and of those one
@@ -219,8 +236,16 @@ def _failure(err, result_path: Path, watch: _Watch) -> tuple[str, str]:
 
     died = {rank: f for rank, f in err.failures.items() if f.signal_name() not in ("<N/A>", "SIGTERM")}
     gone = {rank: t for rank, t in watch.gone.items() if rank in err.failures}
+
+    def cause_first(r: int) -> tuple:
+        """Ends seen at once: a signal other than the agent's SIGTERM, then an exit without a note
+        (os._exit), then a raise (peers raise on the lost connection), then SIGTERM."""
+        signal_name = err.failures[r].signal_name()
+        kind = 0 if r in died else 3 if signal_name == "SIGTERM" else 2 if r in notes else 1
+        return gone[r], kind, notes.get(r, {}).get("time", 0)
+
     if gone:
-        rank = min(gone, key=lambda r: (gone[r], r not in died, notes.get(r, {}).get("time", 0)))
+        rank = min(gone, key=cause_first)
     elif died:
         rank = min(died, key=lambda r: died[r].timestamp)
     elif notes:
