@@ -116,6 +116,19 @@ def test_killed_study_resumes_without_losing_a_trial(tmp_path):
     assert len(after) == trials and 0 <= planner.evaluations - (trials - len(before)) <= len(KNOBS) + 1
     assert all(after[n] == v for n, v in before.items())
     assert estimate(w, plan).fits
+    states = [t.state for t in optuna.load_study(study_name=name, storage=url).trials]
+    assert optuna.trial.TrialState.RUNNING not in states  # the killed trial was failed (and retried)
+
+
+def test_two_processes_on_one_study_complete_exactly_the_budget(tmp_path):
+    db, trials = tmp_path / "study.db", 40
+    url = f"sqlite:///{db}"
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(CHILD.format(tests=str(TESTS), trials=trials, url=url)))
+    children = [subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE) for _ in range(2)]
+    for child in children:
+        assert child.wait(timeout=300) == 0, child.stderr.read().decode()[-2000:]
+    assert complete_trials(db) == trials
 
 
 def test_storage_errors_are_one_line(tmp_path):
