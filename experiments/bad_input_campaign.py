@@ -283,9 +283,22 @@ def policy_cases() -> list[Case]:
     return [Case(f"policy/{k}", base, {"pol.zip": ("<bytes>", v)}) for k, v in bad.items()]
 
 
+def workload_spec_cases() -> list[Case]:
+    """`autopar train --workloads FILE.json`: a list of workload specs."""
+    spec = {"model": "gpt", "model_args": {"size": "tiny"}, "cluster": "cpu", "global_batch": 8}
+    docs = {"not_a_list": spec, "nodes_string": [{**spec, "nodes": "many"}], "batch_huge": [{**spec,
+            "global_batch": 10**18}], "gpn_zero": [{**spec, "gpus_per_node": 0}], "precision_bad": [{**spec,
+            "precision": "fp8"}], "unknown_key": [{**spec, "colour": 1}], "no_model": [{"cluster": "cpu"}],
+            "nested_deep": (RAW, "[" + _nested(100_000) + "]"), "count_huge": None}
+    cases = [Case(f"workloads/{k}", ("train", "--workloads", "{d}/w.json", "--timesteps", "64", "-o", "{d}/pol.zip"),
+                  {"w.json": v}, output=None) for k, v in docs.items() if v is not None]
+    cases.append(Case("workloads/count_huge", ("train", "--workloads", "10000000000", "-o", "{d}/pol.zip"), {}, None))
+    return cases
+
+
 def all_cases() -> list[Case]:
     return cluster_cases() + plan_cases() + flag_cases() + output_cases() + model_cases() + trace_cases() \
-        + policy_cases()
+        + policy_cases() + workload_spec_cases()
 
 
 # -- running ------------------------------------------------------------------------------------------------

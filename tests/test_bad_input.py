@@ -121,7 +121,7 @@ def test_nesting_is_refused_exactly_beyond_the_limit(depth):
 
 # -- the campaign's concrete cases, in-process -----------------------------------------------------------
 FAST = [c for c in campaign.all_cases() if not c.slow and c.name.split("/")[0] in
-        {"cluster", "plan", "search", "estimate", "memory", "output", "policy", "trust"}
+        {"cluster", "plan", "search", "estimate", "memory", "output", "policy", "trust", "workloads"}
         and not c.name.startswith(("output/train/", "output/traces_collect/", "output/profile_cluster/",
                                    "trust/train", "output/calibrate"))]
 
