@@ -115,7 +115,7 @@ class ModelFile:
         try:
             with torch.device(device):
                 batch = call_with_model_args(self.module.example_batch, batch_size, **model_args)
-        except BaseException as exc:
+        except BaseException as exc:  # as in build
             raise self.error(f"example_batch({batch_size}) raised", exc) from exc
         if isinstance(batch, dict) and {"inputs", "targets"} <= batch.keys():
             batch = (batch["inputs"], batch["targets"])
@@ -299,7 +299,7 @@ def load_model_file(path) -> ModelFile:
     sys.modules[name] = module  # dataclasses and pickling look classes up here
     try:
         exec(code, module.__dict__)
-    except BaseException as exc:  # sys.exit, KeyboardInterrupt, any BaseException: one line, not an exit
+    except BaseException as exc:  # noqa: BLE001 - sys.exit, KeyboardInterrupt ...: one line, not an exit
         del sys.modules[name]
         raise ModelFileError(f"{_where(exc, path)}: importing the model file raised {_describe(exc)}") from None
     for required, fix in (("build_model", "define build_model(**model_args) returning an nn.Module"),

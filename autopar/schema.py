@@ -390,6 +390,20 @@ POLICY_META_SCHEMA = Obj({"format": Str(), "space_signature": Str(), "observatio
                           "max_actions": Int(1, MAX_ITEMS)}, required=("format", "space_signature"), extra=True)
 
 
-__all__ = ["MAX_DEPTH", "MAX_GLOBAL_BATCH", "MAX_GPUS", "MAX_GPUS_PER_NODE", "SchemaError", "check", "loads", "read_file",
-           "check_gpus", "check_global_batch", "plan_schema", "coefficients_schema", "TRACE_SCHEMA",
-           "workload_spec_schema", "POLICY_META_SCHEMA"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_GLOBAL_BATCH",
+    "MAX_GPUS",
+    "MAX_GPUS_PER_NODE",
+    "POLICY_META_SCHEMA",
+    "TRACE_SCHEMA",
+    "SchemaError",
+    "check",
+    "check_global_batch",
+    "check_gpus",
+    "coefficients_schema",
+    "loads",
+    "plan_schema",
+    "read_file",
+    "workload_spec_schema",
+]

@@ -252,7 +252,6 @@ def policy_cases() -> list[Case]:
     import zipfile
 
     import numpy as np
-
     from autopar.policies.load import ACTOR_ENTRY, META_ENTRY, default_policy_path
 
     with zipfile.ZipFile(default_policy_path()) as z:
@@ -355,7 +354,7 @@ def run_case(case: Case, env: dict) -> Outcome:
         try:
             done = subprocess.run([sys.executable, "-m", "autopar", *case.command(d)], cwd=d, env=env,
                                   stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S,
-                                  errors="replace", start_new_session=True)
+                                  errors="replace", start_new_session=True, check=False)
         except subprocess.TimeoutExpired:
             return Outcome(case, "hang", f"no answer within {TIMEOUT_S} s")
         wall = time.monotonic() - started

@@ -99,10 +99,10 @@ def one_run(i: int, fault: str, args, d: Path, trace: Path) -> dict:
                 injected = True
         time.sleep(0.1)
     try:
-        out, err = proc.communicate(timeout=args.timeout + 120)
+        _, err = proc.communicate(timeout=args.timeout + 120)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
+        _, err = proc.communicate()
     wall = time.monotonic() - started
     time.sleep(1)
     left = workers(tag)

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from autopar.policies.files import sidecar_path
 
 from autopar.atomic import write_text_atomic
 from autopar.errors import AutoparError
-from autopar.policies.files import sidecar_path
 
 DEFAULT_TIMESTEPS = 10_000  # fine-tuning from the shipped policy: the imitation does most of the work
 MIN_SHAPES = 2  # one to train on, one to hold out

@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from autopar.policies.files import latest_checkpoint, numpy_actor, sidecar_path, versions, write_policy
+from autopar.policies.load import POLICY_FORMAT
 
 from autopar.atomic import write_text_atomic
 from autopar.errors import AutoparError
-from autopar.policies.files import latest_checkpoint, numpy_actor, sidecar_path, versions, write_policy
-from autopar.policies.load import POLICY_FORMAT
 
 # fine-tuning settings: a small learning rate and entropy bonus keep PPO from undoing the imitation
 PPO_SETTINGS = dict(n_epochs=6, learning_rate=1e-4, gamma=1.0, gae_lambda=0.95, ent_coef=0.002, clip_range=0.2)
@@ -52,6 +52,7 @@ class TrainConfig:
 def load_pool(spec: str, seed: int, progress: bool) -> list:
     """The training workloads: `spec` is a pool size for the sampler or a JSON file of specs."""
     from autopar.envs.workloads import WorkloadSpec, training_workloads
+
     from autopar.schema import MAX_ITEMS, List, check, loads, read_file, workload_spec_schema
 
     if spec.isdigit():
@@ -96,8 +97,14 @@ def greedy_ratios(actor, workloads: list, reward) -> np.ndarray:
 
 # -- training -----------------------------------------------------------------------------------------------
 def _callbacks(cfg: TrainConfig, console, validation, reward, history: list, started_steps: int):
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from stable_baselines3.common.callbacks import BaseCallback
 
     class Trainer(BaseCallback):
@@ -173,16 +180,15 @@ def train(cfg: TrainConfig, console, *, pool: list | None = None, validation: li
     instead of chance, e.g. the shipped policy for fine-tuning; its timestep count restarts at 0.
     finish: `finish(model) -> dict`, called after training; its keys are added to the metadata."""
     import torch
+    from autopar.envs.parallel_plan_env import ParallelPlanEnv
+    from autopar.envs.rewards import CostModelReward
+    from autopar.policies.extractor import PlanFeaturesExtractor
+    from autopar.policies.imitation import imitation
     from sb3_contrib import MaskablePPO
     from stable_baselines3.common.logger import Logger
     from stable_baselines3.common.monitor import Monitor
     from stable_baselines3.common.vec_env import DummyVecEnv
     from torch import nn
-
-    from autopar.envs.parallel_plan_env import ParallelPlanEnv
-    from autopar.envs.rewards import CostModelReward
-    from autopar.policies.extractor import PlanFeaturesExtractor
-    from autopar.policies.imitation import imitation
 
     torch.set_num_threads(1)  # small networks: more threads only contend with the environment
     started = time.perf_counter()
@@ -262,7 +268,7 @@ def resume_point(cfg: TrainConfig) -> tuple[Path, int] | None:
 
 def read_history(directory: Path, console) -> list:
     """The evaluation history of a resumed run; a damaged progress.json costs the history only."""
-    from autopar.schema import List, Map, Anything, Obj, check, loads, read_file
+    from autopar.schema import Anything, List, Map, Obj, check, loads, read_file
 
     try:
         data = loads(read_file(directory / "progress.json", "progress file", AutoparError), "progress.json",

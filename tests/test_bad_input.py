@@ -149,8 +149,9 @@ def test_divisors_are_exact_without_looping_to_n(n):
 
 
 def test_plan_space_enumeration_stops_at_its_limit(monkeypatch):
-    import autopar.search.space as space
     from conftest import workload
+
+    from autopar.search import space
 
     monkeypatch.setattr(space, "MAX_PLANS", 1000)
     with pytest.raises(AutoparError, match="more than 1,000 plans; autopar enumerates at most 1,000"):

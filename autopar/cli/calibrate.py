@@ -3,9 +3,7 @@ tables), report held-out accuracy, and write a calibrated cluster JSON."""
 
 from __future__ import annotations
 
-from autopar.cli.common import add_trace_model_flags, model_sources
-
-from autopar.cli.common import print_json
+from autopar.cli.common import add_trace_model_flags, model_sources, print_json
 
 
 def add_parser(sub) -> None:

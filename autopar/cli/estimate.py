@@ -68,7 +68,7 @@ def _plan_from_flags(args, workload):
         mode, blocks = "full", int(mode)
     elif mode == "full":
         blocks = max(device_blocks(balanced_split(workload.profile.num_layers, args.pp * v), args.pp))
-    return Plan.from_dict(dict(schema_version=PLAN_SCHEMA_VERSION, dp=args.dp, tp=args.tp, pp=args.pp,
+    return Plan.from_dict(dict(schema_version=PLAN_SCHEMA_VERSION, dp=args.dp, tp=args.tp, pp=args.pp,  # noqa: C408
                                micro_batch_size=args.micro_batch,
                 num_micro_batches=batch // (args.dp * args.micro_batch),
                 mesh_order=tuple(args.mesh_order.split(",")), zero=args.zero, bucket_mb=args.bucket_mb,

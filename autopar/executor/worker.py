@@ -64,6 +64,7 @@ def heartbeat_file(result_path, rank) -> str:
 
 HEARTBEAT_S = 1.0  # a rank rewrites its heartbeat file this often, from a thread of its own
 _progress = {"step": -1}  # the training step this rank is in (-1: starting up)
+_stepped = threading.Event()  # set by the training loop at each step
 
 
 def _where(frame) -> str:
@@ -83,9 +84,10 @@ def _beat(path: str) -> None:
         try:
             write_text_atomic(path, json.dumps({"pid": os.getpid(), "step": _progress["step"], "time": time.time(),
                                                 "where": _where(sys._current_frames().get(main))}))
-        except Exception:  # noqa: BLE001 - a full disk must not kill the rank; the launcher sees the stale beat
+        except Exception:  # noqa: BLE001, S110 - a full disk must not kill the rank; the launcher sees the stale beat
             pass
-        time.sleep(HEARTBEAT_S)
+        _stepped.wait(HEARTBEAT_S)  # a new step beats at once: the launcher knows the step a stopped rank was at
+        _stepped.clear()
 
 
 def main(argv=None) -> None:
@@ -144,6 +146,7 @@ def _train(args: argparse.Namespace) -> None:
     times, losses = [], []
     for step in range(args.warmup + args.steps):
         _progress["step"] = step
+        _stepped.set()
         synchronize(par.device)
         start = time.perf_counter()
         losses.append(par.train_step(local_inputs, local_targets))
