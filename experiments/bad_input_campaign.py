@@ -282,6 +282,20 @@ def policy_cases() -> list[Case]:
     return [Case(f"policy/{k}", base, {"pol.zip": ("<bytes>", v)}) for k, v in bad.items()]
 
 
+def table_cases() -> list[Case]:
+    """CSV inputs named on the command line: a FIFO or a directory must not block or crash."""
+    cases = []
+    for kind, special in (("fifo", FIFO), ("directory", DIRECTORY)):
+        cases.append(Case(f"csv/vtrain_{kind}", ("traces", "import", "vtrain", "{d}/v.csv", "-o", "{d}/out.json"),
+                          {"v.csv": special}))
+        cases.append(Case(f"csv/allreduce_{kind}", ("calibrate", "--allreduce", "{d}/a_2gpu.csv", "--cluster", "cpu",
+                                                    "-o", "{d}/out.json"), {"a_2gpu.csv": special}))
+    cases.append(Case("csv/allreduce_garbage", ("calibrate", "--allreduce", "{d}/a_2gpu.csv", "--cluster", "cpu",
+                                                "-o", "{d}/out.json"), {"a_2gpu.csv": "x,y\n1,nan\n"}))
+    cases.append(Case("trace/show_fifo", ("traces", "show", "{d}/t.jsonl"), {"t.jsonl": FIFO}, output=None))
+    return cases
+
+
 def workload_spec_cases() -> list[Case]:
     """`autopar train --workloads FILE.json`: a list of workload specs."""
     spec = {"model": "gpt", "model_args": {"size": "tiny"}, "cluster": "cpu", "global_batch": 8}
@@ -297,7 +311,7 @@ def workload_spec_cases() -> list[Case]:
 
 def all_cases() -> list[Case]:
     return cluster_cases() + plan_cases() + flag_cases() + output_cases() + model_cases() + trace_cases() \
-        + policy_cases() + workload_spec_cases()
+        + policy_cases() + workload_spec_cases() + table_cases()
 
 
 # -- running ------------------------------------------------------------------------------------------------

@@ -154,6 +154,7 @@ def train_on_traces(tcfg: TraceTrainConfig, cfg, console) -> dict:
     from autopar.policies.train import train
 
     from autopar.calibrate import calibrate, job_mix
+    from autopar.traces.record import check_trace_file
     from autopar.calibrate.cluster_profile import write_cluster
 
     if not tcfg.traces:
@@ -162,8 +163,7 @@ def train_on_traces(tcfg: TraceTrainConfig, cfg, console) -> dict:
     if not 0 < tcfg.holdout < 1:
         raise AutoparError(f"--holdout must be a fraction between 0 and 1, got {tcfg.holdout}")
     for path in tcfg.traces:
-        if not Path(path).is_file():
-            raise AutoparError(f"trace file {path} not found")
+        check_trace_file(path)
     started = time.perf_counter()
 
     def say(msg: str) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -191,12 +190,11 @@ def build_dataset(records, cluster, sources: list[str] | None = None, models=Non
 def load_traces(paths, strict: bool = False):
     """(records, per-record source "file:line", problems) of trace files; problems are malformed
     lines (reported, not fatal: the other lines are used)."""
-    from autopar.traces.record import read_records
+    from autopar.traces.record import check_trace_file, read_records
 
     records, sources, problems = [], [], []
     for path in paths:
-        if not Path(path).is_file():
-            raise AutoparError(f"trace file {path} not found")
+        check_trace_file(path)
         recs, probs = _read_with_lines(path, read_records)
         records += [r for r, _ in recs]
         sources += [f"{path}:{line}" for _, line in recs]

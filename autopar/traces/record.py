@@ -152,6 +152,14 @@ def append_record(path, record: TraceRecord) -> None:
         os.close(fd)  # closing releases the lock
 
 
+def check_trace_file(path) -> None:
+    """Before any work: the trace file exists and is a regular file (reading a FIFO would block)."""
+    if not os.path.exists(path):
+        raise AutoparError(f"trace file {path} not found")
+    if not os.path.isfile(path):
+        raise AutoparError(f"trace file {path} is not a regular file; give the path of a .jsonl file")
+
+
 def read_records(path, *, strict: bool = False) -> tuple[list[TraceRecord], list[TraceProblem]]:
     """The records of a trace file and the problems of its malformed lines (1-based numbers).
 
