@@ -344,7 +344,7 @@ def check_global_batch(batch: int, flag: str = "--global-batch") -> None:
         raise AutoparError(f"{flag} is {batch}; autopar plans for global batches up to {MAX_GLOBAL_BATCH} samples")
 
 
-_NUMBERS = List(Num(finite=False))  # losses may diverge to nan/inf: measured, not configured
+_NUMBERS = List(Num(-math.inf, finite=False))  # losses: any sign, may diverge to nan/inf (measured, not configured)
 TRACE_SCHEMA = Obj({
     "schema_version": Int(),
     "time": Str(max_len=64),
