@@ -29,6 +29,7 @@ from autopar.search.sampling import KNOBS, KnobSpace, best_distinct, nearest
 CONSTRAINT = "memory_over_gb"  # peak memory per GPU minus GPU memory: feasible when <= 0
 HEARTBEAT_S = 1  # a running trial's heartbeat on the study storage
 GRACE_S = 5  # a trial without a heartbeat this long was killed: failed, then retried
+OPEN_ATTEMPTS = 5  # opening a storage that another process is creating at the same moment
 ORPHAN_S = 20  # a trial RUNNING this long that never beat was killed before its first heartbeat
 
 
@@ -111,12 +112,20 @@ class OptunaPlanner(Planner):
 
         key = _study_key(workload)
         name = self.study_name or (f"autopar-{key}" if self.storage else None)
-        try:
-            storage = self.storage and _rdb_storage(optuna, self.storage)
-            study = optuna.create_study(storage=storage, study_name=name, load_if_exists=True, direction="minimize")
-        except (SQLAlchemyError, ImportError) as e:  # a bad URL or file, a database driver missing
-            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise AutoparError(f"cannot open Optuna storage {self.storage!r}: {first_line}") from None
+        for attempt in range(OPEN_ATTEMPTS):
+            try:
+                storage = self.storage and _rdb_storage(optuna, self.storage)
+                study = optuna.create_study(storage=storage, study_name=name, load_if_exists=True,
+                                            direction="minimize")
+                break
+            except (SQLAlchemyError, ImportError) as e:  # a bad URL or file, a database driver missing
+                first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                # processes started together on a new database race to create its tables and version row
+                # ("already exists", "UNIQUE constraint failed", "locked"): the loser retries
+                if isinstance(e, SQLAlchemyError) and attempt + 1 < OPEN_ATTEMPTS:
+                    time.sleep(0.2 * (attempt + 1))
+                    continue
+                raise AutoparError(f"cannot open Optuna storage {self.storage!r}: {first_line}") from None
         made_for = study.user_attrs.get("workload_key")
         if made_for is None and not study.trials:
             study.set_user_attr("workload_key", key)
