@@ -54,9 +54,9 @@ def run(args) -> int:
     check_plot(args)  # a missing matplotlib fails before the search, not after it
     started = time.perf_counter()
     console = Console(stderr=args.json)
+    planner = get_planner(args.method, **planner_options(args))  # a bad method or option fails before profiling
     with console.status("profiling the model"):
         workload = load_workload(args)
-    planner = get_planner(args.method, **planner_options(args))
     # optuna shows its own progress bar; a spinner beside it would flicker
     status = contextlib.nullcontext() if args.method == "optuna" else console.status(f"searching ({args.method})")
     with status:
