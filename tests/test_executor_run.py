@@ -213,7 +213,7 @@ def test_measured_reward_is_cached_by_workload_and_plan(tmp_path, monkeypatch):
     repeated = reward.run(plan)  # a repeated run (traces collect --repeats) measures again
     assert not repeated["cached"] and len(read_records(tmp_path / "t.jsonl")[0]) == 2
     for call in (reward, reward.run):
-        with pytest.raises(Exception, match="plan is for 2 ranks"):
+        with pytest.raises(Exception, match="= 2 ranks but this reward backend runs 1"):
             call(plan.with_(dp=2))
 
 

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from autopar.errors import PlanError
 from autopar.executor.mesh import Topology
 from autopar.executor.precision import DTYPES
+from autopar.knobs import comm_dtype_problem
 from autopar.plan import Plan
 
 _COMPRESS_HOOKS = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
@@ -31,9 +32,9 @@ _COMPRESS_HOOKS = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hoo
 
 def check_backend(plan: Plan, backend: str) -> None:
     """Refuse what the communication backend cannot do, before anything starts."""
-    if plan.grad_comm_dtype == "bf16" and backend != "nccl":
-        raise PlanError(f"grad_comm_dtype 'bf16' reduces gradients in bfloat16, which needs NCCL, not {backend}; "
-                        f"use grad_comm_dtype 'fp16' or 'fp32' on this backend")
+    problem = comm_dtype_problem(plan.grad_comm_dtype, backend)
+    if problem:
+        raise PlanError(problem)
 
 
 def apply_ddp(module: nn.Module, plan: Plan, topo: Topology) -> nn.Module:

@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from autopar.errors import PlanError
 from autopar.executor.worker import LAUNCHER_PID, failure_note
 from autopar.plan import Plan
 
@@ -64,10 +63,9 @@ class _JobTimeout(Exception):
 
 def check_world_size(plan: Plan, spec: LaunchSpec) -> None:
     """Refuse, before starting anything, a plan made for another number of ranks."""
-    if plan.world_size != spec.world_size:
-        raise PlanError(f"the plan needs dp x tp x pp = {plan.dp} x {plan.tp} x {plan.pp} = {plan.world_size} "
-                        f"ranks but --nnodes {spec.nnodes} x --nproc-per-node {spec.nproc_per_node} = "
-                        f"{spec.world_size}; launch {plan.world_size} processes or use a plan for {spec.world_size}")
+    plan.dims.check_world(spec.world_size, f"--nnodes {spec.nnodes} x --nproc-per-node {spec.nproc_per_node} = "
+                          f"{spec.world_size}", f"launch {plan.world_size} processes or use a plan for "
+                          f"{spec.world_size}", needs="the plan needs ")
 
 
 def torchrun_argv(plan_path, model, model_args: dict, spec: LaunchSpec, result_path) -> list[str]:

@@ -1,4 +1,4 @@
-"""Process group, device and the (pp, dp, tp) device mesh of a plan.
+"""Process group, device and the device mesh of a plan (one named dimension per axis, `ParallelDims`).
 
 The same code runs on GPUs (NCCL) and on CPUs (gloo): the backend and device follow from
 whether CUDA is present, unless the caller forces one.
@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import PlanError
 from autopar.plan import Plan
@@ -67,13 +67,8 @@ class Topology:
 
 
 def build_mesh(plan: Plan, device: torch.device) -> Topology:
-    """The device mesh with axes named pp/dp/tp in the plan's order (outermost first)."""
+    """The device mesh with one dimension per axis, named as the axis, in the plan's order (outermost first)."""
     world = dist.get_world_size()
-    if world != plan.world_size:
-        raise PlanError(f"the plan needs dp x tp x pp = {plan.dp} x {plan.tp} x {plan.pp} = {plan.world_size} "
-                        f"ranks but {world} were launched; launch {plan.world_size} processes or use a plan "
-                        f"for {world}")
-    sizes = {"pp": plan.pp, "dp": plan.dp, "tp": plan.tp}
-    shape = tuple(sizes[axis] for axis in plan.mesh_order)
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=tuple(plan.mesh_order))
-    return Topology(mesh, device)
+    plan.dims.check_world(world, f"{world} were launched", f"launch {plan.world_size} processes or use a plan "
+                          f"for {world}", needs="the plan needs ")
+    return Topology(plan.dims.build_mesh(device.type), device)
