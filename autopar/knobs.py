@@ -4,7 +4,7 @@ A knob is a Plan field (or, for a value with two parts, two fields: recompute mo
 schedule and virtual stages) with its choices given the workload and the knobs decided before
 it, its lean choices (among which the least memory of any completion lies: the RL memory masks
 complete a partial plan with them), its label and words for tables, its CLI flag, its action
-slots and observation features for the policy, and what it adds to the oracle's tie-breaker.
+slots and observation features for the policy, and whether it makes plans distinct alternatives.
 Each parallel axis of `autopar.axes` is a knob too (its degree), generated from the axis.
 
 Everything that walks, encodes or shows the plan space reads `knobs()`: the Plan and its JSON,
@@ -71,7 +71,6 @@ class Knob:
     lean: Callable[[list], list] = list  # the choices among which the least memory lies
     feature: Callable[[Any, tuple], tuple[float, float]] | None = None  # (absolute, relative) in about [0, 1]
     position: Callable[[Any, list], float] | None = None  # where a value lies in [0, 1] (Optuna's samplers)
-    complexity: Callable[[Any], int] = lambda value: 0  # machinery beyond plain DDP (oracle tie-breaker)
     detail: bool = False  # plans differing only in details are not distinct alternatives
     decision: bool = True  # False: derived from earlier knobs (a single choice, never asked)
     flag_help: str = ""
@@ -435,45 +434,45 @@ for _k in (
          lambda w, d: [w.global_batch // (d["dp"] * d["micro_batch_size"])], ("dp", "micro_batch_size"),
          label="micro-batches", decision=False, parse=int),
     Knob("zero", (Field("zero", int, 0, ZERO_STAGES),), _zero_choices, ("dp",), label="ZeRO",
-         text=_zero_text, short=lambda z: f"zero{z}" if z else None, slots=ZERO_STAGES, complexity=int,
+         text=_zero_text, short=lambda z: f"zero{z}" if z else None, slots=ZERO_STAGES,
          detail=True, parse=int, flag_help="0: DDP, 1: sharded optimizer, 2: + sharded gradients, 3: FSDP2"),
     Knob("recompute", (Field("recompute", str, "none", RECOMPUTE_MODES), Field("recompute_blocks", int, 0)),
          _recompute_choices, ("pp",), label="recompute", text=_recompute_text,
          short=lambda v: {"none": None, "selective": "ac=sel"}.get(v[0], f"ac={v[1]}"), slot=_recompute_slot,
          lean=_lean_recompute, feature=_recompute_features, position=_recompute_position,
-         complexity=lambda v: int(v[0] != "none"), parse=_parse_recompute, check=_check_recompute,
+         parse=_parse_recompute, check=_check_recompute,
          flag_help="activation recompute: none, selective, full (all blocks) or N blocks per pipeline rank"),
     Knob("bucket_mb", (Field("bucket_mb", float, 25.0),), _bucket_choices, ("dp", "zero"), label="gradient buckets",
          text=lambda b: f"{b:g} MB buckets", short=lambda b: f"bucket={b:g}MB" if b != BUCKETS_MB[1] else None,
          slots=BUCKETS_MB, lean=lambda c: c[:1], feature=_bucket_features,
-         complexity=lambda b: int(b != BUCKETS_MB[1]), detail=True, parse=float,
+         detail=True, parse=float,
          flag_help="DDP gradient bucket (fusion buffer) size in MB"),
     Knob("schedule", (Field("schedule", str, "1f1b", SCHEDULES), Field("virtual_stages", int, 1)),
          _schedule_choices, ("pp", "num_micro_batches"), label="pipeline schedule", text=_schedule_text,
          short=_schedule_text, slots=SCHEDULE_VALUES,
          feature=lambda v, c: (SCHEDULES.index(v[0]) / 2, (v[1] - 1) / (MAX_VIRTUAL_STAGES - 1)),
-         complexity=lambda v: int(v[0] == "interleaved"), parse=_parse_schedule, check=_check_schedule,
+         parse=_parse_schedule, check=_check_schedule,
          flag_help="gpipe | 1f1b | interleaved:V"),
     Knob("sequence_parallel", (Field("sequence_parallel", bool, False),),
          _sp_choices, ("tp",), label="sequence parallel",
          text=_bool_text("sequence parallel"), short=lambda v: "sp" if v else None, slots=(False, True),
-         lean=lambda c: c[-1:], complexity=int, parse=_parse_bool, check=_check_sp,
+         lean=lambda c: c[-1:], parse=_parse_bool, check=_check_sp,
          flag_help="shard the activations outside tensor-parallel regions over tp"),
     Knob("grad_comm_dtype", (Field("grad_comm_dtype", str, "fp32", COMM_DTYPES),), _comm_choices, ("dp",),
          label="gradient reduction dtype", text=lambda c: f"gradients reduced in {c}",
          short=lambda c: f"comm={c}" if c != "fp32" else None, slots=COMM_DTYPES,
-         lean=lambda c: [min(c, key=DTYPE_BYTES.get)], complexity=lambda c: int(c != "fp32"), detail=True,
+         lean=lambda c: [min(c, key=DTYPE_BYTES.get)], detail=True,
          flag_help="dtype of the data-parallel gradient reduction"),
     Knob("offload_optimizer", (Field("offload_optimizer", bool, False),), _offload_choices, ("zero",),
          label="optimizer offload", text=_bool_text("CPU offload"), short=lambda v: "offload" if v else None,
-         slots=(False, True), complexity=lambda v: 2 * int(v), detail=True, parse=_parse_bool,
+         slots=(False, True), detail=True, parse=_parse_bool,
          check=_check_offload, flag_help="optimizer state and step on the CPU (FSDP2 offload; zero 2 or 3)"),
     Knob("mesh_order", (Field("mesh_order", tuple, None),), _mesh_choices, (AXES_DEPEND,), label="mesh order",
          text=lambda o: "mesh (" + ", ".join(o) + ")", slot=lambda o, c: _axes.mesh_orders().index(o),
          short=lambda o: None if o == _axes.default_order() else "mesh=" + ",".join(o),
          feature=lambda o, c: (_axes.mesh_orders().index(o), 0.0), lean=lambda c: c[:1],
          position=lambda o, c: float(_axes.mesh_orders().index(o)),
-         complexity=lambda o: int(o != _axes.mesh_orders()[0]), detail=True, parse=_parse_order,
+         detail=True, parse=_parse_order,
          flag_help="mesh axes, outermost first (default: by mesh position, tp innermost)"),
 ):
     declare_knob(_k)
