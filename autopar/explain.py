@@ -125,8 +125,8 @@ def explain(workload, plan: Plan, coeffs=None) -> list[Reason]:
 
 def _excluded(profile) -> list[Reason]:
     """What the plan space leaves out for this model, and why (capability.model_limits)."""
-    labels = {"pp": ("degrees", "pp > 1"), "sp": ("sequence parallel", "sequence parallel on"),
-              "sp_off": ("sequence parallel", "sequence parallel off")}
+    labels = {"pp": (DEGREES, "pp > 1"), "sp": ("sequence_parallel", "sequence parallel on"),
+              "sp_off": ("sequence_parallel", "sequence parallel off")}  # rows named as the Why table's
     return [Reason(labels[k][0], "-", f"{labels[k][1]} not considered: {why}")
             for k, why in profile.limits.items() if k in labels]
 
