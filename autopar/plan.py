@@ -3,8 +3,9 @@
 An immutable record of the knobs of `autopar.knobs` (one field per knob field, axis degrees
 first), that checks its own consistency on construction and its fit to a workload in
 `validate`. JSON carries a schema version and rejects unknown keys, so a plan written by
-one version of autopar is never silently misread by another. This module imports only the
-standard library: the executor loads plans without the planner's dependencies.
+one version of autopar is never silently misread by another. Besides the standard-library
+registries (`autopar.axes`, `autopar.knobs`) it imports only `autopar.capability` (torch), not
+the planner's dependencies.
 """
 
 from __future__ import annotations
