@@ -354,7 +354,7 @@ def _check_schedule(plan) -> None:
 def comm_dtype_problem(dtype: str, backend: str) -> str | None:
     """What a backend cannot reduce in: gloo has no bf16 reductions (the space leaves bf16 out on
     CPU clusters, the executor refuses it on gloo)."""
-    if dtype == "bf16" and backend != "nccl":
+    if dtype == "bf16" and "nccl" not in backend:  # "cpu:gloo,cuda:nccl" reduces GPU tensors over NCCL
         return (f"grad_comm_dtype 'bf16' reduces gradients in bfloat16, which needs NCCL, not {backend}; "
                 f"use grad_comm_dtype 'fp16' or 'fp32' on this backend")
     return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 
 from autopar.cli.common import parse_model_args
 
@@ -31,7 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (multi-node)")
     p.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (multi-node)")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
-                   help="auto: NCCL when CUDA is available, else gloo")
+                   help="auto: NCCL when this node has a GPU for every rank, else gloo")
     p.add_argument("--trace", metavar="traces.jsonl", help="append the run's trace record here")
     p.add_argument("--timeout", type=float, metavar="S", help="end the job after S seconds (outcome 'timeout')")
     p.add_argument("--cluster", metavar="PRESET|FILE.json",
@@ -105,11 +106,10 @@ def _model_info(model_file, model_args: dict, dims: dict) -> dict:
 
 
 def _record(plan, spec, cluster, model, predicted, launched):
-    from autopar.executor.mesh import resolve_backend
     from autopar.traces import TraceRecord, current_versions
 
     result = launched.result or {}
-    backend = result.get("backend", resolve_backend(spec.backend))
+    backend = result.get("backend", spec.backend)
     gpu = result.get("device", cluster.gpu.name)
     return TraceRecord(
         cluster={"name": cluster.name, "nodes": spec.nnodes, "gpus_per_node": spec.nproc_per_node, "gpu": gpu,
@@ -141,8 +141,8 @@ def _show(console, record, launched, note: str) -> None:
         table.add_row("peak memory per rank", " ".join(f"{b / 1e9:.2f}" for b in m["peak_memory_bytes"]) + " GB", "")
         table.add_row("loss per step", " ".join(f"{x:.4f}" for x in m["losses"]), "")
         if "parity_max_rel_diff" in m:
-            table.add_row("parity vs 1 process", m.get("parity_verdict", f"max rel. diff {m['parity_max_rel_diff']:.1e}"),
-                          "")
+            table.add_row(f"parity vs 1 process ({m.get('parity_reference', 'cpu fp32')})",
+                          m.get("parity_verdict", f"max rel. diff {m['parity_max_rel_diff']:.1e}"), "")
         console.print(table)
     else:
         console.print(title, style="bold")
@@ -155,10 +155,10 @@ def _show(console, record, launched, note: str) -> None:
 def run(args) -> int:
     from rich.console import Console
 
-    from autopar.executor.data_parallel import check_backend
     from autopar.executor.launch import check_world_size, launch
-    from autopar.executor.preflight import preflight
     from autopar.executor.mesh import resolve_backend
+    from autopar.executor.preflight import preflight
+    from autopar.executor.support import check_supported
     from autopar.modelfile import load_model_file
     from autopar.plan import Plan
     from autopar.traces import append_record
@@ -166,7 +166,9 @@ def run(args) -> int:
     plan = Plan.load(args.plan)
     spec = _spec(args)
     check_world_size(plan, spec)
-    check_backend(plan, resolve_backend(spec.backend))
+    # the backend the workers will use, chosen once here: NCCL only with a GPU for every local rank
+    spec = replace(spec, backend=resolve_backend(spec.backend, spec.nproc_per_node))
+    check_supported(plan, spec.backend)
     model_args = parse_model_args(args.model_arg, None)
     model_file = load_model_file(args.model)
     console = Console()
@@ -182,4 +184,5 @@ def run(args) -> int:
     if args.trace:
         append_record(args.trace, record)
     _show(console, record, launched, note)
-    return 0 if launched.outcome == "ok" else 1
+    parity_ok = record.measured.get("parity_ok", True)  # --check-parity beyond the precision's tolerance fails
+    return 0 if launched.outcome == "ok" and parity_ok else 1

@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from autopar.errors import PlanError
+from autopar.executor.outcome import is_oom, killed_by, oom_kills
 from autopar.executor.worker import LAUNCHER_PID, failure_note
 from autopar.plan import Plan
 
@@ -108,7 +110,7 @@ def _deadline(seconds: float | None):
         signal.signal(signal.SIGALRM, previous)
 
 
-def _failure(err, result_path: Path) -> tuple[str, str]:
+def _failure(err, result_path: Path, oom_kills_before: int | None = None) -> tuple[str, str]:
     """(outcome, message) of the rank whose failure caused the others; its traceback is in its log.
 
     A rank that died of a signal (other than the agent's SIGTERM: the OOM killer, a segfault)
@@ -123,7 +125,7 @@ def _failure(err, result_path: Path) -> tuple[str, str]:
             notes[rank] = json.loads(note.read_text())
     if died:
         rank = min(died, key=lambda r: died[r].timestamp)
-        message = f"killed by {died[rank].signal_name()}"
+        message = killed_by(died[rank].signal_name(), oom_kills_before)
     elif notes:
         rank = min(notes, key=lambda r: notes[r]["time"])
         message = notes[rank]["message"].strip()
@@ -131,8 +133,7 @@ def _failure(err, result_path: Path) -> tuple[str, str]:
         rank, failure = err.get_first_failure()
         recorded = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
         message = recorded.strip() or f"exit code {failure.exitcode}"
-    oom = "OutOfMemoryError" in message or "out of memory" in message.lower()
-    return ("oom" if oom else "error"), f"rank {rank} failed: {message}"
+    return ("oom" if is_oom(message) else "error"), f"rank {rank} failed: {message}"
 
 
 def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult:
@@ -146,6 +147,7 @@ def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult
         result_path = Path(tmp) / "result.json"
         args = get_args_parser().parse_args(torchrun_argv(plan_path, model, model_args, spec, result_path))
         os.environ[LAUNCHER_PID] = str(os.getpid())  # workers inherit it: see worker._die_with_launcher
+        kills = oom_kills()
         try:
             with _deadline(spec.timeout_s):
                 run(args)
@@ -153,7 +155,7 @@ def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult
             return LaunchResult("timeout", f"the job did not finish within --timeout {spec.timeout_s:g} s",
                                 wall_s=time.perf_counter() - started)
         except ChildFailedError as err:
-            outcome, message = _failure(err, result_path)
+            outcome, message = _failure(err, result_path, kills)
             return LaunchResult(outcome, message, wall_s=time.perf_counter() - started)
         result = json.loads(result_path.read_text()) if result_path.exists() else None
         return LaunchResult("ok", result=result, wall_s=time.perf_counter() - started)

@@ -25,7 +25,7 @@ def choose_plans(workload, k: int, seed: int = 0, backend: str = "gloo") -> list
     random (seeded). Plans that do not fit, offload the optimizer, interleave, or reduce gradients
     in a dtype the backend lacks are left out; full recompute checkpoints every block."""
     from autopar.cost import PlanArrays, evaluate
-    from autopar.executor.data_parallel import check_backend
+    from autopar.executor.support import refusal
     from autopar.search.exhaustive import ExhaustivePlanner, distinct
     from autopar.search.space import enumerate_plans
 
@@ -45,11 +45,7 @@ def choose_plans(workload, k: int, seed: int = 0, backend: str = "gloo") -> list
                            f"{workload.cluster.name}")
 
     def runs_here(i: int) -> bool:
-        try:
-            check_backend(space.plan(i), backend)
-        except AutoparError:
-            return False
-        return True
+        return refusal(space.plan(i), backend) is None
 
     best = ExhaustivePlanner().propose(workload, 1)[0]
     best_row = PlanArrays.from_plans([best], workload.profile)
@@ -77,7 +73,7 @@ def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4
     if plans < 1 or repeats < 1 or not nprocs or nprocs[0] < 1:
         raise AutoparError(f"need --plans >= 1, --repeats >= 1 and process counts >= 1, got {plans}, {repeats} "
                            f"and {nprocs}")
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, max(nprocs))  # NCCL only with a GPU for every rank
     profile = profile_model(model, model_args, dtype=precision)
     base = load_cluster(cluster) if cluster else (load_cluster("cpu") if backend == "gloo" else detect())
     share = [plans // len(nprocs) + (1 if i < plans % len(nprocs) else 0) for i in range(len(nprocs))]
