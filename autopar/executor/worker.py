@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import os
 import signal
@@ -117,8 +118,12 @@ def _train(args: argparse.Namespace) -> None:
     dist.all_gather_object(gathered, (times[args.warmup:], peak_memory_bytes(par.device)))
     rank, backend, device = dist.get_rank(), dist.get_backend(), par.device
     dist.barrier()  # no rank closes its connections while a peer still uses them
+    # free the model (the reference needs the device's memory) while its groups still exist: the
+    # schedule's loss closure holds it in a cycle, which a later collection would tear down after
+    # the process group is gone
+    del par, local_inputs, local_targets, losses
+    gc.collect()
     dist.destroy_process_group()
-    del par, local_inputs, local_targets, losses  # the reference needs the device's memory
     if rank != 0:
         return
     measured = summarize([t for t, _ in gathered], [m for _, m in gathered], plan.global_batch,
