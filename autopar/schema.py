@@ -4,8 +4,9 @@ metadata), checked at the boundary before any value is used.
 Data files travel between teams: a schema checks types, ranges, finiteness, sizes and nesting
 depth, and its error names the field's path (``coefficients.link_efficiency.ib``,
 ``layer_split[0]``), so a bad file is one clear line instead of a traceback deep in the cost
-model or a silent "nan" plan. The plan, coefficient and workload-spec schemas are derived from
-their dataclasses' fields and types, so a knob added later is checked without an edit here.
+model or a silent "nan" plan. The plan schema is derived from the knob registry, the coefficient and
+workload-spec schemas from their dataclasses' fields and types, so a knob added later is checked
+without an edit here.
 The limits below also bound the work a request can ask for (GPU count, global batch), so no
 input makes autopar loop for hours. Standard library only: the executor loads plans with it.
 """
@@ -22,6 +23,7 @@ import typing
 from dataclasses import dataclass
 
 from autopar.errors import AutoparError
+from autopar.knobs import plan_fields
 
 MAX_DEPTH = 32  # nesting of any JSON document autopar reads (its own files stay under 6)
 MAX_ITEMS = 100_000  # entries of one list or object
@@ -298,13 +300,23 @@ PLAN_RANGES = {  # fields whose range is narrower than their type's
 }
 
 
-def plan_schema(plan_cls) -> Obj:
-    """The plan file: every Plan field, typed from the dataclass (knobs added later included)."""
-    return dataclass_schema(plan_cls, PLAN_RANGES)
+def _field_spec(f):
+    """The spec of a Plan field from its declared kind (`autopar.knobs.Field`)."""
+    if f.kind is tuple:
+        return List(Anything())
+    return _spec_for(f.kind, f.default)
 
 
-def check_plan_dict(d: dict, plan_cls, error: type[AutoparError]) -> dict:
-    return check(d, plan_schema(plan_cls), "plan", error)
+def plan_schema() -> Obj:
+    """The plan file: every field of the knob registry (`autopar.knobs.plan_fields`), typed from its
+    declared kind, so a knob declared later is checked without an edit here."""
+    specs = {f.name: _field_spec(f) for f in plan_fields()}
+    specs["layer_split"] = List(Anything())
+    return Obj({**specs, **PLAN_RANGES})
+
+
+def check_plan_dict(d: dict, error: type[AutoparError]) -> dict:
+    return check(d, plan_schema(), "plan", error)
 
 
 COEFFICIENT_RANGES = {

@@ -160,9 +160,11 @@ def _callbacks(cfg: TrainConfig, console, validation, reward, history: list, sta
 def metadata(cfg: TrainConfig, model, history: list, seconds: float | None = None) -> dict:
     from autopar.envs import ENV_ID
     from autopar.envs.features import observation_size
-    from autopar.envs.knobs import MAX_ACTIONS, space_signature
+    from autopar.envs.knobs import MAX_ACTIONS
+    from autopar.policies.fingerprint import fingerprint
 
-    return {"format": POLICY_FORMAT, "env_id": ENV_ID, "space_signature": space_signature(),
+    stamp = fingerprint()
+    return {"format": POLICY_FORMAT, "env_id": ENV_ID, "space_signature": stamp["space"], "fingerprint": stamp,
             "observation_size": observation_size(), "max_actions": MAX_ACTIONS, "versions": versions(),
             "command": "autopar train " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["train"]
             else " ".join(shlex.quote(a) for a in sys.argv), "config": asdict(cfg), "ppo": PPO_SETTINGS,

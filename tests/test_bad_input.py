@@ -141,7 +141,7 @@ def test_campaign_case_is_one_line_exit_2_and_touches_nothing(case, tmp_path, ca
 # -- resource bounds -----------------------------------------------------------------------------------------
 @given(n=st.integers(min_value=1, max_value=10**12))
 def test_divisors_are_exact_without_looping_to_n(n):
-    from autopar.search.space import divisors
+    from autopar.axes import divisors
 
     ds = divisors(n)
     assert ds == sorted(set(ds)) and ds[0] == 1 and ds[-1] == n and all(n % d == 0 for d in ds)

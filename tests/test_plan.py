@@ -97,3 +97,11 @@ def test_balanced_split_is_even_and_complete(blocks, stages):
 
 def test_device_blocks_assigns_virtual_stages_round_robin():
     assert device_blocks((1, 2, 3, 4), 2) == (4, 6)
+
+
+def test_older_names_of_a_field_still_read_as_their_one_name():
+    """Plans written with an earlier spelling of a field read as today's (one name everywhere)."""
+    d = plan().to_dict()
+    old = {("micro_batch" if k == "micro_batch_size" else "comm_dtype" if k == "grad_comm_dtype" else k): v
+           for k, v in d.items()}
+    assert "micro_batch_size" not in old and Plan.from_dict(old) == plan()

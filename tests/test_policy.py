@@ -162,3 +162,33 @@ def test_resume_without_a_checkpoint_and_a_json_output_are_refused(pool_file, tm
     err = capsys.readouterr().err.splitlines()
     assert "no checkpoint (step_N.zip)" in err[0] and "must not end in .json" in err[1] and len(err) == 2
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_shipped_policy_matches_this_space_and_cost_model():
+    """Fails when the registry, the action slots or the cost model (source or coefficients) changed
+    since the shipped policy was trained: retrain it with RETRAIN_COMMAND."""
+    from autopar.policies.fingerprint import RETRAIN_COMMAND, stale
+    from autopar.policies.load import default_policy_path, read_meta
+
+    changed = stale(read_meta(default_policy_path()))
+    assert changed == [], f"the shipped policy is stale ({', '.join(changed)} changed); retrain: {RETRAIN_COMMAND}"
+
+
+def test_a_policy_trained_on_an_older_cost_model_is_used_with_one_line_said(trained, tmp_path, capsys):
+    older = tmp_path / "older.zip"
+    with zipfile.ZipFile(trained) as src, zipfile.ZipFile(older, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename == META_ENTRY:
+                meta = json.loads(data)
+                meta["fingerprint"] = {**meta["fingerprint"], "cost": "0123456789abcdef"}
+                data = json.dumps(meta).encode()
+            dst.writestr(item, data)
+    assert main(["search", "gpt", "--model-arg", "size=tiny", "--nodes", "1", "--global-batch", "16",
+                 "--method", "rl", "--policy", str(older), "--json"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    notes = [line for line in err if line.startswith("note:")]
+    assert len(notes) == 1 and "older cost model" in notes[0] and "autopar train" in notes[0]
+    assert main(["search", "gpt", "--model-arg", "size=tiny", "--nodes", "1", "--global-batch", "16",
+                 "--method", "rl", "--policy", str(trained), "--json"]) == 0
+    assert "note:" not in capsys.readouterr().err

@@ -71,7 +71,7 @@ class Dataset:
             pa = g.plans
             for b in g.workload.profile.layers:
                 per = b.tp_fwd_flops / pa.tp + (b.fwd_flops - b.tp_fwd_flops)
-                best = max(best, float((pa.mbs * per).max(initial=0.0)))
+                best = max(best, float((pa.micro_batch_size * per).max(initial=0.0)))
         return best
 
     def max_buckets(self) -> int:
@@ -84,7 +84,7 @@ class Dataset:
             pa = g.plans
             dp = pa.dp > 1
             if dp.any():
-                grads = g.workload.profile.params * DTYPE_BYTES_BY_CODE[pa.comm] / (pa.tp * pa.pp)
+                grads = g.workload.profile.params * DTYPE_BYTES_BY_CODE[pa.grad_comm_dtype] / (pa.tp * pa.pp)
                 most = max(most, int(np.ceil(grads / (pa.bucket_mb * 2**20))[dp].max()))
         return most
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 
 from autopar.cli.common import add_profile_timeout_flag, parse_model_args
 from autopar.executor.launch import DEFAULT_TIMEOUT_S
@@ -32,7 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (multi-node)")
     p.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (multi-node)")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
-                   help="auto: NCCL when CUDA is available, else gloo")
+                   help="auto: NCCL when this node has a GPU for every rank, else gloo")
     p.add_argument("--trace", metavar="traces.jsonl", help="append the run's trace record here")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                    help=f"end the job after S seconds, outcome 'timeout'; also the collectives' timeout "
@@ -121,11 +122,10 @@ def _model_info(model_file, model_args: dict, profile) -> dict:
 
 
 def _record(plan, spec, cluster, model, predicted, launched):
-    from autopar.executor.mesh import resolve_backend
     from autopar.traces import TraceRecord, current_versions
 
     result = launched.result or {}
-    backend = result.get("backend", resolve_backend(spec.backend))
+    backend = result.get("backend", spec.backend)
     gpu = result.get("device", cluster.gpu.name)
     return TraceRecord(
         cluster={"name": cluster.name, "nodes": spec.nnodes, "gpus_per_node": spec.nproc_per_node, "gpu": gpu,
@@ -157,8 +157,8 @@ def _show(console, record, launched, note: str) -> None:
         table.add_row("peak memory per rank", " ".join(f"{b / 1e9:.2f}" for b in m["peak_memory_bytes"]) + " GB", "")
         table.add_row("loss per step", " ".join(f"{x:.4f}" for x in m["losses"]), "")
         if "parity_max_rel_diff" in m:
-            table.add_row("parity vs 1 process", m.get("parity_verdict", f"max rel. diff {m['parity_max_rel_diff']:.1e}"),
-                          "")
+            table.add_row(f"parity vs 1 process ({m.get('parity_reference', 'cpu fp32')})",
+                          m.get("parity_verdict", f"max rel. diff {m['parity_max_rel_diff']:.1e}"), "")
         console.print(table)
     else:
         console.print(title, style="bold")
@@ -177,13 +177,15 @@ def run(args) -> int:
     check_world_size(plan, spec)  # the flags and the plan, before torch is imported (seconds)
     from rich.console import Console
 
-    from autopar.executor.data_parallel import check_backend
     from autopar.executor.mesh import resolve_backend
     from autopar.executor.preflight import preflight
+    from autopar.executor.support import check_supported
     from autopar.modelfile import load_model_file
     from autopar.traces import append_record
 
-    check_backend(plan, resolve_backend(spec.backend))
+    # the backend the workers will use, chosen once here: NCCL only with a GPU for every local rank
+    spec = replace(spec, backend=resolve_backend(spec.backend, spec.nproc_per_node))
+    check_supported(plan, spec.backend)
     model_args = parse_model_args(args.model_arg, None)
     console = Console()
     cluster = _cluster(args, spec)
@@ -192,6 +194,7 @@ def run(args) -> int:
     preflight(plan, model_file, model_args)  # what apply() would refuse on every rank, refused now
     model = _model_info(model_file, model_args, profile)
     launched = launch(args.plan, args.model, model_args, spec)
+    record = None
     if args.node_rank == 0:  # rank 0, its measurement and the trace live on node 0
         record = _record(plan, spec, cluster, model, predicted, launched)
         if args.trace:
@@ -201,5 +204,7 @@ def run(args) -> int:
         console.print(f"node {args.node_rank}: {launched.outcome}")
     if launched.outcome != "ok":  # the last line: the failing rank and its own error
         print(f"autopar: run failed ({launched.outcome}): {launched.error}", file=sys.stderr, flush=True)
+        return 1
+    if record is not None and not record.measured.get("parity_ok", True):  # beyond the precision's tolerance
         return 1
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
@@ -57,6 +58,9 @@ def run(args) -> int:
     planner = get_planner(args.method, **planner_options(args))  # a bad method or option fails before profiling
     with console.status("profiling the model"):
         workload = load_workload(args)
+    note = getattr(planner, "stale_note", None)  # a policy trained against an older cost model
+    if note:
+        print(note, file=sys.stderr)
     # optuna shows its own progress bar; a spinner beside it would flicker
     status = contextlib.nullcontext() if args.method == "optuna" else console.status(f"searching ({args.method})")
     with status:

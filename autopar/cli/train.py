@@ -50,9 +50,10 @@ def add_parser(sub) -> None:
     m.add_argument("--budget", type=int, default=40, metavar="RUNS",
                    help="distinct plans measured at most, cached ones included (default 40)")
     m.add_argument("--restrict", action="append", default=[], metavar="KNOB=V1,V2",
-                   help="values a knob may take (repeatable; KNOB=* frees it). Defaults: zero=0,1,3 "
-                        "recompute=none,full schedule=1f1b sequence_parallel=false comm_dtype=fp32 bucket=25 "
-                        "mesh_order=first; dp/pp/tp and micro_batch vary")
+                   help="values a knob (a plan field) may take (repeatable; KNOB=* frees it). Defaults: "
+                        "zero=0,1,3 offload_optimizer=false recompute=none,full schedule=1f1b "
+                        "sequence_parallel=false grad_comm_dtype=fp32 bucket_mb=25 mesh_order=first; "
+                        "dp/pp/tp and micro_batch_size vary")
     m.add_argument("--steps", type=int, default=20,
                    help="timed steps per run; their median is the reward (default 20: runs cost their start-up)")
     m.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default 3)")

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from autopar.errors import PlanError
+from autopar.executor.outcome import is_oom, killed_by, oom_kills
 from autopar.executor.worker import LAUNCHER_PID, failure_note, heartbeat_file
 from autopar.plan import Plan
 
@@ -72,10 +72,9 @@ class _JobTimeout(Exception):
 
 def check_world_size(plan: Plan, spec: LaunchSpec) -> None:
     """Refuse, before starting anything, a plan made for another number of ranks."""
-    if plan.world_size != spec.world_size:
-        raise PlanError(f"the plan needs dp x tp x pp = {plan.dp} x {plan.tp} x {plan.pp} = {plan.world_size} "
-                        f"ranks but --nnodes {spec.nnodes} x --nproc-per-node {spec.nproc_per_node} = "
-                        f"{spec.world_size}; launch {plan.world_size} processes or use a plan for {spec.world_size}")
+    plan.dims.check_world(spec.world_size, f"--nnodes {spec.nnodes} x --nproc-per-node {spec.nproc_per_node} = "
+                          f"{spec.world_size}", f"launch {plan.world_size} processes or use a plan for "
+                          f"{spec.world_size}", needs="the plan needs ")
 
 
 def torchrun_argv(plan_path, model, model_args: dict, spec: LaunchSpec, result_path) -> list[str]:
@@ -215,7 +214,7 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _failure(err, result_path: Path, watch: _Watch) -> tuple[str, str]:
+def _failure(err, result_path: Path, watch: _Watch, oom_kills_before: int | None = None) -> tuple[str, str]:
     """(outcome, message) of the rank whose failure caused the others'.
 
     The rank whose process ended first caused the rest (its peers fail on the lost connection
@@ -231,7 +230,7 @@ def _failure(err, result_path: Path, watch: _Watch) -> tuple[str, str]:
         if failure is None:
             return "ended"
         if failure.signal_name() != "<N/A>":
-            return f"killed by {failure.signal_name()}"
+            return killed_by(failure.signal_name(), oom_kills_before)
         return f"exited with code {failure.exitcode} without raising (os._exit or sys.exit)"
 
     died = {rank: f for rank, f in err.failures.items() if f.signal_name() not in ("<N/A>", "SIGTERM")}
@@ -253,13 +252,7 @@ def _failure(err, result_path: Path, watch: _Watch) -> tuple[str, str]:
     else:
         rank, _ = err.get_first_failure()
     message = own_error(rank)
-    return ("oom" if _is_oom(message) else "rank_failed"), f"rank {rank} failed: {message}"
-
-
-def _is_oom(message: str) -> bool:
-    text = message.lower()
-    return any(s in text for s in ("outofmemoryerror", "out of memory", "memoryerror", "can't allocate memory",
-                                   "cannot allocate memory"))
+    return ("oom" if is_oom(message) else "rank_failed"), f"rank {rank} failed: {message}"
 
 
 def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult:
@@ -285,6 +278,7 @@ def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult
         def ended(outcome: str, error: str | None = None, result=None) -> LaunchResult:
             return LaunchResult(outcome, error, result, wall_s=time.perf_counter() - started)
 
+        kills = oom_kills()  # a SIGKILL while this count rises is the kernel's OOM killer
         try:
             with _deadline(spec.timeout_s):
                 run(args)
@@ -294,7 +288,7 @@ def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult
         except ChildFailedError as err:
             if watch.stopped:
                 return ended("timeout", watch.stopped)
-            return ended(*_failure(err, result_path, watch))
+            return ended(*_failure(err, result_path, watch, kills))
         except SignalException:
             raise KeyboardInterrupt from None
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import os
 import signal
@@ -125,7 +126,8 @@ def _train(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from autopar.executor.measure import peak_memory_bytes, summarize, synchronize, tokens_per_sample
-    from autopar.executor.parity import max_relative_difference, mismatch_causes, parity_verdict, reference_losses
+    from autopar.executor.parity import (deterministic, mismatch_causes, parity_report, parity_verdict,
+                                         reference_losses)
     from autopar.executor.train_step import apply
     from autopar.modelfile import load_model_file
     from autopar.plan import Plan
@@ -137,6 +139,8 @@ def _train(args: argparse.Namespace) -> None:
     if args.no_dropout:
         build = partial(_no_dropout, build)
     optimizer = partial(getattr(torch.optim, OPTIMIZERS[args.optimizer]), lr=args.lr)
+    if args.check_parity:  # the run and its reference alike
+        deterministic()
     par = apply(plan, build, optimizer, model_file.loss_fn,
                 tp_plan=model_file.tp_plan if model_file.has_tp_plan else None, blocks=model_file.blocks,
                 seed=args.seed, backend=args.backend, timeout_s=args.timeout)
@@ -155,22 +159,29 @@ def _train(args: argparse.Namespace) -> None:
     global_losses = par.global_losses(losses)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (times[args.warmup:], peak_memory_bytes(par.device)))
-    if dist.get_rank() == 0:
-        measured = summarize([t for t, _ in gathered], [m for _, m in gathered], plan.global_batch,
-                             tokens_per_sample(inputs))
-        measured["losses"] = global_losses
-        if args.check_parity:
-            batches = [(inputs, targets)] * len(global_losses)
-            reference = reference_losses(build, optimizer, model_file.loss_fn, batches, seed=args.seed)
-            measured["parity_max_rel_diff"] = max_relative_difference(global_losses, reference)
-            measured["parity_verdict"] = parity_verdict(measured["parity_max_rel_diff"],
-                                                        mismatch_causes(build(), plan))
-        result = {"measured": measured, "seq_len": tokens_per_sample(inputs), "backend": dist.get_backend(),
-                  "device": torch.cuda.get_device_name(par.device) if par.device.type == "cuda" else "cpu"}
-        with open(args.result, "w", encoding="utf-8") as f:
-            json.dump(result, f)
+    rank, backend, device = dist.get_rank(), dist.get_backend(), par.device
     dist.barrier()  # no rank closes its connections while a peer still uses them
+    # free the model (the reference needs the device's memory) while its groups still exist: the
+    # schedule's loss closure holds it in a cycle, which a later collection would tear down after
+    # the process group is gone
+    del par, local_inputs, local_targets, losses
+    gc.collect()
     dist.destroy_process_group()
+    if rank != 0:
+        return
+    measured = summarize([t for t, _ in gathered], [m for _, m in gathered], plan.global_batch,
+                         tokens_per_sample(inputs))
+    measured["losses"] = global_losses
+    if args.check_parity:  # on the plan's device and precision, now that no peer waits on this rank
+        reference = reference_losses(build, optimizer, model_file.loss_fn, [(inputs, targets)] * len(global_losses),
+                                     seed=args.seed, precision=plan.precision, device=device)
+        measured.update(parity_report(global_losses, reference, plan.precision, device))
+        measured["parity_verdict"] = parity_verdict(measured["parity_max_rel_diff"], mismatch_causes(build(), plan),
+                                                    plan.precision)
+    result = {"measured": measured, "seq_len": tokens_per_sample(inputs), "backend": backend,
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    with open(args.result, "w", encoding="utf-8") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":

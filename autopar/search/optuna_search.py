@@ -1,9 +1,10 @@
 """The Optuna baseline: a multivariate TPE study over the plan space, one cost-model
 evaluation per trial.
 
-A trial walks the space knob by knob (`sampling.KnobSpace`): for every knob it suggests an
-index into the knob's fixed universe, and the walk takes the valid choice nearest to it, so
-each parameter keeps one distribution across trials and every trial is a valid plan. Every
+A trial walks the space knob by knob (`autopar.search.space.sample`): for every decision it
+suggests a position in [0, 1] and the walk takes the valid choice nearest to it
+(`Knob.position_of`), so each parameter keeps one distribution across trials and every trial
+is a valid plan. Every
 trial suggests every knob, including the ones its plan ignores, so multivariate TPE models
 the knobs jointly. Plans that do not fit in memory are infeasible through a constraint (peak
 memory minus GPU memory). With a storage URL the study is resumable: `trials` is the study's
@@ -20,11 +21,15 @@ import json
 import time
 from contextlib import contextmanager
 
+import numpy as np
+
 from autopar.cost import PlanArrays, evaluate
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.search.base import Planner
-from autopar.search.sampling import KNOBS, KnobSpace, best_distinct, nearest
+from autopar.knobs import decisions
+from autopar.search.sampling import best_distinct, check_space, nearest
+from autopar.search.space import sample
 
 CONSTRAINT = "memory_over_gb"  # peak memory per GPU minus GPU memory: feasible when <= 0
 HEARTBEAT_S = 1  # a running trial's heartbeat on the study storage
@@ -46,14 +51,14 @@ class OptunaPlanner(Planner):
 
     def propose(self, workload, k: int = 1) -> list[Plan]:
         optuna = _import_optuna()
-        space = KnobSpace(workload)
+        check_space(workload)
         self.evaluations = 0
         with _quiet(optuna):
             study = self._study(optuna, workload)
             complete = (optuna.trial.TrialState.COMPLETE,)
             done = len(study.get_trials(deepcopy=False, states=complete))
             with _progress_bar(self.progress, done, self.trials) as advance:
-                self._fill_budget(study, lambda trial: self._objective(trial, space), advance)
+                self._fill_budget(study, lambda trial: self._objective(trial, workload), advance)
             trials = study.get_trials(deepcopy=False, states=complete)
         plans = [Plan.from_dict(t.user_attrs["plan"]) for t in trials]
         result = {"iteration_time": [t.value for t in trials],
@@ -86,18 +91,17 @@ class OptunaPlanner(Planner):
             _fail_orphans(study)
             time.sleep(HEARTBEAT_S / 2)
 
-    def _objective(self, trial, space: KnobSpace) -> float:
+    def _objective(self, trial, workload) -> float:
         _within_budget(trial, self.trials)
-        universe = space.universe
 
-        def suggest(name: str) -> float:
-            return universe[name][trial.suggest_int(name, 0, len(universe[name]) - 1)]
+        def choose(knob, choices) -> int:
+            positions = np.array([knob.position_of(c, choices) for c in choices])
+            return nearest(positions, _suggest(trial, knob))
 
-        plan = space.sample(lambda name, positions: nearest(positions, suggest(name)))
-        for name in KNOBS:
-            if name not in trial.params:
-                suggest(name)
-        workload = space.workload
+        plan = sample(workload, choose)
+        for knob in decisions():
+            if knob.name not in trial.params:
+                _suggest(trial, knob)
         res = evaluate(workload, PlanArrays.from_plans([plan], workload.profile))
         self.evaluations += 1
         peak = float(res["peak_memory"][0])
@@ -167,6 +171,15 @@ def _within_budget(trial, budget: int) -> None:
     if before >= budget:
         trial.study.stop()
         raise optuna.TrialPruned(f"the study's budget of {budget} trials is spent")
+
+
+def _suggest(trial, knob) -> float:
+    """A position in [0, 1]: one of the fixed slots of a categorical knob (TPE models them as
+    categories), any share of its range for a degree, micro-batch or recompute count."""
+    if knob.slots is not None:
+        n = len(knob.slots)
+        return trial.suggest_categorical(knob.name, list(range(n))) / max(n - 1, 1)
+    return trial.suggest_float(knob.name, 0.0, 1.0)
 
 
 def _study_key(workload) -> str:
