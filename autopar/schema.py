@@ -301,10 +301,10 @@ PLAN_RANGES = {  # fields whose range is narrower than their type's
 
 
 def _field_spec(f):
-    """The spec of a Plan field from its declared kind (`autopar.knobs.Field`)."""
-    if f.kind is tuple:
-        return List(Anything())
-    return _spec_for(f.kind, f.default)
+    """The spec of a Plan field from its declared kind (`autopar.knobs.Field`); tuple fields hold
+    names (a mesh order); a field whose default is None may be null."""
+    spec = List(Str()) if f.kind is tuple else _spec_for(f.kind, f.default)
+    return Opt(spec) if f.default is None else spec
 
 
 def plan_schema() -> Obj:

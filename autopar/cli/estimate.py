@@ -59,6 +59,7 @@ def _fit_cluster_to(args, world: int) -> int:
 def _plan_from_flags(args, workload):
     from autopar import axes
     from autopar.knobs import balanced_split, decisions, device_blocks
+    from autopar.plan import Plan
     from autopar.search.space import plan_of
 
     batch, dp, mbs = workload.global_batch, getattr(args, axes.derived_axis()), args.micro_batch_size
@@ -72,7 +73,8 @@ def _plan_from_flags(args, workload):
     if blocks is None:  # --recompute full: every block of the busiest pipeline rank
         pp, v = values["pp"], values["schedule"][1]
         values["recompute"] = (mode, max(device_blocks(balanced_split(workload.profile.num_layers, pp * v), pp)))
-    return plan_of(workload, values)
+    # through the plan file's schema: flags get the same ranges and finiteness checks as plan.json
+    return Plan.from_dict(plan_of(workload, values).to_dict())
 
 
 def _flag_value(k, given):
