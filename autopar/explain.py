@@ -2,19 +2,27 @@
 
 A reason an engineer can check: "pp=8: the best other pipeline depth (pp=4) is 18% slower",
 "recompute 3 blocks: none fits without recompute (94 GB > 80 GB)". Works for any planner's
-plan, since it only evaluates single-knob neighbours with the cost model.
+plan, since it only evaluates single-knob neighbours with the cost model. The rows are the
+registry's: one for the degrees of every axis together, one per other decision knob with an
+alternative (`autopar.knobs`); a neighbour keeps every other knob, moving a later one to its
+nearest valid choice only where the change leaves it invalid.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from autopar import axes
 from autopar.cost import PlanArrays, evaluate
 from autopar.errors import PlanError
-from autopar.plan import Plan
+from autopar.knobs import Knob, decisions, knobs
+from autopar.plan import Plan, degrees_text
 from autopar.search.simplicity import TIE, simplicity_key
-from autopar.search.space import (BUCKETS_MB, degree_choices, micro_batch_choices, recompute_choices,
-                                  schedule_choices)
+from autopar.search.space import choices, degree_choices, plan_of, values_of
+
+DEGREES = "degrees"  # the row of every axis at once: a degree moves only with another
 
 
 @dataclass(frozen=True)
@@ -24,73 +32,63 @@ class Reason:
     text: str  # what the best alternative would cost
 
 
+def _complete(workload, plan: Plan, values: dict, changed: str) -> Plan:
+    """The plan with `values`, its knobs from `changed` on moved to the nearest valid choice
+    where the change left their value invalid (a smaller micro-batch under more data
+    parallelism, 1F1B where interleaving no longer divides, fewer recomputed blocks)."""
+    out: dict = {}
+    started = False
+    for k in knobs():
+        started = started or k.name == changed or (changed == DEGREES and k.name in axes.AXES)
+        value = values[k.name]
+        if started and not (k.name in axes.AXES and changed == DEGREES):
+            opts = choices(workload, k, out)
+            if value not in opts:
+                value = opts[_nearest(k, value, opts)]
+        out[k.name] = value
+    fresh = plan_of(workload, out)
+    if (fresh.pp, fresh.virtual_stages) == (plan.pp, plan.virtual_stages) and plan.layer_split:
+        fresh = fresh.with_(layer_split=plan.layer_split)
+    return fresh
+
+
+def _nearest(k: Knob, value, opts: list) -> int:
+    positions = np.array([k.position_of(o, opts) for o in opts])
+    return int(np.argmin(np.abs(positions - k.position_of(value, opts))))
+
+
 def _variants(workload, plan: Plan) -> dict[str, list[tuple[str, Plan]]]:
-    batch = workload.global_batch
-    out: dict[str, list] = {"degrees": [], "micro-batch": [], "zero": [], "recompute": [], "schedule": [],
-                            "sequence parallel": [], "bucket": []}
-    for dp, tp, pp in degree_choices(workload):
-        if (dp, tp, pp) != (plan.dp, plan.tp, plan.pp):
-            mbs = max(m for m in micro_batch_choices(workload, dp) if m <= plan.micro_batch_size)
-            nmb = batch // (dp * mbs)
-            sched = plan.schedule if pp > 1 else "1f1b"
-            if sched == "interleaved":
-                sched = "1f1b"
-            rc = recompute_choices(workload, pp, 1)
-            keep = plan.recompute_blocks if plan.recompute != "full" else \
-                min(plan.recompute_blocks, max(n for mode, n in rc))
-            out["degrees"].append((f"dp{dp} tp{tp} pp{pp}", dict(
-                dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_micro_batches=nmb, schedule=sched,
-                virtual_stages=1, sequence_parallel=plan.sequence_parallel and tp > 1,
-                zero=plan.zero if dp > 1 else 0, offload_optimizer=plan.offload_optimizer and dp > 1,
-                recompute_blocks=keep, layer_split=())))
-    for mbs in micro_batch_choices(workload, plan.dp):
-        if mbs != plan.micro_batch_size:
-            out["micro-batch"].append((f"micro-batch {mbs}x{batch // (plan.dp * mbs)}", dict(
-                micro_batch_size=mbs, num_micro_batches=batch // (plan.dp * mbs))))
-    if plan.dp > 1:
-        out["zero"] = [(_zero_label(z), dict(zero=z, offload_optimizer=plan.offload_optimizer and z >= 2))
-                       for z in (0, 1, 2, 3) if z != plan.zero]
-        if plan.zero <= 1:
-            out["bucket"] = [(f"{b:g} MB buckets", dict(bucket_mb=b)) for b in BUCKETS_MB if b != plan.bucket_mb]
-    out["recompute"] = [(_recompute_label(m, n), dict(recompute=m, recompute_blocks=n))
-                        for m, n in recompute_choices(workload, plan.pp, plan.virtual_stages)
-                        if (m, n) != (plan.recompute, plan.recompute_blocks)]
-    out["schedule"] = [(s if v == 1 else f"interleaved:{v}", dict(schedule=s, virtual_stages=v, layer_split=()))
-                       for s, v in schedule_choices(workload, plan.pp, plan.num_micro_batches)
-                       if (s, v) != (plan.schedule, plan.virtual_stages)]
-    if plan.tp > 1:
-        out["sequence parallel"] = [("sequence parallel " + ("off" if plan.sequence_parallel else "on"),
-                                     dict(sequence_parallel=not plan.sequence_parallel))]
-    plans: dict[str, list[tuple[str, Plan]]] = {}
-    for knob, changes in out.items():
-        for label, change in changes:
-            try:
-                candidate = plan.with_(**change)
-                candidate.validate(workload)
-            except PlanError:
-                continue
-            plans.setdefault(knob, []).append((label, candidate))
-    return plans
+    """Per row of the Why table, the single-knob neighbours of the plan, labelled."""
+    values = values_of(plan)
+    out: dict[str, list[tuple[str, Plan]]] = {}
+
+    def add(row: str, label: str, change: dict) -> None:
+        try:
+            candidate = _complete(workload, plan, {**values, **change}, row)
+            candidate.validate(workload)
+        except (PlanError, IndexError):
+            return
+        if candidate != plan:
+            out.setdefault(row, []).append((label, candidate))
+
+    mine = {a: values[a] for a in axes.AXES}
+    for degrees in degree_choices(workload):
+        if degrees != mine:
+            add(DEGREES, degrees_text(degrees), degrees)
+    for k in decisions():
+        if k.name in axes.AXES:
+            continue
+        for value in choices(workload, k, values):
+            if value != values[k.name]:
+                add(k.name, k.text(value), {k.name: value})
+    return out
 
 
-def _zero_label(stage: int) -> str:
-    return "DDP (ZeRO-0)" if stage == 0 else f"ZeRO-{stage}"
-
-
-def _recompute_label(mode: str, blocks: int) -> str:
-    return {"none": "no recompute", "selective": "selective recompute"}.get(mode, f"full recompute of {blocks} blocks")
-
-
-def _chosen(plan: Plan, knob: str) -> str:
-    return {
-        "degrees": f"dp{plan.dp} tp{plan.tp} pp{plan.pp}",
-        "micro-batch": f"micro-batch {plan.micro_batching}",
-        "zero": _zero_label(plan.zero),
-        "recompute": _recompute_label(plan.recompute, plan.recompute_blocks),
-        "schedule": plan.schedule if plan.virtual_stages == 1 else f"interleaved:{plan.virtual_stages}",
-        "sequence parallel": "sequence parallel " + ("on" if plan.sequence_parallel else "off"),
-        "bucket": f"{plan.bucket_mb:g} MB buckets",
-    }[knob]
+def _chosen(plan: Plan, row: str) -> str:
+    if row == DEGREES:
+        return degrees_text({a: getattr(plan, a) for a in axes.AXES})
+    k = next(k for k in knobs() if k.name == row)
+    return k.text(k.value_of(plan))
 
 
 def explain(workload, plan: Plan, coeffs=None) -> list[Reason]:
@@ -127,8 +125,8 @@ def explain(workload, plan: Plan, coeffs=None) -> list[Reason]:
 
 def _excluded(profile) -> list[Reason]:
     """What the plan space leaves out for this model, and why (capability.model_limits)."""
-    labels = {"pp": ("degrees", "pp > 1"), "sp": ("sequence parallel", "sequence parallel on"),
-              "sp_off": ("sequence parallel", "sequence parallel off")}
+    labels = {"pp": (DEGREES, "pp > 1"), "sp": ("sequence_parallel", "sequence parallel on"),
+              "sp_off": ("sequence_parallel", "sequence parallel off")}  # rows named as the Why table's
     return [Reason(labels[k][0], "-", f"{labels[k][1]} not considered: {why}")
             for k, why in profile.limits.items() if k in labels]
 

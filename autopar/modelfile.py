@@ -93,7 +93,7 @@ class ModelFile:
         try:
             with torch.device("meta"):
                 model = call_with_model_args(self.module.build_model, **model_args)
-        except Exception as exc:
+        except BaseException as exc:  # sys.exit and interrupts from the model too
             if isinstance(exc, (NotImplementedError, RuntimeError)) and "meta" in str(exc).lower():
                 raise self.error("build_model() cannot run on the meta device", exc,
                                  "build the model without loading weights, calling .to()/.cuda() or "
@@ -115,7 +115,7 @@ class ModelFile:
         try:
             with torch.device(device):
                 batch = call_with_model_args(self.module.example_batch, batch_size, **model_args)
-        except Exception as exc:
+        except BaseException as exc:  # as in build
             raise self.error(f"example_batch({batch_size}) raised", exc) from exc
         if isinstance(batch, dict) and {"inputs", "targets"} <= batch.keys():
             batch = (batch["inputs"], batch["targets"])
@@ -271,9 +271,14 @@ def load_model_file(path) -> ModelFile:
     ``hf:PATH`` names a transformers config instead (:mod:`autopar.hf`)."""
     if hf.is_reference(path):
         return hf.load(path)
-    if not Path(path).exists() and str(path) in zoo.MODELS:
-        path = zoo.path(str(path))
-    path = Path(path).expanduser().resolve()
+    try:
+        if not Path(path).exists() and str(path) in zoo.MODELS:
+            path = zoo.path(str(path))
+        path = Path(path).expanduser().resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
+        raise ModelFileError(f"{path}: cannot resolve the model path ({_describe(exc)})") from None
+    if path.exists() and not path.is_file():
+        raise ModelFileError(f"{path}: not a regular file (a FIFO, device or directory); give the path of a model.py")
     if not path.is_file():
         known = ", ".join(zoo.MODELS)
         raise ModelFileError(f"{path}: no such model file; give the path of a model.py or a zoo model ({known})")
@@ -294,9 +299,9 @@ def load_model_file(path) -> ModelFile:
     sys.modules[name] = module  # dataclasses and pickling look classes up here
     try:
         exec(code, module.__dict__)
-    except Exception as exc:
+    except BaseException as exc:  # noqa: BLE001 - sys.exit, KeyboardInterrupt ...: one line, not an exit
         del sys.modules[name]
-        raise ModelFileError(f"{_where(exc, path)}: importing the model file raised {_describe(exc)}") from exc
+        raise ModelFileError(f"{_where(exc, path)}: importing the model file raised {_describe(exc)}") from None
     for required, fix in (("build_model", "define build_model(**model_args) returning an nn.Module"),
                           ("example_batch", "define example_batch(batch_size, **model_args) returning "
                                             "(inputs, targets)")):

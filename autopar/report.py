@@ -7,7 +7,9 @@ from rich.table import Table
 
 from autopar.cost import Estimate
 from autopar.explain import Reason, bottleneck
-from autopar.plan import Plan
+from autopar import axes
+from autopar.knobs import knobs
+from autopar.plan import Plan, degrees_text
 
 
 def _gb(x: float) -> str:
@@ -29,25 +31,19 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:,.1f}" if x < 100 else f"{x * 1e3:,.0f}"
 
 
+SHOWN = ("micro_batch_size", "num_micro_batches", "mesh_order")  # in the degrees and micro-batching rows
+
+
 def plan_table(plan: Plan) -> Table:
+    """One row for the degrees of every axis, then one per knob (`autopar.knobs`), in its words."""
     t = Table(title="Plan", show_header=False, title_justify="left")
     t.add_column("knob", style="bold")
     t.add_column("value")
-    rows = [
-        ("data / tensor / pipeline", f"dp={plan.dp} tp={plan.tp} pp={plan.pp}; mesh {','.join(plan.mesh_order)}, "
-                                     f"{plan.mesh_order[-1]} innermost"),
-        ("micro-batching", f"{plan.micro_batching} (size x count, per data-parallel rank)"),
-        ("ZeRO", {0: "0 (DDP)", 1: "1 (sharded optimizer)", 2: "2 (+ sharded gradients)",
-                  3: "3 (FSDP2, sharded parameters)"}[plan.zero]
-         + ("  + CPU offload" if plan.offload_optimizer else "")),
-        ("gradient buckets", f"{plan.bucket_mb:g} MB, reduced in {plan.grad_comm_dtype}"),
-        ("recompute", {"none": "none", "selective": "selective (attention core)"}.get(
-            plan.recompute, f"full, {plan.recompute_blocks} block(s) per pipeline rank")),
-        ("pipeline schedule", "-" if plan.pp == 1 else (
-            plan.schedule if plan.virtual_stages == 1 else f"interleaved 1F1B, {plan.virtual_stages} chunks per rank")),
-        ("sequence parallel", "on" if plan.sequence_parallel else "off"),
-        ("precision", plan.precision),
-    ]
+    degrees = degrees_text({a: getattr(plan, a) for a in axes.AXES})
+    rows = [(" / ".join(axes.AXES[a].label for a in axes.AXES),
+             f"{degrees}; mesh {','.join(plan.mesh_order)}, {plan.mesh_order[-1]} innermost"),
+            ("micro-batching", f"{plan.micro_batching} (size x count, per data-parallel rank)")]
+    rows += [(k.label, k.text(k.value_of(plan))) for k in knobs() if k.name not in axes.AXES and k.name not in SHOWN]
     if plan.layer_split:
         rows.append(("layer split", " ".join(map(str, plan.layer_split))))
     for k, v in rows:

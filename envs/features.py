@@ -14,14 +14,11 @@ import math
 
 import numpy as np
 
-from autopar.cost.arrays import DTYPE_BYTES
-from autopar.envs.knobs import INDEXED, KNOBS, LOG2_MAX_GPUS, MAX_ACTIONS, PlanSpace, StepInfo
-from autopar.plan import PRECISIONS, SCHEDULES
-from autopar.search.space import BUCKETS_MB, MAX_VIRTUAL_STAGES
+from autopar.envs.knobs import MAX_ACTIONS, PlanSpace, StepInfo
+from autopar.knobs import DTYPE_BYTES, LOG2_MAX_GPUS, PRECISIONS, STATE_BYTES_PER_PARAM, decisions, knobs
 
-FEATURE_VERSION = 2
+FEATURE_VERSION = 3
 BOUND = 5.0  # every feature is clipped to [-BOUND, BOUND]
-STATE_BYTES_PER_PARAM = 18  # 16-bit weights and gradients, fp32 master weights and two Adam moments
 TIME_CLOSE = 0.05  # the fine time feature resolves choices within 5% of the fastest
 SLOT_FEATURES = ("present", "allowed", "value", "relative", "memory", "time", "time_close", "fastest")
 WORKLOAD_FEATURES = (
@@ -34,8 +31,14 @@ WORKLOAD_FEATURES = (
 )
 
 
+def derived_counts() -> list[str]:
+    """The derived integer knobs (dp, micro-batches): features once the decisions fix them."""
+    return [k.name for k in knobs() if not k.decision and k.fields[0].kind is int]
+
+
 def observation_size() -> int:
-    return len(WORKLOAD_FEATURES) + 3 * len(KNOBS) + 2 + len(KNOBS) + MAX_ACTIONS * len(SLOT_FEATURES)
+    n = len(decisions())
+    return len(WORKLOAD_FEATURES) + 3 * n + len(derived_counts()) + n + MAX_ACTIONS * len(SLOT_FEATURES)
 
 
 def _log2(x: float) -> float:
@@ -85,52 +88,36 @@ def workload_features(workload) -> np.ndarray:
     return np.clip(np.array(values, dtype=np.float32), -BOUND, BOUND)
 
 
-def value_features(knob: str, value, choices: tuple) -> tuple[float, float]:
-    """(absolute, relative to the knob's range in this workload) for one choice."""
-    if knob in INDEXED:
-        top = max(choices)
-        return _log2(value) / LOG2_MAX_GPUS, (math.log(value) / math.log(top)) if top > 1 else 0.0
-    if knob == "zero":
-        return value[0] / 3, float(value[1])
-    if knob == "recompute":
-        mode, blocks = value
-        most = max((c[1] for c in choices), default=1) or 1
-        return ("none", "selective", "full").index(mode) / 2, blocks / most
-    if knob == "bucket":
-        return math.log(value / BUCKETS_MB[0]) / math.log(BUCKETS_MB[-1] / BUCKETS_MB[0]), 0.0
-    if knob == "schedule":
-        return SCHEDULES.index(value[0]) / 2, (value[1] - 1) / (MAX_VIRTUAL_STAGES - 1)
-    return float(value) / (5 if knob == "mesh_order" else 1), 0.0  # sp, comm dtype and mesh order codes
-
-
 def plan_features(space: PlanSpace, prefix: tuple) -> np.ndarray:
-    """Per knob: chosen or not and its value features; then the data-parallel degree and the
-    number of micro-batches once they are known."""
-    out = np.zeros(3 * len(KNOBS) + 2, dtype=np.float32)
+    """Per decision: chosen or not and its value features (`Knob.features`); then the derived
+    counts (data-parallel degree, micro-batches) once the decisions fix them."""
+    n = len(space.knobs)
+    derived = derived_counts()
+    out = np.zeros(3 * n + len(derived), dtype=np.float32)
     for s, value in enumerate(prefix):
-        out[3 * s:3 * s + 3] = (1.0, *value_features(KNOBS[s], value, space.step(prefix[:s]).values))
-    if len(prefix) >= 2:
-        dp = space.dp_of(prefix[0], prefix[1])
-        out[-2] = _log2(dp) / LOG2_MAX_GPUS
-        if len(prefix) >= 3:
-            out[-1] = _log2(space.workload.global_batch / (dp * prefix[2])) / LOG2_MAX_GPUS
+        out[3 * s:3 * s + 3] = (1.0, *space.knobs[s].features(value, space.step(prefix[:s]).values))
+    decided = space.decided(prefix)
+    for j, name in enumerate(derived):
+        if name in decided:
+            out[3 * n + j] = _log2(decided[name]) / LOG2_MAX_GPUS
     return out
 
 
 def slot_features(info: StepInfo, capacity: float) -> np.ndarray:
     """SLOT_FEATURES for each action slot of the current knob (zeros where no choice sits)."""
     out = np.zeros((MAX_ACTIONS, len(SLOT_FEATURES)), dtype=np.float32)
+    knob = next(k for k in decisions() if k.name == info.knob)
     best = info.time[info.allowed].min() if info.allowed.any() else 1.0
     for slot, value, ok, memory, time in zip(info.slots, info.values, info.allowed, info.memory, info.time):
         slower = math.log(time / best) if ok else math.inf  # 0 for the fastest lean completion
         rel_memory = math.log2(memory / capacity) if np.isfinite(memory) else 1.0
-        out[slot] = (1.0, float(ok), *value_features(info.knob, value, info.values), np.clip(rel_memory, -4, 1) / 4,
+        out[slot] = (1.0, float(ok), *knob.features(value, info.values), np.clip(rel_memory, -4, 1) / 4,
                      min(slower / math.log(8), 1.0), min(slower / TIME_CLOSE, 1.0), float(slower == 0))
     return out.reshape(-1)
 
 
 def observation(space: PlanSpace, prefix: tuple, workload_vector: np.ndarray) -> np.ndarray:
-    step = np.zeros(len(KNOBS), dtype=np.float32)
+    step = np.zeros(len(space.knobs), dtype=np.float32)
     step[len(prefix)] = 1.0
     info = space.step(prefix)
     obs = np.concatenate([workload_vector, plan_features(space, prefix), step, slot_features(info, space.capacity)])

@@ -1,15 +1,17 @@
 """The plan space of `autopar.search.space` as a sequence of decisions, one knob per step.
 
 The environment (training) and the RL planner (decoding) share this module, so a policy sees
-exactly the choices it was trained on. Each knob's choices given the earlier ones come from the
-space functions; each choice has a fixed action slot (`slot_of`), and `StepInfo.allowed` masks
-the slots that cannot lead to a plan of the space that fits in memory.
+exactly the choices it was trained on. The decisions are the knobs of `autopar.knobs` (derived
+ones, like dp, are never asked); each knob's choices given the earlier ones come from the one
+walker of the space (`autopar.search.space`); each choice has an action slot (`Knob.slot_of`),
+and `StepInfo.allowed` masks the slots that cannot lead to a plan of the space that fits in
+memory.
 
 The memory mask evaluates, with the vectorised cost model, every choice of the current knob
-completed by the *lean* values of the later knobs: the values among which the least memory of
-any completion is found. Memory does not grow as the micro-batch shrinks, with sequence
-parallelism, a smaller DDP bucket or a narrower gradient dtype, so those take their leanest
-value; tensor degree, ZeRO stage with offload, schedule and the recompute extremes (none,
+completed by the *lean* values of the later knobs (`Knob.lean`): the values among which the
+least memory of any completion is found. Memory does not grow as the micro-batch shrinks, with
+sequence parallelism, a smaller DDP bucket or a narrower gradient dtype, so those take their
+leanest value; degrees, ZeRO stage, offload, schedule and the recompute extremes (none,
 selective, one block, every block) interact with the pipeline split and are all kept. A choice
 is masked only when none of its lean completions fits, so every fitting plan of the space stays
 reachable, and at the last step (nothing left to complete) the mask is exact: every sequence
@@ -22,39 +24,29 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
+from autopar import axes
 from autopar.cost import PlanArrays, evaluate
-from autopar.cost.arrays import DTYPE_BYTES, MESH_ORDERS, SplitTable
-from autopar.plan import COMM_DTYPES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, Plan, balanced_split
-from autopar.search.space import (BUCKETS_MB, INNER, MAX_VIRTUAL_STAGES, _data_parallel_options, degree_choices,
-                                  micro_batch_choices, recompute_choices, schedule_choices)
+from autopar.cost.arrays import SplitTable
+from autopar.knobs import Knob, decisions, knobs
+from autopar.plan import Plan
+from autopar.search import space as walker
 
-KNOBS = ("pp", "tp", "micro_batch", "zero", "recompute", "bucket", "schedule", "sequence_parallel", "comm_dtype",
-         "mesh_order")
 MAX_ACTIONS = 64  # Discrete(MAX_ACTIONS): the longest choice list (degrees, micro-batches, recompute counts)
-ZERO_SLOTS = ((0, False), (1, False), (2, False), (2, True), (3, False), (3, True))  # (stage, CPU offload)
-SCHEDULE_SLOTS = (("gpipe", 1), ("1f1b", 1)) + tuple(("interleaved", v) for v in range(2, MAX_VIRTUAL_STAGES + 1))
-RECOMPUTE_SLOTS = 2  # slot 0: none, slot 1: selective, slot 2 + i: full recompute of the i-th count
-INDEXED = ("pp", "tp", "micro_batch")  # slot = position in the ascending list of this workload's choices
-# the data-parallel knobs are columns of space._data_parallel_options
-DP_COLUMNS = {"zero": (INNER.index("zero"), INNER.index("offload")), "bucket": (INNER.index("bucket_mb"),),
-              "sequence_parallel": (INNER.index("sp"),), "comm_dtype": (INNER.index("comm"),),
-              "mesh_order": (INNER.index("order"),)}
-LOG2_MAX_GPUS = 14.0  # 16,384 GPUs: the scale of every degree and micro-batch feature
 
 
 def space_signature() -> str:
-    """A digest of everything a trained policy depends on in the space: knob order, slot tables,
-    action count. A policy trained under another signature would read its actions differently."""
+    """A digest of everything a trained policy depends on in the space: the decisions in order,
+    their fields, slot tables and dependencies, the mesh orders, the action count and the
+    observation layout. A policy trained under another signature would read its actions differently."""
     from autopar.envs.features import FEATURE_VERSION, observation_size
 
-    spec = {"knobs": KNOBS, "max_actions": MAX_ACTIONS, "zero": ZERO_SLOTS, "schedule": SCHEDULE_SLOTS,
-            "recompute": [RECOMPUTE_SLOTS, RECOMPUTE_MODES], "buckets": BUCKETS_MB, "comm": COMM_DTYPES,
-            "mesh": MESH_ORDERS, "indexed": INDEXED, "features": [FEATURE_VERSION, observation_size()]}
-    return hashlib.sha256(json.dumps(spec, default=list).encode()).hexdigest()[:16]
+    spec = {"knobs": [[k.name, [[f.name, f.kind.__name__, f.values] for f in k.fields], k.slots, k.depends,
+                       k.decision, k.slot is not None] for k in knobs()],
+            "mesh": axes.mesh_orders(), "max_actions": MAX_ACTIONS, "features": [FEATURE_VERSION, observation_size()]}
+    return hashlib.sha256(json.dumps(spec, default=repr).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -90,84 +82,58 @@ def thin(values: list) -> list:
     return [values[i] for i in keep]
 
 
+def indexed(k: Knob) -> bool:
+    """Slots by position among the workload's choices (degrees, micro-batch), not fixed per value."""
+    return k.slots is None and k.slot is None
+
+
 class PlanSpace:
     """One workload's plan space as decisions. `step(prefix)` is memoised: every episode of a
-    workload starts with the same first decisions."""
+    workload starts with the same first decisions. A prefix holds the values of the first
+    decisions, in the order of `self.knobs`."""
 
     MEMO_LIMIT = 50_000
 
     def __init__(self, workload, coeffs=None):
         self.workload = workload
         self.coeffs = coeffs
+        self.knobs = decisions()
+        self.names = tuple(k.name for k in self.knobs)
         self.capacity = workload.memory_budget
         self.table = SplitTable(workload.profile)
         self._memo: dict[tuple, StepInfo] = {}
         self.evaluations = 0  # plans evaluated by the cost model for steps not yet memoised
 
-    # -- structural choices ------------------------------------------------------------------------
-    @cached_property
-    def degrees(self) -> list[tuple[int, int, int]]:
-        return degree_choices(self.workload)
+    def decided(self, prefix: tuple) -> dict:
+        """The knob values a prefix fixes, with the derived knobs (dp, micro-batches) they determine."""
+        out, given = {}, iter(prefix)
+        for k in knobs():
+            if k.decision:
+                value = next(given, _MISSING)
+                if value is _MISSING:
+                    break
+                out[k.name] = value
+            else:
+                out[k.name] = walker.choices(self.workload, k, out)[0]
+        return out
 
-    def pp_choices(self) -> list[int]:
-        return thin(sorted({pp for _, _, pp in self.degrees}))
-
-    def tp_choices(self, pp: int) -> list[int]:
-        return thin(sorted(tp for _, tp, p in self.degrees if p == pp))
-
-    def mbs_choices(self, dp: int) -> list[int]:
-        return thin(micro_batch_choices(self.workload, dp))
-
-    def recompute_choices(self, pp: int) -> list[tuple[str, int]]:
-        # interleaving needs blocks divisible by pp x v, so the busiest rank holds as many blocks
-        # as without it: the choices do not depend on the schedule chosen later
-        return recompute_choices(self.workload, pp, 1)
-
-    def schedule_choices(self, pp: int, nmb: int) -> list[tuple[str, int]]:
-        return schedule_choices(self.workload, pp, nmb)
-
-    def dp_rows(self, dp: int, tp: int) -> np.ndarray:
-        return _data_parallel_options(self.workload, dp, tp)
-
-    def dp_of(self, pp: int, tp: int) -> int:
-        return self.workload.world_size // (pp * tp)
-
-    # -- slots -------------------------------------------------------------------------------------
-    def slot_of(self, knob: str, value, choices: list) -> int:
-        """The action index of a choice: its position for the indexed knobs, else a fixed slot."""
-        if knob in INDEXED:
-            return choices.index(value)
-        if knob == "recompute":
-            mode = value[0]
-            if mode == "full":
-                return RECOMPUTE_SLOTS + [c for c in choices if c[0] == "full"].index(value)
-            return ("none", "selective").index(mode)
-        table = {"zero": ZERO_SLOTS, "bucket": BUCKETS_MB, "schedule": SCHEDULE_SLOTS}.get(knob)
-        return table.index(value) if table else int(value)  # sp, comm dtype and mesh order: codes
+    def dp_of(self, prefix: tuple) -> int:
+        return self.decided(prefix)[axes.derived_axis()]
 
     # -- the decision at a step ------------------------------------------------------------------------
     def choices(self, prefix: tuple) -> list:
-        """The structural choices of knob len(prefix) given the earlier ones, in slot order."""
-        knob, fixed = KNOBS[len(prefix)], dict(zip(KNOBS, prefix))
-        if knob == "pp":
-            return self.pp_choices()
-        pp = fixed["pp"]
-        if knob == "tp":
-            return self.tp_choices(pp)
-        dp = self.dp_of(pp, fixed["tp"])
-        if knob == "micro_batch":
-            return self.mbs_choices(dp)
-        if knob == "recompute":
-            return self.recompute_choices(pp)
-        if knob == "schedule":
-            return self.schedule_choices(pp, self.workload.global_batch // (dp * fixed["micro_batch"]))
-        rows = _filter_rows(self.dp_rows(dp, fixed["tp"]), fixed)
-        values = sorted({_row_value(knob, r) for r in rows})
-        return sorted(values, key=ZERO_SLOTS.index) if knob == "zero" else values
+        """The choices of decision len(prefix) given the earlier ones, in slot order."""
+        k = self.knobs[len(prefix)]
+        opts = walker.choices(self.workload, k, self.decided(prefix))
+        return thin(opts) if indexed(k) else sorted(opts, key=lambda v: k.slot_of(v, opts))
 
-    def advance(self, prefix: tuple, last: int = len(KNOBS)) -> tuple:
-        """Apply the knobs whose mask leaves a single choice, up to knob index `last`: they are
-        no decision (a model without a tensor-parallel plan never decides tp)."""
+    def slot_of(self, knob: str, value, choices: list) -> int:
+        return self.knobs[self.names.index(knob)].slot_of(value, choices)
+
+    def advance(self, prefix: tuple, last: int | None = None) -> tuple:
+        """Apply the decisions whose mask leaves a single choice, up to decision index `last`: they
+        are no decision (a model without a tensor-parallel plan never decides tp)."""
+        last = len(self.knobs) if last is None else last
         while len(prefix) < last:
             info = self.step(prefix)
             if info.allowed.sum() != 1:
@@ -186,7 +152,7 @@ class PlanSpace:
         return info
 
     def _step(self, prefix: tuple) -> StepInfo:
-        knob = KNOBS[len(prefix)]
+        k = self.knobs[len(prefix)]
         choices = self.choices(prefix)
         pa, cand = self._completions(prefix, choices)
         memory, time = np.full(len(choices), np.inf), np.full(len(choices), np.inf)
@@ -195,67 +161,28 @@ class PlanSpace:
             np.minimum.at(memory, cand, res["peak_memory"])
             fit = res["fits"]
             np.minimum.at(time, cand[fit], res["iteration_time"][fit])
-        slots = np.array([self.slot_of(knob, c, choices) for c in choices], dtype=np.int64)
-        return StepInfo(knob, tuple(choices), slots, np.isfinite(time), memory, time, len(pa))
+        slots = np.array([k.slot_of(c, choices) for c in choices], dtype=np.int64)
+        return StepInfo(k.name, tuple(choices), slots, np.isfinite(time), memory, time, len(pa))
 
     def _completions(self, prefix: tuple, choices: list, lean: bool = True) -> tuple[PlanArrays, np.ndarray]:
-        """Every choice of knob len(prefix) completed by the lean values of the later knobs (or by
-        all their values, lean=False), with the earlier ones fixed: the plans and, per plan, the
-        index of its choice."""
-        w, fixed = self.workload, dict(zip(KNOBS, prefix))
-        expand = KNOBS[len(prefix)]
-        index = {c: i for i, c in enumerate(choices)}
-        precision = PRECISIONS.index(w.precision)
-
-        def values(knob, structural, leanest):
-            if knob in fixed:
-                return [fixed[knob]]
-            return structural() if knob == expand or not lean else leanest()
-
-        cols: dict[str, list] = {name: [] for name in PlanArrays._columns()}
-        cand: list[np.ndarray] = []
-        for pp in values("pp", self.pp_choices, self.pp_choices):
-            for tp in values("tp", lambda: self.tp_choices(pp), lambda: self.tp_choices(pp)):
-                dp = self.dp_of(pp, tp)
-                rows = _filter_rows(self.dp_rows(dp, tp), fixed)
-                rows = _lean_rows(rows, expand) if lean else rows
-                all_rc = self.recompute_choices(pp)
-                rcs = values("recompute", lambda: all_rc, lambda: _lean_recompute(all_rc))
-                rc = np.array([(RECOMPUTE_MODES.index(m), k) for m, k in rcs], dtype=np.int64)
-                for mbs in values("micro_batch", lambda: self.mbs_choices(dp), lambda: [1]):
-                    nmb = w.global_batch // (dp * mbs)
-                    scheds = self.schedule_choices(pp, nmb)
-                    for schedule, v in values("schedule", lambda: scheds, lambda: scheds):
-                        split = self.table.add(pp, v, balanced_split(w.profile.num_layers, pp * v))
-                        size = len(rows) * len(rc)
-                        for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("mbs", mbs), ("nmb", nmb),
-                                            ("schedule", SCHEDULES.index(schedule)), ("v", v),
-                                            ("precision", precision), ("split", split)):
-                            cols[name].append(np.full(size, value, dtype=np.int64))
-                        for j, name in enumerate(INNER):
-                            cols[name].append(np.repeat(rows[:, j], len(rc)))
-                        cols["recompute"].append(np.tile(rc[:, 0], len(rows)))
-                        cols["recompute_blocks"].append(np.tile(rc[:, 1], len(rows)))
-                        outer = {"pp": pp, "tp": tp, "micro_batch": mbs, "schedule": (schedule, v)}
-                        if expand in outer:
-                            cand.append(np.full(size, index[outer[expand]]))
-                        elif expand == "recompute":
-                            cand.append(np.tile([index[r] for r in rcs], len(rows)))
-                        else:
-                            cand.append(np.repeat([index[_row_value(expand, r)] for r in rows], len(rc)))
-        if not cand:
+        """Every choice of decision len(prefix) completed by the lean values of the later decisions
+        (or by all their values, lean=False), with the earlier ones fixed: the plans and, per plan,
+        the index of its choice."""
+        pick = {name: _only(value) for name, value in zip(self.names, prefix)}
+        expand = self.names[len(prefix)]
+        pick[expand] = _among(choices)
+        if lean:
+            pick.update({k.name: k.lean for k in self.knobs[len(prefix) + 1:]})
+        w = walker.walk(self.workload, pick)
+        if w.size == 0:
             return PlanArrays.empty(self.table), np.zeros(0, dtype=np.int64)
-        a = {name: np.concatenate(parts) for name, parts in cols.items()}
-        for name in ("zero", "comm", "order"):
-            a[name] = a[name].astype(np.int64)
-        for name in ("offload", "sp"):
-            a[name] = a[name].astype(bool)
-        return PlanArrays(**a, splits=self.table), np.concatenate(cand).astype(np.int64)
+        index = np.array([choices.index(v) for v in w.values[expand]], dtype=np.int64)
+        return walker.to_arrays(w, self.table), index[w.codes[expand]]
 
     def best_completion(self, prefix: tuple) -> tuple | None:
-        """The knob values of the fastest fitting plan that starts with `prefix`, found
+        """The decision values of the fastest fitting plan that starts with `prefix`, found
         exhaustively (the expert that labels off-path decisions in training); None if none fits."""
-        if len(prefix) == len(KNOBS):
+        if len(prefix) == len(self.knobs):
             return prefix
         pa, _ = self._completions(prefix, self.choices(prefix), lean=False)
         if not len(pa):
@@ -267,63 +194,25 @@ class PlanSpace:
         return self.prefix_of(pa.plan(int(fit[np.argmin(res["iteration_time"][fit])])))
 
     # -- the finished plan -----------------------------------------------------------------------------
-    @staticmethod
-    def prefix_of(plan: Plan) -> tuple:
-        """The knob values that stand for a plan of the space (the inverse of `plan`)."""
-        return (plan.pp, plan.tp, plan.micro_batch_size, (plan.zero, plan.offload_optimizer),
-                (plan.recompute, plan.recompute_blocks), plan.bucket_mb, (plan.schedule, plan.virtual_stages),
-                plan.sequence_parallel, COMM_DTYPES.index(plan.grad_comm_dtype), MESH_ORDERS.index(plan.mesh_order))
+    def prefix_of(self, plan: Plan) -> tuple:
+        """The decision values that stand for a plan of the space (the inverse of `plan`)."""
+        values = walker.values_of(plan)
+        return tuple(values[name] for name in self.names)
 
     def plan(self, prefix: tuple) -> Plan:
         """The plan a complete sequence of choices stands for."""
-        c = dict(zip(KNOBS, prefix))
-        if len(c) != len(KNOBS):
-            raise ValueError(f"a plan needs all {len(KNOBS)} knobs, got {len(c)}")
-        dp = self.dp_of(c["pp"], c["tp"])
-        zero, offload = c["zero"]
-        (mode, blocks), (schedule, v) = c["recompute"], c["schedule"]
-        return Plan(dp=dp, tp=c["tp"], pp=c["pp"], micro_batch_size=c["micro_batch"],
-                    num_micro_batches=self.workload.global_batch // (dp * c["micro_batch"]),
-                    mesh_order=MESH_ORDERS[c["mesh_order"]], zero=zero, bucket_mb=c["bucket"], recompute=mode,
-                    recompute_blocks=blocks, schedule=schedule, virtual_stages=v,
-                    sequence_parallel=c["sequence_parallel"], precision=self.workload.precision,
-                    grad_comm_dtype=COMM_DTYPES[c["comm_dtype"]], offload_optimizer=offload)
+        if len(prefix) != len(self.knobs):
+            raise ValueError(f"a plan needs all {len(self.knobs)} decisions, got {len(prefix)}")
+        return walker.plan_of(self.workload, self.decided(prefix))
 
 
-def _row_value(knob: str, row: np.ndarray):
-    """A data-parallel knob's value in a row of space._data_parallel_options."""
-    if knob == "zero":
-        return int(row[DP_COLUMNS["zero"][0]]), bool(row[DP_COLUMNS["zero"][1]])
-    value = row[DP_COLUMNS[knob][0]]
-    return {"bucket": float, "sequence_parallel": bool}.get(knob, int)(value)
+_MISSING = object()
 
 
-def _filter_rows(rows: np.ndarray, fixed: dict) -> np.ndarray:
-    keep = np.ones(len(rows), dtype=bool)
-    for knob in DP_COLUMNS:
-        if knob in fixed:
-            keep &= np.array([_row_value(knob, r) == fixed[knob] for r in rows], dtype=bool)
-    return rows[keep]
+def _only(value):
+    return lambda choices: [c for c in choices if c == value]
 
 
-def _lean_rows(rows: np.ndarray, expand: str) -> np.ndarray:
-    """Per ZeRO stage and offload (and value of the expanded knob), the row with the least memory:
-    smallest bucket, narrowest gradient dtype, sequence parallel on (mesh order: memory-neutral)."""
-    z, off = DP_COLUMNS["zero"]
-    keys = [rows[:, z], rows[:, off]] + [rows[:, c] for c in DP_COLUMNS.get(expand, ())]
-    comm_bytes = np.array([DTYPE_BYTES[d] for d in COMM_DTYPES])[rows[:, INNER.index("comm")].astype(int)]
-    order = np.lexsort((rows[:, INNER.index("order")], -rows[:, INNER.index("sp")], comm_bytes,
-                        rows[:, INNER.index("bucket_mb")]))
-    _, first = np.unique(np.stack(keys, axis=1)[order], axis=0, return_index=True)
-    return rows[np.sort(order[first])]
-
-
-def _lean_recompute(choices: list) -> list:
-    """The recompute settings among which the least activation memory lies: memory is monotone in
-    the number of recomputed blocks, so the extremes of each mode suffice."""
-    fulls = [c for c in choices if c[0] == "full"]
-    return [c for c in choices if c[0] != "full"] + _unique(fulls[:1] + fulls[-1:])
-
-
-def _unique(values: list) -> list:
-    return list(dict.fromkeys(values))
+def _among(allowed: list):
+    keep = set(allowed)
+    return lambda choices: [c for c in choices if c in keep]

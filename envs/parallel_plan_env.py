@@ -1,6 +1,6 @@
 """`autopar/ParallelPlan-v0`: one episode plans one workload, one step decides one knob.
 
-Knobs come in the order of `autopar.envs.knobs.KNOBS`; a knob whose mask leaves a single choice
+Knobs come in the order of the registry's decisions (`autopar.knobs.decisions()`); a knob whose mask leaves a single choice
 is applied without asking (a model without a tensor-parallel plan never decides tp, a plan
 without data parallelism never decides ZeRO), except that an episode never ends at reset. The
 reward comes at the last step from a reward backend (`autopar.envs.rewards`).
@@ -13,7 +13,7 @@ import numpy as np
 from gymnasium import spaces
 
 from autopar.envs.features import BOUND, observation, observation_size, workload_features
-from autopar.envs.knobs import KNOBS, MAX_ACTIONS, PlanSpace
+from autopar.envs.knobs import MAX_ACTIONS, PlanSpace
 from autopar.envs.rewards import INVALID_REWARD, CostModelReward, RewardBackend
 from autopar.errors import NoValidPlanError
 
@@ -51,7 +51,7 @@ class ParallelPlanEnv(gym.Env):
         self._prefix = ()
         if not self._space.step(()).allowed.any():
             raise NoValidPlanError(f"no plan of the space fits {workload.describe()}")
-        self._prefix = self._space.advance((), last=len(KNOBS) - 1)
+        self._prefix = self._space.advance((), last=len(self._space.knobs) - 1)
         return self._get_obs(), self._get_info()
 
     def step(self, action):
@@ -61,7 +61,7 @@ class ParallelPlanEnv(gym.Env):
         except ValueError:
             return self._get_obs(), INVALID_REWARD, True, False, {**self._get_info(), "invalid_action": True}
         self._prefix = self._space.advance(self._prefix + (value,))
-        if len(self._prefix) < len(KNOBS):
+        if len(self._prefix) < len(self._space.knobs):
             return self._get_obs(), 0.0, False, False, self._get_info()
         plan = self._space.plan(self._prefix)
         reward = float(self.reward_backend(self._workload, plan))
@@ -79,7 +79,7 @@ class ParallelPlanEnv(gym.Env):
 
     def action_masks(self) -> np.ndarray:
         """The actions allowed now (sb3-contrib's MaskablePPO reads this)."""
-        if len(self._prefix) >= len(KNOBS):
+        if len(self._prefix) >= len(self._space.knobs):
             return np.ones(MAX_ACTIONS, dtype=bool)
         return self._space.step(self._prefix).mask()
 
@@ -98,4 +98,4 @@ class ParallelPlanEnv(gym.Env):
         return observation(self._space, self._prefix, self._features)
 
     def _get_info(self) -> dict:
-        return {"knob": KNOBS[len(self._prefix)] if len(self._prefix) < len(KNOBS) else None}
+        return {"knob": self._space.names[len(self._prefix)] if len(self._prefix) < len(self._space.knobs) else None}

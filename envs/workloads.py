@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from autopar.cluster import GPUS, PRESETS
+from autopar.knobs import STATE_BYTES_PER_PARAM  # to size clusters to models
 
 TRAIN_CLUSTERS = ("dgx-v100", "dgx-a100-40g", "dgx-a100-80g", "dgx-h100", "pcie-4090x8")
 HELDOUT_CLUSTERS = ("dgx-h200", "l40s-pcie")
@@ -29,7 +30,6 @@ MAX_TRAIN_GPUS = 512
 HELDOUT_SEED = 20_251_129
 HELDOUT_SIZE = 64
 MIN_BATCH = 16
-STATE_BYTES_PER_PARAM = 18  # mixed-precision Adam training state, to size clusters to models
 
 TRAIN_MODELS = {  # family -> (named sizes, sequence lengths; None: fixed by the model)
     "gpt": (("gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-350m", "gpt3-760m", "gpt3-1.3b",

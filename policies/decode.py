@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from autopar.envs.features import observation
-from autopar.envs.knobs import KNOBS, PlanSpace
+from autopar.envs.knobs import PlanSpace
 
 
 @dataclass(frozen=True)
@@ -17,9 +17,8 @@ class Decoded:
     probability: float = 1.0  # product of the policy's probabilities of its choices
     min_step: float = 1.0  # the least of those probabilities: the least certain decision
 
-    @property
-    def complete(self) -> bool:
-        return len(self.prefix) == len(KNOBS)
+    def complete(self, space: PlanSpace) -> bool:
+        return len(self.prefix) == len(space.knobs)
 
 
 def _expand(actor, space: PlanSpace, workload_vector, beams: list[Decoded]) -> list[Decoded]:
@@ -40,9 +39,9 @@ def _expand(actor, space: PlanSpace, workload_vector, beams: list[Decoded]) -> l
 def beam_search(actor, space: PlanSpace, workload_vector, width: int) -> list[Decoded]:
     """The `width` most probable complete decisions sequences (width 1: greedy decoding)."""
     pool = [Decoded(space.advance(()))]
-    while not all(d.complete for d in pool):
-        live = [d for d in pool if not d.complete]
-        pool = [d for d in pool if d.complete] + _expand(actor, space, workload_vector, live)
+    while not all(d.complete(space) for d in pool):
+        live = [d for d in pool if not d.complete(space)]
+        pool = [d for d in pool if d.complete(space)] + _expand(actor, space, workload_vector, live)
         best = sorted(pool, key=lambda d: -d.probability)[:width]
         pool = [replace(d, prefix=space.advance(d.prefix)) for d in best]
     return pool
@@ -54,7 +53,7 @@ def sample(actor, space: PlanSpace, workload_vector, k: int, rng: np.random.Gene
     found: dict[tuple, Decoded] = {}
     for _ in range(max_draws or 8 * k):
         d = Decoded(space.advance(()))
-        while not d.complete:
+        while not d.complete(space):
             info = space.step(d.prefix)
             obs = observation(space, d.prefix, workload_vector)[None]
             p = actor.probabilities(obs, info.mask()[None])[0]

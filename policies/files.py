@@ -13,6 +13,7 @@ import numpy as np
 from autopar.policies.load import ACTOR_ENTRY, META_ENTRY, NumpyActor
 
 from autopar.atomic import atomic_path
+from autopar.errors import AutoparError
 
 
 def actor_weights(model) -> dict[str, np.ndarray]:
@@ -48,6 +49,15 @@ def write_policy(model, path: Path, meta: dict) -> None:
         with zipfile.ZipFile(tmp, "a", compression=zipfile.ZIP_DEFLATED) as archive:
             archive.writestr(META_ENTRY, json.dumps(meta, indent=1))
             archive.writestr(ACTOR_ENTRY, actor.getvalue())
+
+
+def sidecar_path(output) -> Path:
+    """The metadata sidecar of a policy file: policy.zip -> policy.json (never the policy itself)."""
+    output = Path(output)
+    if output.suffix == ".json":
+        raise AutoparError(f"-o {output}: the policy file must not end in .json (its metadata sidecar is "
+                           f"{output.stem}.json); use -o {output.with_suffix('.zip')}")
+    return output.with_suffix(".json")
 
 
 def latest_checkpoint(directory: Path) -> tuple[Path, int] | None:

@@ -17,14 +17,14 @@ def demonstrations(pool: list, oracle, actor=None) -> tuple[np.ndarray, np.ndarr
     greedy choices, so the expert (the best completion, found exhaustively) also labels the
     states a policy drifts into, as DAgger does (Ross et al. 2011)."""
     from autopar.envs.features import observation, workload_features
-    from autopar.envs.knobs import KNOBS, PlanSpace
+    from autopar.envs.knobs import PlanSpace
 
     obs, masks, actions = [], [], []
     for w in pool:
         space, features = PlanSpace(w), workload_features(w)
         best = space.prefix_of(oracle.best(w)[1])
         prefix = space.advance(())
-        while len(prefix) < len(KNOBS):
+        while len(prefix) < len(space.knobs):
             info = space.step(prefix)
             target = best if best[:len(prefix)] == prefix else space.best_completion(prefix)
             o = observation(space, prefix, features)

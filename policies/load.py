@@ -9,7 +9,6 @@ NumPy: importing torch alone takes longer than the whole search budget.
 from __future__ import annotations
 
 import io
-import json
 import zipfile
 from importlib import resources
 from pathlib import Path
@@ -17,10 +16,14 @@ from pathlib import Path
 import numpy as np
 
 from autopar.errors import AutoparError
+from autopar.schema import POLICY_META_SCHEMA, check, loads
 
 META_ENTRY, ACTOR_ENTRY = "autopar_meta.json", "autopar_actor.npz"
 POLICY_FORMAT = "autopar-policy-1"
 DEFAULT_POLICY = "default_policy.zip"
+REQUIRED_WEIGHTS = tuple(f"{layer}.{part}" for layer in ("features_extractor.context.0", "features_extractor.slots.0",
+                                                         "features_extractor.joint.0", "action_net")
+                         for part in ("weight", "bias"))
 
 
 class PolicyError(AutoparError):
@@ -78,19 +81,18 @@ def read_meta(path) -> dict:
             if META_ENTRY not in archive.namelist() or ACTOR_ENTRY not in archive.namelist():
                 raise PolicyError(f"{path} is not an autopar policy (no {META_ENTRY} in the archive); "
                                   f"use a policy written by `autopar train`")
-            meta = json.loads(archive.read(META_ENTRY))
-    except zipfile.BadZipFile:
+            meta = loads(archive.read(META_ENTRY), f"{path}: {META_ENTRY}", PolicyError)
+    except (zipfile.BadZipFile, OSError, EOFError):
         raise PolicyError(f"{path} is not an autopar policy (not a zip archive); use a policy written by "
                           f"`autopar train`") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise PolicyError(f"{path}: {META_ENTRY} is not valid JSON; re-train the policy") from None
     if not isinstance(meta, dict) or meta.get("format") != POLICY_FORMAT:
         raise PolicyError(f"{path}: unknown policy format {meta.get('format') if isinstance(meta, dict) else meta!r}"
                           f"; this autopar reads {POLICY_FORMAT}")
-    return meta
+    return check(meta, POLICY_META_SCHEMA, f"{path}: {META_ENTRY}", PolicyError)
 
 
 def check_signature(meta: dict, path) -> None:
+    """Refuse a policy trained for another space: it would read its actions differently."""
     from autopar.envs.knobs import space_signature
 
     expected = space_signature()
@@ -105,7 +107,32 @@ def load_policy(path=None) -> NumpyActor:
     path = Path(path) if path is not None else default_policy_path()
     meta = read_meta(path)
     check_signature(meta, path)
-    with zipfile.ZipFile(path) as archive:
-        with np.load(io.BytesIO(archive.read(ACTOR_ENTRY))) as arrays:
-            weights = {name: arrays[name] for name in arrays.files}
-    return NumpyActor(weights, meta)
+    try:
+        with zipfile.ZipFile(path) as archive, np.load(io.BytesIO(archive.read(ACTOR_ENTRY))) as arrays:
+            weights = {name: arrays[name] for name in arrays.files}  # allow_pickle=False: arrays only
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
+        raise PolicyError(f"{path}: {ACTOR_ENTRY} cannot be read as plain arrays ({e}); re-train the policy") from None
+    return checked_actor(weights, meta, path)
+
+
+def checked_actor(weights: dict, meta: dict, path) -> NumpyActor:
+    """The actor, once its arrays are finite float matrices that chain from the observation size to
+    the action count the metadata states (a missing, reshaped or foreign weight is refused here,
+    not as a NumPy error in the middle of a search)."""
+    for name in REQUIRED_WEIGHTS:
+        if name not in weights:
+            raise PolicyError(f"{path}: the actor has no weight {name!r}; re-train the policy")
+    for name, w in weights.items():
+        if w.dtype.kind != "f" or w.ndim not in (1, 2) or not np.isfinite(w).all():
+            raise PolicyError(f"{path}: actor weight {name!r} must be a finite float vector or matrix, got "
+                              f"{w.dtype} of shape {w.shape}; re-train the policy")
+    try:
+        actor = NumpyActor(weights, meta)
+        logits = actor.logits(np.zeros((1, meta.get("observation_size", 0)), dtype=np.float32))
+    except (ValueError, KeyError, IndexError) as e:
+        raise PolicyError(f"{path}: the actor's weights do not fit together or the observation size "
+                          f"({e}); re-train the policy") from None
+    if logits.shape != (1, meta.get("max_actions", logits.shape[1])):
+        raise PolicyError(f"{path}: the actor gives {logits.shape[1]} action logits but the policy has "
+                          f"{meta.get('max_actions')} actions; re-train the policy")
+    return actor

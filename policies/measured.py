@@ -24,19 +24,25 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from autopar.envs.knobs import KNOBS, PlanSpace, StepInfo
+from autopar.envs.knobs import PlanSpace, StepInfo
 
+from autopar import axes
 from autopar.errors import AutoparError
-from autopar.plan import COMM_DTYPES
+from autopar.knobs import decisions
+from autopar.plan import ALIASES
 
-# knobs a restriction may name: the decision knobs, and dp (the data-parallel degree they imply)
-RESTRICTABLE = ("dp",) + KNOBS
+
+def restrictable() -> tuple[str, ...]:
+    """Knobs a restriction may name: the decisions, and the derived degree (dp) they imply."""
+    return (axes.derived_axis(),) + tuple(k.name for k in decisions())
+
+
 # the default restricted space: parallel degrees and micro-batch vary, ZeRO 0/1/3 without offload,
 # no / full recompute; the rest fixed (1F1B, no sequence parallelism, fp32 reduction, 25 MB
 # buckets, the first mesh order)
-DEFAULT_RESTRICT = {"zero": ("0", "1", "3"), "recompute": ("none", "full"), "schedule": ("1f1b",),
-                    "sequence_parallel": ("false",), "comm_dtype": ("fp32",), "bucket": ("25",),
-                    "mesh_order": ("first",)}
+DEFAULT_RESTRICT = {"zero": ("0", "1", "3"), "offload_optimizer": ("false",), "recompute": ("none", "full"),
+                    "schedule": ("1f1b",), "sequence_parallel": ("false",), "grad_comm_dtype": ("fp32",),
+                    "bucket_mb": ("25",), "mesh_order": ("first",)}
 MAX_PLANS = 100
 ROUND = 8  # plans measured per round
 BEAM_SHARE = 0.5  # of a round: from the policy's beam; the rest sampled from it
@@ -52,10 +58,11 @@ def parse_restrictions(items: list[str] | None, defaults: dict | None = None) ->
     for item in items or []:
         knob, sep, values = item.partition("=")
         knob = knob.strip().replace("-", "_")
+        knob = ALIASES.get(knob, knob)
         if not sep or not values.strip():
             raise AutoparError(f"--restrict takes KNOB=VALUE[,VALUE...], got {item!r}")
-        if knob not in RESTRICTABLE:
-            raise AutoparError(f"--restrict: unknown knob {knob!r}; choose from {', '.join(RESTRICTABLE)}")
+        if knob not in restrictable():
+            raise AutoparError(f"--restrict: unknown knob {knob!r}; choose from {', '.join(restrictable())}")
         vals = tuple(v.strip().lower() for v in values.split(",") if v.strip())
         if vals == ("*",):
             out.pop(knob, None)
@@ -65,26 +72,16 @@ def parse_restrictions(items: list[str] | None, defaults: dict | None = None) ->
 
 
 def label(knob: str, value) -> str:
-    """A knob value as `--restrict` spells it."""
-    if knob == "zero":
-        stage, offload = value
-        return f"{stage}+offload" if offload else str(stage)
-    if knob == "recompute":
-        mode, blocks = value
-        return mode if mode != "full" else f"full:{blocks}"
-    if knob == "schedule":
-        name, v = value
-        return name if name != "interleaved" else f"interleaved:{v}"
-    if knob == "bucket":
+    """A knob value as `--restrict` spells it: true/false, 25, pp-dp-tp, full:3, interleaved:2."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
         return f"{value:g}"
-    if knob == "sequence_parallel":
-        return str(bool(value)).lower()
-    if knob == "comm_dtype":
-        return COMM_DTYPES[int(value)]
-    if knob == "mesh_order":
-        from autopar.cost.arrays import MESH_ORDERS
-
-        return "-".join(MESH_ORDERS[int(value)])
+    if isinstance(value, tuple) and all(isinstance(v, str) for v in value):
+        return "-".join(value)
+    if isinstance(value, tuple):
+        name, count = value
+        return f"{name}:{count}" if name in ("full", "interleaved") else name
     return str(value)
 
 
@@ -110,20 +107,23 @@ class RestrictedSpace(PlanSpace):
         full = PlanSpace(workload, coeffs)
         self.prefixes: list[tuple] = []
         self._next: dict[tuple, set] = {}
+        dp = axes.derived_axis()
 
         def walk(prefix: tuple) -> bool:
-            if len(prefix) == len(KNOBS):
+            if len(prefix) == len(full.knobs):
                 if len(self.prefixes) >= max_plans:
                     raise AutoparError(f"the restricted space has more than {max_plans} plans; restrict more knobs "
                                        f"(--restrict KNOB=VALUES)")
                 self.prefixes.append(prefix)
                 return True
             info = full.step(prefix)
-            knob, wanted, found = KNOBS[len(prefix)], self.restrict.get(KNOBS[len(prefix)]), False
+            knob, found = full.names[len(prefix)], False
+            wanted = self.restrict.get(knob)
             for value, ok in zip(info.values, info.allowed):
                 if not ok or (wanted is not None and not _matches(knob, value, wanted, info.values)):
                     continue
-                if knob == "tp" and "dp" in self.restrict and str(full.dp_of(prefix[0], value)) not in self.restrict["dp"]:
+                implied = full.decided(prefix + (value,)).get(dp)
+                if dp in self.restrict and implied is not None and str(implied) not in self.restrict[dp]:
                     continue
                 if walk(prefix + (value,)):
                     self._next.setdefault(prefix, set()).add(value)
@@ -138,18 +138,19 @@ class RestrictedSpace(PlanSpace):
     def varying(self) -> dict[str, list[str]]:
         """The knobs that take more than one value across the space, with their values."""
         out = {}
-        for s, knob in enumerate(KNOBS):
+        for s, knob in enumerate(self.names):
             # recompute: "full" is every block of the busiest stage, whatever the count per pp
             vals = list(dict.fromkeys(p[s][0] if knob == "recompute" else label(knob, p[s]) for p in self.prefixes))
             if len(vals) > 1:
                 out[knob] = vals
-        dps = sorted({self.dp_of(p[0], p[1]) for p in self.prefixes})
+        dp = axes.derived_axis()
+        dps = sorted({self.dp_of(p) for p in self.prefixes})
         if len(dps) > 1:
-            out = {"dp": [str(d) for d in dps], **out}
+            out = {dp: [str(d) for d in dps], **out}
         return out
 
     def fixed(self) -> dict[str, str]:
-        return {knob: label(knob, self.prefixes[0][s]) for s, knob in enumerate(KNOBS)
+        return {knob: label(knob, self.prefixes[0][s]) for s, knob in enumerate(self.names)
                 if len({p[s] for p in self.prefixes}) == 1}
 
     def _step(self, prefix: tuple) -> StepInfo:
@@ -214,7 +215,7 @@ def demonstrations(space: PlanSpace, features, targets: list[tuple], weights: li
     obs, masks, actions = [], [], []
     for target, weight in zip(targets, weights):
         prefix = space.advance(())
-        while len(prefix) < len(KNOBS):
+        while len(prefix) < len(space.knobs):
             info = space.step(prefix)
             value = target[len(prefix)]
             for _ in range(weight):

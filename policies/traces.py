@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from autopar.policies.files import sidecar_path
 
+from autopar.atomic import write_text_atomic
 from autopar.errors import AutoparError
 
 DEFAULT_TIMESTEPS = 10_000  # fine-tuning from the shipped policy: the imitation does most of the work
@@ -46,6 +48,7 @@ class TraceTrainConfig:
     params: list | None = None  # coefficients to fit (default: those the traces identify)
     from_scratch: bool = False  # do not start from the shipped policy's weights
     replay: int = REPLAY  # workloads of the shipped policy's training distribution mixed into the pool
+    models: object = None  # autopar.traces.models.ModelSources: the model code records may be profiled with
 
 
 def file_digest(path) -> str:
@@ -151,6 +154,7 @@ def train_on_traces(tcfg: TraceTrainConfig, cfg, console) -> dict:
     from autopar.policies.train import train
 
     from autopar.calibrate import calibrate, job_mix
+    from autopar.traces.record import check_trace_file
     from autopar.calibrate.cluster_profile import write_cluster
 
     if not tcfg.traces:
@@ -159,20 +163,21 @@ def train_on_traces(tcfg: TraceTrainConfig, cfg, console) -> dict:
     if not 0 < tcfg.holdout < 1:
         raise AutoparError(f"--holdout must be a fraction between 0 and 1, got {tcfg.holdout}")
     for path in tcfg.traces:
-        if not Path(path).is_file():
-            raise AutoparError(f"trace file {path} not found")
+        check_trace_file(path)
     started = time.perf_counter()
 
     def say(msg: str) -> None:
         console.print(f"[dim]{msg}[/dim]", soft_wrap=True)
 
     result = calibrate(tcfg.traces, tcfg.cluster, allreduce=tcfg.allreduce, params=tcfg.params, seed=cfg.seed,
-                       progress=say)
+                       progress=say, models=tcfg.models)
+    for problem in result.problems:  # the rest of the file is used
+        console.print(f"autopar: warning: skipped malformed trace line {problem}", markup=False, soft_wrap=True)
     calibrated = result.cluster
     cal = calibration_summary(result)
     say(f"calibrated on {cal['rows']} rows: in-sample MAPE {cal['mape']:.2%}, Spearman {cal['spearman']:.4f}")
 
-    mix = job_mix(tcfg.traces, calibrated)
+    mix = job_mix(tcfg.traces, calibrated, tcfg.models)
     train_set, heldout = split_mix(mix, tcfg.holdout, cfg.seed)
     pool = expand(train_set, mix)
     train_shapes = sorted({shape_key(w.profile) for w in train_set})
@@ -219,5 +224,5 @@ def train_on_traces(tcfg: TraceTrainConfig, cfg, console) -> dict:
     # the held-out workloads are the validation set: progress figures only, nothing is selected on them
     meta = train(cfg, console, pool=pool, validation=heldout, start_from=start_from, finish=finish)
     meta["traces"]["wall_seconds"] = time.perf_counter() - started
-    Path(cfg.output).with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    write_text_atomic(sidecar_path(cfg.output), json.dumps(meta, indent=1) + "\n")
     return meta

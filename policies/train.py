@@ -17,9 +17,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-
-from autopar.policies.files import latest_checkpoint, numpy_actor, versions, write_policy
+from autopar.policies.files import latest_checkpoint, numpy_actor, sidecar_path, versions, write_policy
 from autopar.policies.load import POLICY_FORMAT
+
+from autopar.atomic import write_text_atomic
+from autopar.errors import AutoparError
 
 # fine-tuning settings: a small learning rate and entropy bonus keep PPO from undoing the imitation
 PPO_SETTINGS = dict(n_epochs=6, learning_rate=1e-4, gamma=1.0, gae_lambda=0.95, ent_coef=0.002, clip_range=0.2)
@@ -50,15 +52,16 @@ class TrainConfig:
 def load_pool(spec: str, seed: int, progress: bool) -> list:
     """The training workloads: `spec` is a pool size for the sampler or a JSON file of specs."""
     from autopar.envs.workloads import WorkloadSpec, training_workloads
-    from autopar.errors import AutoparError
+
+    from autopar.schema import MAX_ITEMS, List, check, loads, read_file, workload_spec_schema
 
     if spec.isdigit():
+        if not 1 <= int(spec) <= MAX_ITEMS:
+            raise AutoparError(f"--workloads {spec}: draw between 1 and {MAX_ITEMS} workloads")
         return training_workloads(int(spec), seed=seed, progress=progress)
-    try:
-        items = json.loads(Path(spec).read_text())
-        return [WorkloadSpec.from_dict(d).build() for d in items]
-    except (OSError, json.JSONDecodeError, TypeError, AttributeError) as e:
-        raise AutoparError(f"--workloads must be a number or a JSON list of workload specs; {spec}: {e}") from None
+    items = loads(read_file(spec, "--workloads file", AutoparError), spec, AutoparError)
+    items = check(items, List(workload_spec_schema(), max_len=MAX_ITEMS), spec, AutoparError)
+    return [WorkloadSpec.from_dict(d).build() for d in items]
 
 
 def validation_set(pool: list, n: int, seed: int) -> list:
@@ -94,8 +97,14 @@ def greedy_ratios(actor, workloads: list, reward) -> np.ndarray:
 
 # -- training -----------------------------------------------------------------------------------------------
 def _callbacks(cfg: TrainConfig, console, validation, reward, history: list, started_steps: int):
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from stable_baselines3.common.callbacks import BaseCallback
 
     class Trainer(BaseCallback):
@@ -139,7 +148,7 @@ def _callbacks(cfg: TrainConfig, console, validation, reward, history: list, sta
             cfg.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             write_policy(self.model, cfg.checkpoint_dir / f"step_{self.num_timesteps}.zip",
                          metadata(cfg, self.model, history))
-            (cfg.checkpoint_dir / "progress.json").write_text(json.dumps({"history": history}, indent=1))
+            write_text_atomic(cfg.checkpoint_dir / "progress.json", json.dumps({"history": history}, indent=1))
 
         def _on_training_end(self) -> None:
             self.progress.update(self.task, completed=self.num_timesteps)
@@ -151,9 +160,11 @@ def _callbacks(cfg: TrainConfig, console, validation, reward, history: list, sta
 def metadata(cfg: TrainConfig, model, history: list, seconds: float | None = None) -> dict:
     from autopar.envs import ENV_ID
     from autopar.envs.features import observation_size
-    from autopar.envs.knobs import MAX_ACTIONS, space_signature
+    from autopar.envs.knobs import MAX_ACTIONS
+    from autopar.policies.fingerprint import fingerprint
 
-    return {"format": POLICY_FORMAT, "env_id": ENV_ID, "space_signature": space_signature(),
+    stamp = fingerprint()
+    return {"format": POLICY_FORMAT, "env_id": ENV_ID, "space_signature": stamp["space"], "fingerprint": stamp,
             "observation_size": observation_size(), "max_actions": MAX_ACTIONS, "versions": versions(),
             "command": "autopar train " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["train"]
             else " ".join(shlex.quote(a) for a in sys.argv), "config": asdict(cfg), "ppo": PPO_SETTINGS,
@@ -171,19 +182,19 @@ def train(cfg: TrainConfig, console, *, pool: list | None = None, validation: li
     instead of chance, e.g. the shipped policy for fine-tuning; its timestep count restarts at 0.
     finish: `finish(model) -> dict`, called after training; its keys are added to the metadata."""
     import torch
+    from autopar.envs.parallel_plan_env import ParallelPlanEnv
+    from autopar.envs.rewards import CostModelReward
+    from autopar.policies.extractor import PlanFeaturesExtractor
+    from autopar.policies.imitation import imitation
     from sb3_contrib import MaskablePPO
     from stable_baselines3.common.logger import Logger
     from stable_baselines3.common.monitor import Monitor
     from stable_baselines3.common.vec_env import DummyVecEnv
     from torch import nn
 
-    from autopar.envs.parallel_plan_env import ParallelPlanEnv
-    from autopar.envs.rewards import CostModelReward
-    from autopar.policies.extractor import PlanFeaturesExtractor
-    from autopar.policies.imitation import imitation
-
     torch.set_num_threads(1)  # small networks: more threads only contend with the environment
     started = time.perf_counter()
+    resume = resume_point(cfg)  # before any work: --resume without a checkpoint is an error
     pool = pool if pool is not None else load_pool(cfg.workloads, cfg.seed, progress=True)
     reward = CostModelReward()
     from rich.progress import track
@@ -197,24 +208,22 @@ def train(cfg: TrainConfig, console, *, pool: list | None = None, validation: li
     env = DummyVecEnv([lambda: Monitor(ParallelPlanEnv(pool, reward))])
     env.seed(cfg.seed)
 
-    resume = latest_checkpoint(cfg.checkpoint_dir) if cfg.resume else None
-    progress_file = cfg.checkpoint_dir / "progress.json"
-    history = json.loads(progress_file.read_text())["history"] if resume and progress_file.is_file() else []
+    history = read_history(cfg.checkpoint_dir, console) if resume else []
+    # Weights and optimizer state come from a policy file through torch's weights_only loading
+    # (SB3's set_parameters); MaskablePPO.load would unpickle the file's `data` entry, so a crafted
+    # checkpoint could run code.
+    model = MaskablePPO("MlpPolicy", env, seed=cfg.seed, device="cpu", verbose=0, n_steps=cfg.n_steps,
+                        batch_size=min(MINIBATCH, cfg.n_steps), **PPO_SETTINGS,
+                        policy_kwargs=dict(features_extractor_class=PlanFeaturesExtractor,
+                                           net_arch=NET_ARCH, activation_fn=nn.ReLU))
     if resume:
-        model = MaskablePPO.load(resume[0], env=env, device="cpu")
+        load_weights(model, resume[0])
+        model.num_timesteps = resume[1]
         console.print(f"resuming from {resume[0]} ({resume[1]:,} timesteps done)", soft_wrap=True)
     else:
         if start_from is not None:
-            model = MaskablePPO.load(start_from, env=env, device="cpu", n_steps=cfg.n_steps,
-                                     batch_size=min(MINIBATCH, cfg.n_steps))
-            model.num_timesteps = 0
-            model.set_random_seed(cfg.seed)
+            load_weights(model, start_from)
             console.print(f"starting from the weights of {start_from}", soft_wrap=True)
-        else:
-            model = MaskablePPO("MlpPolicy", env, seed=cfg.seed, device="cpu", verbose=0, n_steps=cfg.n_steps,
-                                batch_size=min(MINIBATCH, cfg.n_steps), **PPO_SETTINGS,
-                                policy_kwargs=dict(features_extractor_class=PlanFeaturesExtractor,
-                                                   net_arch=NET_ARCH, activation_fn=nn.ReLU))
         if cfg.imitation_epochs:
             def report(round_: int, decisions: int, loss: float) -> None:
                 if validation:
@@ -242,5 +251,42 @@ def train(cfg: TrainConfig, console, *, pool: list | None = None, validation: li
         meta["train_seconds"] = time.perf_counter() - started
     output = Path(cfg.output)
     write_policy(model, output, meta)
-    output.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    write_text_atomic(sidecar_path(output), json.dumps(meta, indent=1) + "\n")
     return meta
+
+
+def resume_point(cfg: TrainConfig) -> tuple[Path, int] | None:
+    """The checkpoint --resume continues from; a killed save's temporary files are removed."""
+    if not cfg.resume:
+        return None
+    for stale in cfg.checkpoint_dir.glob(".step_*.zip.*.tmp"):
+        stale.unlink(missing_ok=True)
+    found = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir.is_dir() else None
+    if found is None:
+        raise AutoparError(f"--resume: no checkpoint (step_N.zip) in {cfg.checkpoint_dir}; train without --resume "
+                           f"to start from scratch")
+    return found
+
+
+def read_history(directory: Path, console) -> list:
+    """The evaluation history of a resumed run; a damaged progress.json costs the history only."""
+    from autopar.schema import Anything, List, Map, Obj, check, loads, read_file
+
+    try:
+        data = loads(read_file(directory / "progress.json", "progress file", AutoparError), "progress.json",
+                     AutoparError)
+        return check(data, Obj({"history": List(Map(Anything()))}, required=("history",)), "progress.json",
+                     AutoparError)["history"]
+    except AutoparError as e:
+        console.print(f"autopar: warning: {e}; the evaluation history restarts", markup=False, soft_wrap=True)
+        return []
+
+
+def load_weights(model, path) -> None:
+    """Policy and optimizer state from a policy file, without unpickling (weights_only tensors)."""
+    try:
+        model.set_parameters(str(path), exact_match=True, device="cpu")
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file: one line, whatever SB3 raised
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise AutoparError(f"cannot load the weights of {path}: {first}; use a policy or checkpoint written by "
+                           f"`autopar train`") from None

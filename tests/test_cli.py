@@ -54,13 +54,13 @@ def test_estimate_json_keys_and_consistency_with_search(capsys, tmp_path):
 
 
 def test_estimate_from_flags_and_memory_section(capsys):
-    code, out, _ = run_cli(capsys, "estimate", GPT, *TINY, "--dp", 2, "--tp", 2, "--pp", 2, "--micro-batch", 2,
+    code, out, _ = run_cli(capsys, "estimate", GPT, *TINY, "--dp", 2, "--tp", 2, "--pp", 2, "--micro-batch-size", 2,
                            "--global-batch", 16, "--recompute", "1", "--zero", 1, "--schedule", "interleaved:2",
                            "--sequence-parallel", "--bucket-mb", 5, "--json")
     assert code == 0
     plan = json.loads(out)["plan"]
     assert (plan["recompute"], plan["recompute_blocks"], plan["virtual_stages"]) == ("full", 1, 2)
-    code, out, _ = run_cli(capsys, "memory", GPT, *TINY, "--dp", 8, "--micro-batch", 4, "--json")
+    code, out, _ = run_cli(capsys, "memory", GPT, *TINY, "--dp", 8, "--micro-batch-size", 4, "--json")
     mem = json.loads(out)
     assert code == 0 and set(mem["memory_gb"]) >= {"weights", "gradients", "optimizer_states", "activations"}
     assert sum(mem["memory_gb"].values()) == pytest.approx(mem["peak_memory_gb"])
@@ -75,7 +75,7 @@ def bad_files(tmp_path):
         "cpu.py": ("import torch\ndef build_model():\n    return torch.nn.Linear(4, 4, device='cpu')\n"
                    "def example_batch(b):\n    return torch.randn(b, 4), torch.randn(b, 4)\n"),
         "bad_cluster.json": '{"preset": "dgx-a100-80g",',
-        "plan_unknown.json": json.dumps({**Plan(1, 1, 1, 1, 1).to_dict(), "foo": 2}),
+        "plan_unknown.json": json.dumps({**Plan(dp=1, tp=1, pp=1, micro_batch_size=1, num_micro_batches=1).to_dict(), "foo": 2}),
         "plan_4.json": Plan(dp=4, tp=1, pp=1, micro_batch_size=1, num_micro_batches=1).to_json(),
     }
     for name, text in files.items():
@@ -90,7 +90,7 @@ BAD_INPUTS = [
     (["search", "{d}/nobuild.py"], "no function build_model()"),
     (["search", "{d}/cpu.py"], "off the meta device"),
     (["search", GPT, *TINY, "--cluster", "nope"], "unknown cluster 'nope'"),
-    (["search", GPT, *TINY, "--cluster", "{d}/bad_cluster.json"], "invalid JSON at line 1 column 27"),
+    (["search", GPT, *TINY, "--cluster", "{d}/bad_cluster.json"], "not valid JSON (Expecting property name enclosed in double quotes at line 1 column 27)"),
     (["search", GPT, *TINY, "--nodes", "8", "--global-batch", "6"], "global batch 6 is not divisible"),
     (["search", GPT, "--model-arg", "size=1t", "--global-batch", "8"], "fits no plan on 8 x"),
     (["estimate", GPT, *TINY, "--plan", "{d}/plan_unknown.json"], "unknown plan key(s) ['foo']"),

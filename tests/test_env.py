@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from autopar.cost import estimate, evaluate
 from autopar.envs import ENV_ID
-from autopar.envs.knobs import KNOBS, MAX_ACTIONS, PlanSpace
+from autopar.envs.knobs import MAX_ACTIONS, PlanSpace
 from autopar.envs.parallel_plan_env import ParallelPlanEnv
 from autopar.envs.rewards import INVALID_REWARD
 from autopar.search.space import enumerate_plans
@@ -85,17 +85,17 @@ def test_masks_allow_exactly_the_fitting_plans(model, cluster, gpus, per_gpu, se
         return
     for _ in range(10):
         prefix = ()
-        while len(prefix) < len(KNOBS):
+        while len(prefix) < len(space.knobs):
             info = space.step(prefix)
             prefix += (info.values[rng.choice(np.flatnonzero(info.allowed))],)
         plan = space.plan(prefix)
         plan.validate(w)
         assert estimate(w, plan).fits
     for i in rng.choice(fits, size=min(25, len(fits)), replace=False):
-        prefix = PlanSpace.prefix_of(plans.plan(i))
-        for s in range(len(KNOBS)):
+        prefix = space.prefix_of(plans.plan(i))
+        for s in range(len(space.knobs)):
             info = space.step(prefix[:s])
-            assert info.allowed[info.values.index(prefix[s])], (plans.plan(i).describe(), KNOBS[s])
+            assert info.allowed[info.values.index(prefix[s])], (plans.plan(i).describe(), space.names[s])
 
 
 def test_heldout_set_is_fixed_and_apart_from_training():

@@ -53,6 +53,7 @@ CASES = {
     "zero2 dp4": ("gpt", _plan(dp=4, zero=2)),
     "zero3 tp2 dp2": ("gpt", _plan(dp=2, tp=2, zero=3)),
     "zero3 pp2 dp2": ("gpt", _plan(dp=2, pp=2, n=4, zero=3)),
+    "interleaved pp2 v2 dp2 zero3": ("gpt", _plan(dp=2, pp=2, n=4, schedule="interleaved", virtual_stages=2, zero=3)),
     "gpipe pp2 dp2": ("gpt", _plan(dp=2, pp=2, n=2, schedule="gpipe")),
     "pp2 dp2 zero1 uneven split, pp innermost": ("gpt", _plan(dp=2, pp=2, n=2, zero=1, layer_split=(1, 3),
                                                               mesh_order=("dp", "tp", "pp"))),
@@ -61,7 +62,7 @@ CASES = {
 }
 # (saved under, resumed under): checkpoint hot migration, AdamW state included
 MIGRATIONS = [("dp4", "pp2 tp2"), ("tp2 dp2", "interleaved pp2 v2 dp2"), ("zero3 fsdp2 dp4", "zero1 dp4"),
-              ("pp2 dp2 1f1b", "tp2 dp2 sequence parallel")]
+              ("pp2 dp2 1f1b", "tp2 dp2 sequence parallel"), ("interleaved pp2 v2 dp2 zero3", "dp4")]
 
 
 def sgd(params):
@@ -85,7 +86,7 @@ class Zoo:
 
     def apply(self, plan: dict, optimizer, seed=0):
         return apply(Plan.from_dict(plan), self.build, optimizer, self.file.loss_fn, tp_plan=self.file.tp_plan,
-                     blocks=self.file.blocks, seed=seed)
+                     blocks=self.file.blocks, seed=seed, backend="gloo")  # several ranks: never NCCL
 
     def train(self, par, steps):
         local = par.local_batch(*self.batch)

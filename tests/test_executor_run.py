@@ -33,6 +33,11 @@ def build_model(**kw):
 '''
 
 
+def ranks(n) -> list:
+    """Launch flags for n ranks on this machine: gloo pinned, since with fewer GPUs than ranks NCCL cannot run them."""
+    return ["--nproc-per-node", n, "--backend", "gloo"]
+
+
 def env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
@@ -61,7 +66,7 @@ def test_a_searched_plan_runs_on_4_ranks_and_writes_a_trace(tmp_path):
                     cwd=tmp_path)
     assert found.returncode == 0, found.stderr
     plan = Plan.load(tmp_path / "plan.json")
-    ran = autopar("run", "plan.json", "gpt", *TINY, "--nproc-per-node", plan.world_size, "--steps", 3,
+    ran = autopar("run", "plan.json", "gpt", *TINY, *ranks(plan.world_size), "--steps", 3,
                   "--warmup", 1, "--trace", "t.jsonl", "--cluster", "cpu", cwd=tmp_path)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "median step" in ran.stdout and "loss per step" in ran.stdout
@@ -81,12 +86,14 @@ def test_single_rank_run_checks_parity(tmp_path):
     ran = autopar("run", "p.json", "gpt", *TINY, "--steps", 2, "--warmup", 1, "--check-parity",
                   "--trace", "t.jsonl", cwd=tmp_path)
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    assert only_record(tmp_path / "t.jsonl").measured["parity_max_rel_diff"] < 1e-5
+    measured = only_record(tmp_path / "t.jsonl").measured
+    assert measured["parity_max_rel_diff"] < 1e-5 and measured["parity_ok"] is True
+    assert measured["parity_tolerance"] == 1e-5 and measured["parity_reference"] in ("cpu fp32", "cuda fp32")
 
 
 def test_a_plan_for_another_world_size_is_refused_before_launch(tmp_path):
     save_plan(tmp_path / "p.json", dp=2)
-    ran = autopar("run", "p.json", "gpt", *TINY, "--nproc-per-node", 4, "--trace", "t.jsonl", cwd=tmp_path, timeout=60)
+    ran = autopar("run", "p.json", "gpt", *TINY, *ranks(4), "--trace", "t.jsonl", cwd=tmp_path, timeout=60)
     assert ran.returncode == 2
     assert "needs dp x tp x pp = 2 x 1 x 1 = 2 ranks but --nnodes 1 x --nproc-per-node 4 = 4" in ran.stderr
     assert len(ran.stderr.strip().splitlines()) == 1 and not (tmp_path / "t.jsonl").exists()
@@ -102,7 +109,7 @@ def test_two_nodes_on_one_machine_match_one_process(tmp_path):
     """Every single-node plan matches the single-process losses (test_executor_parity); two
     launchers on this machine, dp across the "nodes", must match them too."""
     save_plan(tmp_path / "p.json", dp=2, tp=2)  # tp inside a node, dp across the two nodes
-    common = ["run", "p.json", "gpt", *TINY, "--steps", 2, "--warmup", 1, "--nproc-per-node", 2, "--nnodes", 2,
+    common = ["run", "p.json", "gpt", *TINY, "--steps", 2, "--warmup", 1, *ranks(2), "--nnodes", 2,
               "--master-addr", "127.0.0.1", "--master-port", _free_port()]
     node1 = autopar(*common, "--node-rank", 1, cwd=tmp_path, wait=False)
     node0 = autopar(*common, "--node-rank", 0, "--trace", "t.jsonl", "--check-parity", cwd=tmp_path)
@@ -121,29 +128,33 @@ def faulty_model(tmp_path, action: str) -> Path:
 @pytest.mark.parametrize("action,shown", [
     ('raise RuntimeError("injected failure on rank 1")', "rank 1 failed: RuntimeError: injected failure on rank 1"),
     ("os.kill(os.getpid(), 9)", "rank 1 failed: killed by SIGKILL"),  # e.g. the OOM killer
+    ("os._exit(9)", "rank 1 failed: exited with code 9 without raising (os._exit or sys.exit)"),
 ])
 def test_a_failing_rank_fails_the_job_quickly_and_is_named(tmp_path, action, shown):
     """Rank 0 fails too (its peer is gone); the message must name the cause, not the echo."""
     model = faulty_model(tmp_path, action)
     save_plan(tmp_path / "p.json", dp=2)
     started = time.monotonic()
-    ran = autopar("run", "p.json", model, *TINY, "--nproc-per-node", 2, "--trace", "t.jsonl", cwd=tmp_path)
-    assert time.monotonic() - started < 60
+    ran = autopar("run", "p.json", model, *TINY, *ranks(2), "--trace", "t.jsonl", cwd=tmp_path)
+    assert time.monotonic() - started < 120
     assert ran.returncode != 0
+    assert ran.stderr.strip().splitlines()[-1] == f"autopar: run failed (rank_failed): {shown}"
     assert shown in ran.stdout.replace("\n", " ")
     record = only_record(tmp_path / "t.jsonl")
-    assert record.outcome == "error" and record.error == shown
+    assert record.outcome == "rank_failed" and record.error == shown
 
 
 def test_a_rank_that_hangs_in_a_collective_times_out(tmp_path):
     model = faulty_model(tmp_path, "time.sleep(3600)")  # rank 0 waits for it in the all-reduce
     save_plan(tmp_path / "p.json", dp=2)
     started = time.monotonic()
-    ran = autopar("run", "p.json", model, *TINY, "--nproc-per-node", 2, "--timeout", 15, "--trace", "t.jsonl",
+    ran = autopar("run", "p.json", model, *TINY, *ranks(2), "--timeout", 45, "--trace", "t.jsonl",
                   cwd=tmp_path)
-    assert ran.returncode != 0 and time.monotonic() - started < 60
+    assert ran.returncode != 0 and time.monotonic() - started < 150  # profiling, then at most 45 s
     record = only_record(tmp_path / "t.jsonl")
-    assert record.outcome == "timeout" and "--timeout 15" in record.error
+    assert record.outcome == "timeout" and "--timeout 45" in record.error
+    assert "rank 1 was" in record.error and "faulty.py" in record.error, record.error  # the sleeper, not its peer
+    assert ran.stderr.strip().splitlines()[-1] == f"autopar: run failed (timeout): {record.error}"
 
 
 def _stat(pid) -> list[str]:
@@ -166,10 +177,10 @@ def _running(pid: int) -> bool:
 def test_kill_9_of_the_launcher_leaves_whole_lines_and_no_workers(tmp_path):
     save_plan(tmp_path / "p.json", dp=2)
     trace = tmp_path / "t.jsonl"
-    done = autopar("run", "p.json", "gpt", *TINY, "--nproc-per-node", 2, "--steps", 1, "--warmup", 0,
+    done = autopar("run", "p.json", "gpt", *TINY, *ranks(2), "--steps", 1, "--warmup", 0,
                    "--trace", trace, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    launcher = autopar("run", "p.json", "gpt", *TINY, "--nproc-per-node", 2, "--steps", 100000, "--trace", trace,
+    launcher = autopar("run", "p.json", "gpt", *TINY, *ranks(2), "--steps", 100000, "--trace", trace,
                        cwd=tmp_path, wait=False)
     deadline = time.monotonic() + 60
     while len(_children(launcher.pid)) < 2 and time.monotonic() < deadline:
@@ -184,6 +195,40 @@ def test_kill_9_of_the_launcher_leaves_whole_lines_and_no_workers(tmp_path):
     while any(map(_running, workers)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not any(map(_running, workers)), "orphaned workers kept running"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_stopped_rank_is_named_through_its_heartbeat_and_killed(tmp_path):
+    """SIGSTOP: the rank's peers wait in a collective, torchrun sees nothing fail; the heartbeat
+    goes stale, the launcher kills the stopped rank, and the record names it."""
+    from autopar.executor.launch import STALE_S
+
+    model = faulty_model(tmp_path, "os.kill(os.getpid(), 19)")  # SIGSTOP itself in its first forward
+    save_plan(tmp_path / "p.json", dp=2)
+    started = time.monotonic()
+    ran = autopar("run", "p.json", model, *TINY, *ranks(2), "--trace", "t.jsonl", cwd=tmp_path)
+    assert ran.returncode == 1 and time.monotonic() - started < STALE_S + 120
+    record = only_record(tmp_path / "t.jsonl")
+    assert record.outcome == "timeout" and record.error.startswith("rank 1 stopped responding"), record.error
+    assert ran.stderr.strip().splitlines()[-1] == f"autopar: run failed (timeout): {record.error}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigint_to_the_launcher_is_interrupted_130_and_ends_the_workers(tmp_path):
+    save_plan(tmp_path / "p.json", dp=2)
+    launcher = subprocess.Popen([sys.executable, "-m", "autopar", "run", "p.json", "gpt", *TINY, *map(str, ranks(2)),
+                                 "--steps", "100000", "--trace", "t.jsonl"], cwd=tmp_path, env=env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while len(_children(launcher.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    workers = _children(launcher.pid)
+    assert len(workers) == 2, "workers did not start"
+    time.sleep(3)
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130 and err.strip().splitlines()[-1] == "autopar: interrupted", err[-2000:]
+    assert not any(map(_running, workers)), "workers outlived the launcher"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA out-of-memory needs a GPU")
@@ -213,7 +258,7 @@ def test_measured_reward_is_cached_by_workload_and_plan(tmp_path, monkeypatch):
     repeated = reward.run(plan)  # a repeated run (traces collect --repeats) measures again
     assert not repeated["cached"] and len(read_records(tmp_path / "t.jsonl")[0]) == 2
     for call in (reward, reward.run):
-        with pytest.raises(Exception, match="plan is for 2 ranks"):
+        with pytest.raises(Exception, match="= 2 ranks but this reward backend runs 1"):
             call(plan.with_(dp=2))
 
 

@@ -16,10 +16,10 @@ from torch.utils.data import DistributedSampler
 
 from autopar.errors import PlanError
 from autopar.executor.data import local_share
-from autopar.executor.data_parallel import check_backend
 from autopar.executor.launch import LaunchSpec, check_world_size, torchrun_argv
 from autopar.executor.measure import summarize, tokens_per_sample
 from autopar.executor.mesh import resolve_backend
+from autopar.executor.support import check_supported
 from autopar.executor.parity import reference_losses
 from autopar.executor.pipeline import cut_stages, rank_view, stage_ids
 from autopar.executor.tensor_parallel import GatherSequence, tp_styles
@@ -122,8 +122,8 @@ def test_refusals_before_launch():
                                         r"--nproc-per-node 4 = 4"):
         check_world_size(plan(dp=2), LaunchSpec(nproc_per_node=4))
     with pytest.raises(PlanError, match="needs NCCL"):
-        check_backend(plan(dp=2, grad_comm_dtype="bf16"), "gloo")
-    check_backend(plan(dp=2, grad_comm_dtype="fp16"), "gloo")
+        check_supported(plan(dp=2, grad_comm_dtype="bf16"), "gloo")
+    check_supported(plan(dp=2, grad_comm_dtype="fp16"), "gloo")
     if not torch.cuda.is_available():
         with pytest.raises(PlanError, match="'nccl' needs CUDA"):
             resolve_backend("nccl")
@@ -160,39 +160,67 @@ def test_single_rank_apply_matches_the_plain_loop(one_rank_world):
     assert losses[2] < losses[0]
 
 
+def _selective_run(block, x):
+    """Run `block` under selective checkpointing; (ops recomputed, their FLOPs, bytes of outputs kept)."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.flop_counter import flop_registry
+
+    from autopar.executor.checkpointing import SelectivePolicy
+
+    recomputed, flops, kept = [], 0, 0
+    selective = SelectivePolicy()
+
+    def policy(ctx, op, *a, **k):
+        nonlocal flops, kept
+        decision = selective(ctx, op, *a, **k)
+        if not ctx.is_recompute:
+            out = op(*a, **k) if decision.name == "MUST_SAVE" or op._overloadpacket in flop_registry else None
+            if decision.name == "PREFER_RECOMPUTE":
+                recomputed.append(op._overloadpacket.__name__)
+                if op._overloadpacket in flop_registry:
+                    flops += flop_registry[op._overloadpacket](*a, **k, out_val=out)
+            elif not op.is_view:  # views share their base's storage: no new bytes
+                kept += sum(t.nbytes for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return decision
+
+    torch.manual_seed(0)
+    out = checkpoint(block, x, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    return recomputed, flops, kept
+
+
 @pytest.mark.parametrize("dims", [{"hidden": 256, "seq_len": 64}, {"hidden": 128, "seq_len": 48}],
                          ids=["head size = seq len", "head size < seq len"])
 def test_selective_recompute_redoes_what_the_profile_counts_as_the_attention_core(dims):
     """The executor's selective-checkpoint policy recomputes exactly the attention core the cost
     model charges for: the same FLOPs as the profile's attn_core_flops, and nothing outside it
-    (no GEMM of a linear layer, no LayerNorm, GeLU or residual)."""
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-    from torch.utils.flop_counter import flop_registry
-
-    from autopar.executor.checkpointing import _selective_policy
+    (no GEMM of a linear layer, no LayerNorm, GeLU or residual) but the dropouts."""
     from autopar.profile import profile_model
 
-    args = {"size": "tiny", "layers": 1, **dims}
+    args = {"size": "tiny", "layers": 1, "dropout": 0.1, **dims}
     block = GPT.blocks(build_full_model(lambda: GPT.build(**args), 0))[0]
-    batch = 3
-    recomputed, flops = [], 0
-
-    def policy(ctx, op, *a, **k):
-        nonlocal flops
-        decision = _selective_policy(ctx, op, *a, **k)
-        if not ctx.is_recompute and decision.name == "PREFER_RECOMPUTE":
-            recomputed.append(op._overloadpacket.__name__)
-            if op._overloadpacket in flop_registry:
-                out = op(*a, **k)
-                flops += flop_registry[op._overloadpacket](*a, **k, out_val=out)
-        return decision
-
-    x = torch.randn(batch, dims["seq_len"], dims["hidden"], requires_grad=True)
-    out = checkpoint(block, x, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(policy))
-    out.sum().backward()
+    x = torch.randn(3, dims["seq_len"], dims["hidden"], requires_grad=True)
+    recomputed, flops, _ = _selective_run(block, x)
     core = ["bmm", "mul", "masked_fill", "_softmax", "empty_like", "bernoulli_", "div_", "mul", "bmm"]
-    mask = ["empty_like", "bernoulli_", "div_"]  # the residual dropouts' masks: refilled, not kept
-    assert recomputed == core + mask + mask
+    dropout = ["empty_like", "bernoulli_", "div_", "mul"]  # the residual dropouts: noise and product redone
+    assert recomputed == core + dropout + dropout
     layer = profile_model("gpt", args, dtype="fp32").layers[0]
-    assert flops == batch * layer.attn_core_flops
-    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert flops == 3 * layer.attn_core_flops
+
+
+def test_selective_recompute_keeps_the_same_tensors_with_cuda_kernels(monkeypatch):
+    """CUDA runs dropout as one native_dropout op (output and mask): it is redone whole, as the
+    CPU's noise fill and multiply are, so selective recompute keeps the same bytes on a GPU as
+    here (the profiler's CUDA dropout, patched in, dispatches what CUDA does)."""
+    from autopar.profile.kernels import _dropout
+
+    args = {"size": "tiny", "layers": 1, "dropout": 0.1, "hidden": 128, "seq_len": 48}
+    block = GPT.blocks(build_full_model(lambda: GPT.build(**args), 0))[0]
+    x = torch.randn(3, 48, 128, requires_grad=True)
+    cpu_ops, cpu_flops, cpu_kept = _selective_run(block, x)
+    x.grad = None
+    monkeypatch.setattr(torch.nn.functional, "dropout", _dropout)
+    cuda_ops, cuda_flops, cuda_kept = _selective_run(block, x)
+    assert cuda_ops.count("native_dropout") == 3 and "bernoulli_" not in cuda_ops  # attention + 2 residual
+    assert cuda_flops == cpu_flops and cuda_kept == cpu_kept > 0

@@ -83,7 +83,7 @@ def _sgd(params):
 def _train(model, args, plan, steps=STEPS):
     model_file, build, batch = _case(model, args)
     par = apply(plan, build, _sgd, model_file.loss_fn, tp_plan=model_file.tp_plan if model_file.has_tp_plan else None,
-                blocks=model_file.blocks)
+                blocks=model_file.blocks, backend="gloo")  # several ranks: never NCCL
     local = par.local_batch(*batch)
     return par.global_losses([par.train_step(*local) for _ in range(steps)])
 
@@ -178,7 +178,7 @@ def test_autopar_run_checks_parity_of_an_hf_model_through_torchrun(refs, tmp_pat
     _plan(dp=2, pp=2, n=2).save(tmp_path / "p.json")
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent), "OMP_NUM_THREADS": "1"}
     ran = subprocess.run([sys.executable, "-m", "autopar", "run", "p.json", refs["gemma2"], "--nproc-per-node", "4",
-                          "--steps", "2", "--warmup", "0", "--check-parity", "--no-dropout", "--cluster", "cpu"],
+                          "--backend", "gloo", "--steps", "2", "--warmup", "0", "--check-parity", "--no-dropout", "--cluster", "cpu"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "matches one process" in ran.stdout

@@ -61,8 +61,8 @@ def model():
 
 def test_restricted_space_is_small_and_its_masks_exact(space):
     assert 1 < len(space.prefixes) <= 100
-    assert set(space.varying()) >= {"pp", "tp", "micro_batch", "zero", "recompute"}
-    assert space.fixed()["schedule"] == "1f1b" and space.fixed()["comm_dtype"] == "fp32"
+    assert set(space.varying()) >= {"pp", "tp", "micro_batch_size", "zero", "recompute"}
+    assert space.fixed()["schedule"] == "1f1b" and space.fixed()["grad_comm_dtype"] == "fp32"
     assert {p.zero for p in space.plans} <= {0, 1, 3} and not any(p.offload_optimizer for p in space.plans)
     assert {p.recompute for p in space.plans} == {"none", "full"}
     actor, features = load_policy(), workload_features(space.workload)
@@ -82,7 +82,7 @@ def test_finetune_respects_the_budget_and_picks_the_best_measured(space, model):
 
 
 def test_budget_counts_cached_measurements_and_can_find_the_best(space, model):
-    small = RestrictedSpace(space.workload, parse_restrictions(["micro_batch=2", "zero=0,1"]))
+    small = RestrictedSpace(space.workload, parse_restrictions(["micro_batch_size=2", "zero=0,1"]))
     backend = FakeBackend(cached=True)
     summary = finetune(model, small, backend, MeasuredConfig(budget=len(small.prefixes) + 5))
     assert summary["budget_used"] == len(small.prefixes) and summary["runs_now"] == 0  # the space is all there is
@@ -106,7 +106,7 @@ def test_bad_budget_and_restrictions(space, model):
 def test_train_measured_writes_a_policy(tmp_path):
     out = tmp_path / "policy.zip"
     meta = train_measured("gpt", ARGS, cluster="cpu", gpus_per_node=4, global_batch=8,
-                          restrict=parse_restrictions(["micro_batch=2,4"]), budget=5, output=str(out),
+                          restrict=parse_restrictions(["micro_batch_size=2,4"]), budget=5, output=str(out),
                           backend=FakeBackend())
     m = meta["measured"]
     assert m["budget_used"] <= 5 and m["pick"]["measured_s"] is not None

@@ -20,8 +20,9 @@ from autopar.cli import main
 from autopar.cost import estimate
 from autopar.errors import AutoparError, NoValidPlanError
 from autopar.search import get_planner
-from autopar.search.sampling import KnobSpace
-from autopar.search.simplicity import KNOBS, TIE
+from autopar.search.sampling import nearest
+from autopar.search.simplicity import TIE, defaults
+from autopar.search.space import sample
 from conftest import ZOO, workload
 
 optuna = pytest.importorskip("optuna")
@@ -35,17 +36,20 @@ def optuna_planner(**options):
 @pytest.mark.parametrize("model", [{"size": "tiny", "nodes": 2, "global_batch": 24},
                                    {"size": "175b", "nodes": 16, "global_batch": 512},
                                    {"model": "llama", "size": "small", "nodes": 3, "global_batch": 96}])
-def test_every_valid_choice_has_its_own_position_in_the_universe(model):
+def test_every_valid_choice_has_its_own_position_in_0_1(model):
     """So a suggestion of exactly that position picks it: Optuna can reach every plan."""
-    space, rng = KnobSpace(workload(**model)), np.random.default_rng(0)
+    w, rng = workload(**model), np.random.default_rng(0)
 
-    def check(name, positions):
-        assert len(set(positions)) == len(positions), name
-        assert np.isin(positions, space.universe[name]).all(), name
-        return int(rng.integers(len(positions)))
+    def check(knob, choices):
+        positions = np.array([knob.position_of(c, choices) for c in choices])
+        assert len(set(positions)) == len(positions), knob.name
+        assert ((positions >= 0) & (positions <= 1)).all(), knob.name
+        i = int(rng.integers(len(positions)))
+        assert nearest(positions, positions[i]) == i, knob.name
+        return i
 
     for _ in range(300):
-        space.sample(check)
+        sample(w, check)
 
 
 def test_optuna_comes_near_the_oracle():
@@ -54,7 +58,7 @@ def test_optuna_comes_near_the_oracle():
     planner = optuna_planner(trials=100, seed=0)
     found = estimate(w, planner.propose(w, 1)[0]).iteration_time_s
     # the trials, then the simpler variants of the best plan (one per knob away from its default, and all)
-    assert 100 <= planner.evaluations <= 100 + len(KNOBS) + 1
+    assert 100 <= planner.evaluations <= 100 + len(defaults()) + 1
     assert oracle / found >= 0.95
 
 
@@ -113,9 +117,22 @@ def test_killed_study_resumes_without_losing_a_trial(tmp_path):
     after = {t.number: (t.params, t.value) for t in optuna.load_study(study_name=name, storage=url).trials
              if t.state == optuna.trial.TrialState.COMPLETE}
     # the new trials only, then the simpler variants of the best plan
-    assert len(after) == trials and 0 <= planner.evaluations - (trials - len(before)) <= len(KNOBS) + 1
+    assert len(after) == trials and 0 <= planner.evaluations - (trials - len(before)) <= len(defaults()) + 1
     assert all(after[n] == v for n, v in before.items())
     assert estimate(w, plan).fits
+    states = [t.state for t in optuna.load_study(study_name=name, storage=url).trials]
+    assert optuna.trial.TrialState.RUNNING not in states  # the killed trial was failed (and retried)
+
+
+def test_two_processes_on_one_study_complete_exactly_the_budget(tmp_path):
+    db, trials = tmp_path / "study.db", 40
+    url = f"sqlite:///{db}"
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(CHILD.format(tests=str(TESTS), trials=trials, url=url)))
+    children = [subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE) for _ in range(2)]
+    for child in children:
+        assert child.wait(timeout=300) == 0, child.stderr.read().decode()[-2000:]
+    assert complete_trials(db) == trials
 
 
 def test_storage_errors_are_one_line(tmp_path):
@@ -136,7 +153,7 @@ def test_cli_search_with_optuna(capsys, tmp_path):
     assert main(argv) == 0
     first = json.loads(capsys.readouterr().out)
     variants = first["cost_model_evaluations"] - 20  # the simpler variants of the 2 best plans
-    assert first["method"] == "optuna" and 0 <= variants <= 2 * (len(KNOBS) + 1) and first["estimate"]["fits"]
+    assert first["method"] == "optuna" and 0 <= variants <= 2 * (len(defaults()) + 1) and first["estimate"]["fits"]
     assert main(argv) == 0  # the study is complete: no trial more to run, the same answer
     again = json.loads(capsys.readouterr().out)
     assert again["cost_model_evaluations"] == variants and again["plan"] == first["plan"]

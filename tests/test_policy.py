@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -121,3 +122,73 @@ def test_unusable_policy_files_are_one_line_errors(kind, message, tmp_path, caps
                  "--method", "rl", "--policy", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_resume_never_unpickles_a_checkpoint(trained, pool_file, tmp_path):
+    """A checkpoint whose SB3 `data` entry carries a pickle that would run code: --resume reads only
+    the weights (weights_only tensors), so the code does not run and training continues."""
+    import base64
+    import pickle
+
+    marker = tmp_path / "PWNED"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    out = tmp_path / "r.zip"
+    ckpt = tmp_path / "r.zip.ckpt"
+    ckpt.mkdir()
+    with zipfile.ZipFile(trained.parent / "p.zip.ckpt" / "step_384.zip") as src, \
+            zipfile.ZipFile(ckpt / "step_384.zip", "w") as dst:
+        for item in src.infolist():
+            data = src.read(item.filename)
+            if item.filename == "data":
+                doc = json.loads(data)
+                doc["policy_class"] = {":type:": "<class 'type'>",
+                                       ":serialized:": base64.b64encode(pickle.dumps(Payload())).decode()}
+                data = json.dumps(doc).encode()
+            dst.writestr(item, data)
+    (ckpt / ".step_512.zip.abc.tmp").write_bytes(b"half a save")
+    assert main(["train", "--workloads", str(pool_file), "-o", str(out), "--n-steps", "128", "--eval-workloads", "0",
+                 "--timesteps", "512", "--resume"]) == 0
+    assert not marker.exists() and not list(ckpt.glob(".*.tmp"))
+    assert json.loads(out.with_suffix(".json").read_text())["timesteps"] == 512
+
+
+def test_resume_without_a_checkpoint_and_a_json_output_are_refused(pool_file, tmp_path, capsys):
+    assert main(["train", "--workloads", str(pool_file), "-o", str(tmp_path / "r.zip"), "--resume"]) == 2
+    assert main(["train", "--workloads", str(pool_file), "-o", str(tmp_path / "pol.json")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert "no checkpoint (step_N.zip)" in err[0] and "must not end in .json" in err[1] and len(err) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_shipped_policy_matches_this_space_and_cost_model():
+    """Fails when the registry, the action slots or the cost model (source or coefficients) changed
+    since the shipped policy was trained: retrain it with RETRAIN_COMMAND."""
+    from autopar.policies.fingerprint import RETRAIN_COMMAND, stale
+    from autopar.policies.load import default_policy_path, read_meta
+
+    changed = stale(read_meta(default_policy_path()))
+    assert changed == [], f"the shipped policy is stale ({', '.join(changed)} changed); retrain: {RETRAIN_COMMAND}"
+
+
+def test_a_policy_trained_on_an_older_cost_model_is_used_with_one_line_said(trained, tmp_path, capsys):
+    older = tmp_path / "older.zip"
+    with zipfile.ZipFile(trained) as src, zipfile.ZipFile(older, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename == META_ENTRY:
+                meta = json.loads(data)
+                meta["fingerprint"] = {**meta["fingerprint"], "cost": "0123456789abcdef"}
+                data = json.dumps(meta).encode()
+            dst.writestr(item, data)
+    assert main(["search", "gpt", "--model-arg", "size=tiny", "--nodes", "1", "--global-batch", "16",
+                 "--method", "rl", "--policy", str(older), "--json"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    notes = [line for line in err if line.startswith("note:")]
+    assert len(notes) == 1 and "older cost model" in notes[0] and "autopar train" in notes[0]
+    assert main(["search", "gpt", "--model-arg", "size=tiny", "--nodes", "1", "--global-batch", "16",
+                 "--method", "rl", "--policy", str(trained), "--json"]) == 0
+    assert "note:" not in capsys.readouterr().err

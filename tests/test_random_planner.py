@@ -9,14 +9,13 @@ import pytest
 from autopar.cost import estimate
 from autopar.errors import AutoparError, NoValidPlanError
 from autopar.search import get_planner
-from autopar.search.sampling import KnobSpace
-from autopar.search.simplicity import KNOBS, TIE
-from autopar.search.space import degree_choices, enumerate_plans
+from autopar.search.simplicity import TIE, defaults
+from autopar.search.space import degree_choices, enumerate_plans, sample
 from conftest import workload
 
 
 def uniform(rng):
-    return lambda name, positions: int(rng.integers(len(positions)))
+    return lambda knob, choices: int(rng.integers(len(choices)))
 
 
 @pytest.mark.parametrize("nodes, batch", [(1, 32), (2, 24)])
@@ -24,10 +23,10 @@ def test_walks_give_plans_of_the_space_and_reach_all_of_it(nodes, batch):
     w = workload(size="tiny", nodes=nodes, global_batch=batch)
     space = enumerate_plans(w)
     every = {space.plan(i) for i in range(len(space))}
-    knob_space, rng = KnobSpace(w), np.random.default_rng(0)
-    walked = [knob_space.sample(uniform(rng)) for _ in range(3000)]
+    rng = np.random.default_rng(0)
+    walked = [sample(w, uniform(rng)) for _ in range(3000)]
     assert set(walked) <= every
-    assert {(p.dp, p.tp, p.pp) for p in walked} == set(degree_choices(w))
+    assert {(p.dp, p.tp, p.pp) for p in walked} == {(d["dp"], d["tp"], d["pp"]) for d in degree_choices(w)}
     for attribute in ("micro_batch_size", "zero", "schedule", "virtual_stages", "recompute", "sequence_parallel",
                       "grad_comm_dtype", "offload_optimizer", "mesh_order", "bucket_mb"):
         assert {getattr(p, attribute) for p in walked} == {getattr(p, attribute) for p in every}, attribute
@@ -37,7 +36,7 @@ def test_random_planner_gives_distinct_fitting_plans_best_first():
     w = workload(size="gpt2-medium", vocab=50304, nodes=2, global_batch=128)
     planner = get_planner("random", trials=200, seed=1)
     plans = planner.propose(w, 5)
-    assert 200 <= planner.evaluations <= 200 + 5 * (len(KNOBS) + 1)  # + the simpler variants of the 5 best
+    assert 200 <= planner.evaluations <= 200 + 5 * (len(defaults()) + 1)  # + the simpler variants of the 5 best
     assert len(set(plans)) == 5
     estimates = [estimate(w, p) for p in plans]
     assert all(e.fits for e in estimates)

@@ -91,7 +91,7 @@ def test_regime_note_one_line_only_outside():
     assert regime_note(inside, TP_PLAN) == ""
     torch_note = regime_note(_workload("torch", nodes=1), TP_PLAN)
     assert torch_note.startswith("note: outside the calibrated regime (runtime torch)") and "\n" not in torch_note
-    no_recompute = dataclasses.replace(TP_PLAN, recompute="none", recompute_blocks=0)
+    no_recompute = TP_PLAN.with_(recompute="none", recompute_blocks=0)
     assert "recompute none" in regime_note(inside, no_recompute)
     h100 = regime_note(_workload("megatron", cluster="dgx-h100", nodes=1), TP_PLAN)
     assert "scaled from the A100 fit" in h100
@@ -120,7 +120,7 @@ def test_selective_recompute_with_fused_attention_says_why_it_changes_nothing():
     assert "fused (flash) kernel" in selective_note(flash, plan)
     explicit = Workload(profile("gpt", size="tiny"), load_cluster("dgx-a100-80g", nodes=1, gpus_per_node=2), 8)
     assert selective_note(explicit, plan) == ""
-    sel, none = (estimate(flash, dataclasses.replace(plan, recompute=m)) for m in ("selective", "none"))
+    sel, none = (estimate(flash, plan.with_(recompute=m)) for m in ("selective", "none"))
     assert sel.memory["activations"] == pytest.approx(none.memory["activations"])
 
 

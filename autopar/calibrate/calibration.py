@@ -65,8 +65,9 @@ def score(ds: Dataset, predicted: np.ndarray, worst: int = 5) -> dict:
 
 
 def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | None = None, evaluate=(),
-              allreduce=(), params=None, seed: int = 0, progress=None) -> CalibrationResult:
-    """Calibrate `cluster` (preset name, cluster JSON path or Cluster) on trace files."""
+              allreduce=(), params=None, seed: int = 0, progress=None, models=None) -> CalibrationResult:
+    """Calibrate `cluster` (preset name, cluster JSON path or Cluster) on trace files; `models` (a
+    ModelSources) says which model code the records' profiles may be rebuilt with."""
     from autopar.cluster import Cluster, load_cluster
     from autopar.cost.coefficients import Coefficients
 
@@ -80,7 +81,7 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
         raise AutoparError(f"no readable trace records in {', '.join(map(str, traces))}"
                            + (f" ({len(problems)} malformed line(s): {first})" if problems else " (empty)"))
     say(f"{len(records)} trace records; profiling their models")
-    ds = build_dataset(records, base, sources)
+    ds = build_dataset(records, base, sources, models)
     start = Coefficients.from_dict(base.coefficients)
 
     collectives, fixed = None, []
@@ -154,7 +155,7 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
         problems += probs
         if not recs:
             raise AutoparError(f"--evaluate {path}: no readable trace records")
-        other = build_dataset(recs, base, srcs)
+        other = build_dataset(recs, base, srcs, models)
         say(f"evaluating {len(other)} rows of {path}")
         evaluated_rows[str(path)] = (other, other.predict(final.coefficients))
         evaluations[str(path)] = score(*evaluated_rows[str(path)])

@@ -39,6 +39,8 @@ class AllReduceTable:
 def read_allreduce_table(path, ranks: int | None = None) -> AllReduceTable:
     """Rows of an all-reduce benchmark table (see the module docstring for the formats)."""
     path = Path(path)
+    if path.exists() and not path.is_file():  # a FIFO would block the read
+        raise AutoparError(f"{path} is not a regular file; give the path of an all-reduce table (.csv)")
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:
             rows = list(csv.reader(f))

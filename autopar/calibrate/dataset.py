@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -72,7 +71,7 @@ class Dataset:
             pa = g.plans
             for b in g.workload.profile.layers:
                 per = b.tp_fwd_flops / pa.tp + (b.fwd_flops - b.tp_fwd_flops)
-                best = max(best, float((pa.mbs * per).max(initial=0.0)))
+                best = max(best, float((pa.micro_batch_size * per).max(initial=0.0)))
         return best
 
     def max_buckets(self) -> int:
@@ -85,7 +84,7 @@ class Dataset:
             pa = g.plans
             dp = pa.dp > 1
             if dp.any():
-                grads = g.workload.profile.params * DTYPE_BYTES_BY_CODE[pa.comm] / (pa.tp * pa.pp)
+                grads = g.workload.profile.params * DTYPE_BYTES_BY_CODE[pa.grad_comm_dtype] / (pa.tp * pa.pp)
                 most = max(most, int(np.ceil(grads / (pa.bucket_mb * 2**20))[dp].max()))
         return most
 
@@ -128,19 +127,19 @@ def model_label(model: dict) -> str:
     return str(model.get("name", "model"))
 
 
-def build_dataset(records, cluster, sources: list[str] | None = None) -> Dataset:
+def build_dataset(records, cluster, sources: list[str] | None = None, models=None) -> Dataset:
     """A Dataset of the records with outcome "ok" on `cluster` (a Cluster, or a preset name / cluster
     JSON path), each sized to its record's nodes and GPUs per node. Records of the same plan of the
     same workload (repeated runs) make one row: the median of their times, labelled with the first
-    record's source and the number of runs. Profiles are loaded once per model and precision (from
-    the profile cache when warm)."""
+    record's source and the number of runs. Profiles are loaded once per model and precision, from
+    the record or the code `models` (a ModelSources) allows: a trace never names code to run."""
     from autopar.cluster import Cluster, load_cluster
     from autopar.cost import PlanArrays
     from autopar.plan import Plan
-    from autopar.profile import profile_model
-    from autopar.traces.vtrain import resolve_model_path
+    from autopar.traces.models import ModelSources
     from autopar.workload import Workload
 
+    models = models or ModelSources()
     base = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     profiles: dict[tuple, object] = {}
     clusters: dict[tuple, object] = {}
@@ -153,18 +152,11 @@ def build_dataset(records, cluster, sources: list[str] | None = None) -> Dataset
             skipped.append(f"{source}: outcome {record.outcome}")
             continue
         model = record.model
-        path = resolve_model_path(str(model.get("path") or model.get("name")))
-        args = model.get("args")
-        if args is None:
-            raise AutoparError(f"{source}: the record's model has no 'args' (the model arguments it was profiled "
-                               f"with), so its profile cannot be rebuilt")
         plan = Plan.from_dict(record.plan)
-        key = (path, json.dumps(args, sort_keys=True), plan.precision)
+        key = (str(model.get("path") or model.get("name")), json.dumps(model.get("args"), sort_keys=True),
+               str(model.get("digest")), plan.precision)
         if key not in profiles:
-            try:
-                profiles[key] = profile_model(path, args, dtype=plan.precision)
-            except AutoparError as e:
-                raise AutoparError(f"{source}: cannot profile the record's model {path!r}: {e}") from None
+            profiles[key] = models.profile(model, plan.precision, source)
         size = (int(record.cluster.get("nodes", 1)), int(record.cluster.get("gpus_per_node", base.gpus_per_node)))
         if size not in clusters:
             clusters[size] = base.with_nodes(*size)
@@ -198,12 +190,11 @@ def build_dataset(records, cluster, sources: list[str] | None = None) -> Dataset
 def load_traces(paths, strict: bool = False):
     """(records, per-record source "file:line", problems) of trace files; problems are malformed
     lines (reported, not fatal: the other lines are used)."""
-    from autopar.traces.record import read_records
+    from autopar.traces.record import check_trace_file, read_records
 
     records, sources, problems = [], [], []
     for path in paths:
-        if not Path(path).is_file():
-            raise AutoparError(f"trace file {path} not found")
+        check_trace_file(path)
         recs, probs = _read_with_lines(path, read_records)
         records += [r for r, _ in recs]
         sources += [f"{path}:{line}" for _, line in recs]
@@ -222,14 +213,14 @@ def _read_with_lines(path, read_records):
     return list(zip(records, lines)), problems
 
 
-def job_mix(paths, cluster) -> list[tuple[object, int]]:
+def job_mix(paths, cluster, models=None) -> list[tuple[object, int]]:
     """(Workload, runs) for each distinct workload (model profile, cluster size, global batch) the
     trace files describe: the job mix a policy trained for this cluster should cover (for
     `autopar train --traces`). `cluster` is usually the calibrated cluster JSON."""
     from autopar.workload import Workload
 
     records, sources, _ = load_traces(paths)
-    ds = build_dataset(records, cluster, sources)
+    ds = build_dataset(records, cluster, sources, models)
     mix: dict[tuple, list] = {}
     for g in ds.groups:
         for i in g.rows:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
 from autopar.errors import AutoparError
 
@@ -26,10 +28,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _check_outputs(args) -> None:
+    """Every file a command will write (-o, --trace) is checked before its work starts."""
+    from autopar.atomic import check_output
+
+    for attr, flag in (("output", "-o"), ("trace", "--trace")):
+        value = getattr(args, attr, None)
+        if isinstance(value, str):
+            check_output(value, f"{flag}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if threading.current_thread() is threading.main_thread():  # SIGTERM ends a command as Ctrl-C does
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
+        _check_outputs(args)
         return args.func(args) or 0
     except AutoparError as e:
         print(f"autopar: error: {e}".replace("\n", " "), file=sys.stderr)

@@ -3,7 +3,7 @@ tables), report held-out accuracy, and write a calibrated cluster JSON."""
 
 from __future__ import annotations
 
-from autopar.cli.common import print_json
+from autopar.cli.common import add_trace_model_flags, model_sources, print_json
 
 
 def add_parser(sub) -> None:
@@ -33,6 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the fold / hold-out assignment (default 0)")
     p.add_argument("--worst", type=int, default=5, metavar="N", help="worst rows to list (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_trace_model_flags(p)
     p.set_defaults(func=run)
 
 
@@ -66,7 +67,8 @@ def run(args) -> int:
 
     progress = (lambda msg: err.print(f"[dim]{msg}[/dim]")) if not args.json else None
     result = calibrate(args.traces, args.cluster, folds=args.folds, holdout=args.holdout, evaluate=args.evaluate,
-                       allreduce=args.allreduce, params=params, seed=args.seed, progress=progress)
+                       allreduce=args.allreduce, params=params, seed=args.seed, progress=progress,
+                       models=model_sources(args))
     import sys
 
     for problem in result.problems:  # one plain line each, never wrapped

@@ -7,6 +7,7 @@ import json
 import sys
 
 from autopar.errors import AutoparError
+from autopar.schema import check_global_batch
 from autopar.workload import DEFAULT_MEMORY_HEADROOM
 
 DEFAULT_CLUSTER = "dgx-a100-80g"
@@ -37,6 +38,31 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
                         help="a Megatron-Core switch that is on (flash_attn, tp_comm_overlap, overlap_grad_reduce, "
                              "overlap_param_gather; repeatable; needs --runtime megatron)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_profile_timeout_flag(parser)
+
+
+def add_profile_timeout_flag(parser) -> None:
+    from autopar.profile.isolated import DEFAULT_PROFILE_TIMEOUT
+
+    parser.add_argument("--profile-timeout", type=float, default=DEFAULT_PROFILE_TIMEOUT, metavar="S",
+                        help="profile the model.py in a child process and stop it after S seconds "
+                             f"(default {DEFAULT_PROFILE_TIMEOUT:g})")
+
+
+def add_trace_model_flags(group) -> None:
+    """How trace records' models may be profiled: traces are data and name no code to run."""
+    group.add_argument("--model-file", action="append", default=[], metavar="MODEL.py",
+                       help="a model file you trust for records whose model digest matches it (repeatable); "
+                            "records with a stored profile or a bundled model need none")
+    group.add_argument("--trust-model-paths", action="store_true",
+                       help="import the model files the trace records name (runs their code: only for your own "
+                            "traces)")
+
+
+def model_sources(args):
+    from autopar.traces.models import ModelSources
+
+    return ModelSources(tuple(args.model_file), args.trust_model_paths)
 
 
 def parse_model_args(pairs: list[str], seq_len: int | None) -> dict:
@@ -66,11 +92,11 @@ def load_workload(args, nodes: int | None = None, global_batch: int | None = Non
     """Profile the model (cached) and load the cluster; flags win over the given defaults."""
     from autopar.cluster import load_cluster
     from autopar.profile import profile_model
+    from autopar.profile.isolated import check_timeout
     from autopar.workload import Workload
 
     batch = args.global_batch if args.global_batch is not None else global_batch
-    if batch is None or batch < 1:
-        raise AutoparError(f"--global-batch must be a positive integer, got {batch}")
+    check_global_batch(batch)
     for flag in ("nodes", "gpus_per_node"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -78,7 +104,8 @@ def load_workload(args, nodes: int | None = None, global_batch: int | None = Non
     if not 0 <= args.memory_headroom < 1:
         raise AutoparError(f"--memory-headroom must be a fraction in [0, 1), got {args.memory_headroom}")
     cluster = load_cluster(args.cluster, nodes=args.nodes or nodes, gpus_per_node=args.gpus_per_node)
-    profile = profile_model(args.model, parse_model_args(args.model_arg, args.seq_len), dtype=args.precision)
+    profile = profile_model(args.model, parse_model_args(args.model_arg, args.seq_len), dtype=args.precision,
+                            timeout=check_timeout(args.profile_timeout))
     return Workload(profile=profile, cluster=cluster, global_batch=batch, memory_headroom=args.memory_headroom,
                     runtime=getattr(args, "runtime", "torch"), switches=tuple(getattr(args, "megatron", ())))
 

@@ -5,24 +5,31 @@ from __future__ import annotations
 from autopar.cost.regime import notes, regime_note
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
 from autopar.errors import PlanError
+from autopar.schema import PLAN_RANGES, check
+
+
+OLD_FLAGS = {"--micro-batch": "micro_batch_size"}  # flags of earlier versions, still read
 
 
 def add_plan_flags(p) -> None:
+    """--plan, or one flag per axis and decision knob of the registry (`autopar.knobs`), named as
+    its Plan field; a knob left out takes its declared default."""
+    from autopar import axes
+    from autopar.knobs import decisions
+
     add_workload_flags(p, batch_default=None)
     p.add_argument("--plan", metavar="plan.json", help="a plan file (instead of the flags below)")
-    p.add_argument("--dp", type=int)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--micro-batch", type=int, metavar="M")
-    p.add_argument("--recompute", default="none", metavar="none|selective|full|N",
-                   help="activation recompute: none, selective, full (all blocks) or N blocks per pipeline rank")
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
-    p.add_argument("--schedule", default="1f1b", metavar="gpipe|1f1b|interleaved:V")
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--grad-comm-dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
-    p.add_argument("--offload-optimizer", action="store_true")
-    p.add_argument("--mesh-order", default="pp,dp,tp", help="mesh axes, outermost first (default pp,dp,tp)")
+    dp = axes.derived_axis()
+    p.add_argument(f"--{dp}", type=int, help=axes.AXES[dp].help)
+    for k in decisions():
+        f = k.fields[0]
+        names = [k.flag] + [old for old, new in OLD_FLAGS.items() if new == k.name]
+        if f.kind is bool and len(k.fields) == 1:
+            p.add_argument(*names, dest=k.name, action="store_true", default=None, help=k.flag_help)
+            continue
+        choices = [str(v) for v in f.values] if f.values is not None and len(k.fields) == 1 else None
+        p.add_argument(*names, dest=k.name, default=None, help=k.flag_help, choices=choices,
+                       metavar=None if choices else k.name.upper().replace("_", "-"))  # parsed in _flag_value
     p.set_defaults(precision=None)  # the plan's precision with --plan, else bf16
 
 
@@ -51,34 +58,52 @@ def _fit_cluster_to(args, world: int) -> int:
 
 
 def _plan_from_flags(args, workload):
-    from autopar.plan import Plan, balanced_split, device_blocks
+    from autopar import axes
+    from autopar.knobs import balanced_split, decisions, device_blocks
+    from autopar.plan import Plan
+    from autopar.search.space import plan_of
 
-    batch = workload.global_batch
-    if batch % (args.dp * args.micro_batch):
+    batch, dp, mbs = workload.global_batch, getattr(args, axes.derived_axis()), args.micro_batch_size
+    if batch % (dp * mbs):
         raise PlanError(f"global batch {batch} is not divisible by dp x micro-batch = "
-                        f"{args.dp * args.micro_batch}; change --global-batch or --micro-batch")
-    schedule, _, v = args.schedule.partition(":")
-    if v and not v.isdigit():
-        raise PlanError(f"--schedule interleaved:V needs an integer V, got '{v}'")
-    v = int(v or 1)
-    mode, blocks = args.recompute, 0
-    if mode not in ("none", "selective", "full"):
-        if not mode.isdigit():
-            raise PlanError(f"--recompute must be none, selective, full or a block count, got '{mode}'")
-        mode, blocks = "full", int(mode)
-    elif mode == "full":
-        blocks = max(device_blocks(balanced_split(workload.profile.num_layers, args.pp * v), args.pp))
-    return Plan(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch_size=args.micro_batch,
-                num_micro_batches=batch // (args.dp * args.micro_batch),
-                mesh_order=tuple(args.mesh_order.split(",")), zero=args.zero, bucket_mb=args.bucket_mb,
-                recompute=mode, recompute_blocks=blocks, schedule=schedule, virtual_stages=v,
-                sequence_parallel=args.sequence_parallel, precision=args.precision,
-                grad_comm_dtype=args.grad_comm_dtype, offload_optimizer=args.offload_optimizer)
+                        f"{dp * mbs}; change --global-batch or --micro-batch-size")
+    values = {k.name: getattr(args, k.name) for k in decisions()}
+    values.update({axes.derived_axis(): dp, "num_micro_batches": batch // (dp * mbs), "precision": args.precision})
+    values["mesh_order"] = values["mesh_order"] or axes.default_order()
+    mode, blocks = values["recompute"]
+    if blocks is None:  # --recompute full: every block of the busiest pipeline rank
+        pp, v = values["pp"], values["schedule"][1]
+        values["recompute"] = (mode, max(device_blocks(balanced_split(workload.profile.num_layers, pp * v), pp)))
+    # through the plan file's schema: flags get the same ranges and finiteness checks as plan.json
+    return Plan.from_dict(plan_of(workload, values).to_dict())
+
+
+def _flag_value(k, given):
+    """A knob's value from its flag's text (its default when the flag is not given)."""
+    if given is None:
+        return k.default
+    if not isinstance(given, str):
+        return given
+    try:
+        return (k.parse or k.fields[0].kind)(given)
+    except ValueError:
+        raise PlanError(f"{k.flag} takes {k.fields[0].kind.__name__} values, got '{given}'") from None
+
+
+def _flag_world(args) -> int:
+    from autopar import axes
+
+    out = 1
+    for a in axes.AXES:
+        out *= getattr(args, a) or 1
+    return out
 
 
 def plan_and_workload(args):
     """The plan from --plan or the flags, and the workload it runs on (cluster size and global
     batch default to the plan's)."""
+    from autopar import axes
+    from autopar.knobs import decisions, knob
     from autopar.plan import Plan
 
     if args.plan:
@@ -90,10 +115,16 @@ def plan_and_workload(args):
         workload = load_workload(args, nodes=_fit_cluster_to(args, plan.world_size), global_batch=plan.global_batch)
     else:
         args.precision = args.precision or "bf16"
-        if args.dp is None or args.micro_batch is None:
-            raise PlanError("give --plan plan.json, or at least --dp and --micro-batch (with --tp, --pp ...)")
-        nodes = _fit_cluster_to(args, args.dp * args.tp * args.pp)
-        workload = load_workload(args, nodes=nodes, global_batch=args.dp * args.micro_batch)
+        if args.dp is None or args.micro_batch_size is None:
+            raise PlanError("give --plan plan.json, or at least --dp and --micro-batch-size (with --tp, --pp ...)")
+        for k in decisions():
+            setattr(args, k.name, _flag_value(k, getattr(args, k.name)))
+        args.dp = _flag_value(knob(axes.derived_axis()), args.dp)
+        for name in (*axes.AXES, "micro_batch_size"):  # before they size the cluster
+            if name in PLAN_RANGES:
+                check(getattr(args, name), PLAN_RANGES[name], f"--{name.replace('_', '-')}", PlanError)
+        nodes = _fit_cluster_to(args, _flag_world(args))
+        workload = load_workload(args, nodes=nodes, global_batch=args.dp * args.micro_batch_size)
         plan = _plan_from_flags(args, workload)
     plan.validate(workload)
     return plan, workload

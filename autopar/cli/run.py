@@ -8,10 +8,12 @@ the run finished; the trace records oom / timeout / error outcomes too.
 
 from __future__ import annotations
 
-import hashlib
-import json
+import math
+import sys
+from dataclasses import replace
 
-from autopar.cli.common import parse_model_args
+from autopar.cli.common import add_profile_timeout_flag, parse_model_args
+from autopar.executor.launch import DEFAULT_TIMEOUT_S
 
 
 def add_parser(sub) -> None:
@@ -31,9 +33,11 @@ def add_parser(sub) -> None:
     p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (multi-node)")
     p.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (multi-node)")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
-                   help="auto: NCCL when CUDA is available, else gloo")
+                   help="auto: NCCL when this node has a GPU for every rank, else gloo")
     p.add_argument("--trace", metavar="traces.jsonl", help="append the run's trace record here")
-    p.add_argument("--timeout", type=float, metavar="S", help="end the job after S seconds (outcome 'timeout')")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help=f"end the job after S seconds, outcome 'timeout'; also the collectives' timeout "
+                        f"(default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--cluster", metavar="PRESET|FILE.json",
                    help="the cluster to record and predict for (default: detected from this machine)")
     p.add_argument("--seed", type=int, default=0, help="initial weights and batch seed (default 0)")
@@ -44,6 +48,7 @@ def add_parser(sub) -> None:
                         "with what explains a mismatch (dropout, BatchNorm, low precision)")
     p.add_argument("--no-dropout", action="store_true",
                    help="turn every dropout of the model off (for --check-parity: dropout masks differ by rank)")
+    add_profile_timeout_flag(p)
     p.set_defaults(func=run)
 
 
@@ -57,8 +62,12 @@ def _spec(args):
     if args.warmup < 0 or not 0 <= args.node_rank < args.nnodes:
         raise AutoparError(f"need --warmup >= 0 and 0 <= --node-rank < --nnodes, got {args.warmup}, "
                            f"{args.node_rank}, {args.nnodes}")
-    if args.timeout is not None and args.timeout <= 0:
-        raise AutoparError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not 0 < args.timeout < math.inf:
+        raise AutoparError(f"--timeout must be a positive finite number of seconds, got {args.timeout}")
+    if not 1 <= args.master_port <= 65535:
+        raise AutoparError(f"--master-port must be a TCP port in [1, 65535], got {args.master_port}")
+    if not 0 < args.lr < math.inf:
+        raise AutoparError(f"--lr must be a positive finite number, got {args.lr}")
     return LaunchSpec(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                       master_addr=args.master_addr, master_port=args.master_port, backend=args.backend,
                       timeout_s=args.timeout, steps=args.steps, warmup=args.warmup, seed=args.seed,
@@ -74,42 +83,49 @@ def _cluster(args, spec):
     return detect().with_nodes(spec.nnodes, spec.nproc_per_node)
 
 
-def _prediction(model, model_args: dict, plan, cluster) -> tuple[dict | None, dict, str]:
+def _prediction(model, model_args: dict, plan, cluster, timeout: float) -> tuple[dict | None, object, str]:
     """The cost model's figures for this plan on this cluster, the model profile's dims, and a
     note when there is no prediction (a model the profiler cannot handle). A plan the model's
     profile rejects (PlanError: what the executor cannot run for it) is refused before launching;
-    otherwise the prediction is an aside: whatever goes wrong in it, the run goes ahead."""
+    otherwise the prediction is an aside: whatever goes wrong in it, the run goes ahead. The profile
+    runs the model file in a child process first (within `timeout`), so a model that exits or hangs
+    at import is reported before the launcher imports it."""
     from autopar.cost import estimate
+    from autopar.errors import ModelFileError
     from autopar.profile import profile_model
     from autopar.workload import Workload
 
     try:
-        profile = profile_model(model, model_args, dtype=plan.precision)
+        profile = profile_model(model, model_args, dtype=plan.precision, timeout=timeout)
+    except ModelFileError:
+        raise  # a model that cannot be imported or built cannot run either
     except Exception as e:  # noqa: BLE001 - see the docstring
-        return None, {}, f"no prediction: {type(e).__name__}: {e}"
+        return None, None, f"no prediction: {type(e).__name__}: {e}"
     workload = Workload(profile=profile, cluster=cluster, global_batch=plan.global_batch)
     plan.validate(workload)
     try:
         est = estimate(workload, plan)
     except Exception as e:  # noqa: BLE001 - see the docstring
-        return None, dict(profile.dims), f"no prediction: {type(e).__name__}: {e}"
-    return {"iteration_time_s": est.iteration_time_s, "peak_memory_gb": est.peak_memory_bytes / 1e9}, \
-        dict(profile.dims), ""
+        return None, profile, f"no prediction: {type(e).__name__}: {e}"
+    return {"iteration_time_s": est.iteration_time_s, "peak_memory_gb": est.peak_memory_bytes / 1e9}, profile, ""
 
 
-def _model_info(model_file, model_args: dict, dims: dict) -> dict:
-    digest = hashlib.sha256(f"{model_file.digest}{json.dumps(model_args, sort_keys=True)}".encode()).hexdigest()
+def _model_info(model_file, model_args: dict, profile) -> dict:
+    """The record's model, with its profile: calibration reads the profile and runs no code."""
+    from autopar.traces.vtrain import model_digest
+
+    digest = model_digest(model_file.path, model_args)
     params = sum(p.numel() for p in model_file.build(**model_args).parameters())  # meta: free
     return {"name": model_file.name, "path": str(model_file.path), "digest": digest, "args": model_args,
-            "dims": dims, "params": params}
+            "dims": dict(profile.dims) if profile else {}, "params": params,
+            "profile": profile.to_dict() if profile else None}
 
 
 def _record(plan, spec, cluster, model, predicted, launched):
-    from autopar.executor.mesh import resolve_backend
     from autopar.traces import TraceRecord, current_versions
 
     result = launched.result or {}
-    backend = result.get("backend", resolve_backend(spec.backend))
+    backend = result.get("backend", spec.backend)
     gpu = result.get("device", cluster.gpu.name)
     return TraceRecord(
         cluster={"name": cluster.name, "nodes": spec.nnodes, "gpus_per_node": spec.nproc_per_node, "gpu": gpu,
@@ -141,8 +157,8 @@ def _show(console, record, launched, note: str) -> None:
         table.add_row("peak memory per rank", " ".join(f"{b / 1e9:.2f}" for b in m["peak_memory_bytes"]) + " GB", "")
         table.add_row("loss per step", " ".join(f"{x:.4f}" for x in m["losses"]), "")
         if "parity_max_rel_diff" in m:
-            table.add_row("parity vs 1 process", m.get("parity_verdict", f"max rel. diff {m['parity_max_rel_diff']:.1e}"),
-                          "")
+            table.add_row(f"parity vs 1 process ({m.get('parity_reference', 'cpu fp32')})",
+                          m.get("parity_verdict", f"max rel. diff {m['parity_max_rel_diff']:.1e}"), "")
         console.print(table)
     else:
         console.print(title, style="bold")
@@ -153,33 +169,42 @@ def _show(console, record, launched, note: str) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
-
-    from autopar.executor.data_parallel import check_backend
     from autopar.executor.launch import check_world_size, launch
-    from autopar.executor.preflight import preflight
-    from autopar.executor.mesh import resolve_backend
-    from autopar.modelfile import load_model_file
     from autopar.plan import Plan
-    from autopar.traces import append_record
 
     plan = Plan.load(args.plan)
     spec = _spec(args)
-    check_world_size(plan, spec)
-    check_backend(plan, resolve_backend(spec.backend))
+    check_world_size(plan, spec)  # the flags and the plan, before torch is imported (seconds)
+    from rich.console import Console
+
+    from autopar.executor.mesh import resolve_backend
+    from autopar.executor.preflight import preflight
+    from autopar.executor.support import check_supported
+    from autopar.modelfile import load_model_file
+    from autopar.traces import append_record
+
+    # the backend the workers will use, chosen once here: NCCL only with a GPU for every local rank
+    spec = replace(spec, backend=resolve_backend(spec.backend, spec.nproc_per_node))
+    check_supported(plan, spec.backend)
     model_args = parse_model_args(args.model_arg, None)
-    model_file = load_model_file(args.model)
     console = Console()
     cluster = _cluster(args, spec)
-    predicted, dims, note = _prediction(args.model, model_args, plan, cluster)
+    predicted, profile, note = _prediction(args.model, model_args, plan, cluster, args.profile_timeout)
+    model_file = load_model_file(args.model)
     preflight(plan, model_file, model_args)  # what apply() would refuse on every rank, refused now
-    model = _model_info(model_file, model_args, dims)
+    model = _model_info(model_file, model_args, profile)
     launched = launch(args.plan, args.model, model_args, spec)
-    if args.node_rank != 0:  # rank 0, its measurement and the trace live on node 0
-        console.print(f"node {args.node_rank}: {launched.outcome}" + (f": {launched.error}" if launched.error else ""))
-        return 0 if launched.outcome == "ok" else 1
-    record = _record(plan, spec, cluster, model, predicted, launched)
-    if args.trace:
-        append_record(args.trace, record)
-    _show(console, record, launched, note)
-    return 0 if launched.outcome == "ok" else 1
+    record = None
+    if args.node_rank == 0:  # rank 0, its measurement and the trace live on node 0
+        record = _record(plan, spec, cluster, model, predicted, launched)
+        if args.trace:
+            append_record(args.trace, record)
+        _show(console, record, launched, note)
+    else:
+        console.print(f"node {args.node_rank}: {launched.outcome}")
+    if launched.outcome != "ok":  # the last line: the failing rank and its own error
+        print(f"autopar: run failed ({launched.outcome}): {launched.error}", file=sys.stderr, flush=True)
+        return 1
+    if record is not None and not record.measured.get("parity_ok", True):  # beyond the precision's tolerance
+        return 1
+    return 0

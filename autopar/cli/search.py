@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 
 from autopar.cost.regime import notes, regime_note
@@ -50,12 +51,17 @@ def run(args) -> int:
 
     if args.top_k < 1:
         raise AutoparError(f"--top-k must be at least 1, got {args.top_k}")
+    if not 0 <= args.seed < 2**32:
+        raise AutoparError(f"--seed must be an integer in [0, 2**32), got {args.seed}")
     check_plot(args)  # a missing matplotlib fails before the search, not after it
     started = time.perf_counter()
     console = Console(stderr=args.json)
+    planner = get_planner(args.method, **planner_options(args))  # a bad method or option fails before profiling
     with console.status("profiling the model"):
         workload = load_workload(args)
-    planner = get_planner(args.method, **planner_options(args))
+    note = getattr(planner, "stale_note", None)  # a policy trained against an older cost model
+    if note:
+        print(note, file=sys.stderr)
     # optuna shows its own progress bar; a spinner beside it would flicker
     status = contextlib.nullcontext() if args.method == "optuna" else console.status(f"searching ({args.method})")
     with status:

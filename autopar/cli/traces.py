@@ -101,15 +101,13 @@ def run_import_vtrain(args) -> int:
 
 
 def run_show(args) -> int:
-    from pathlib import Path
 
     from rich.console import Console
 
-    from autopar.errors import AutoparError
+    from autopar.traces.record import check_trace_file
     from autopar.traces.summary import print_summary, summarize
 
-    if not Path(args.file).is_file():
-        raise AutoparError(f"trace file {args.file} not found")
+    check_trace_file(args.file)
     summary = summarize(args.file)
     if args.json:
         print_json(summary)

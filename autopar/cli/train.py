@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from autopar.cli.common import add_trace_model_flags
+
 DEFAULT_TIMESTEPS = 100_000
 TRACES_TIMESTEPS = 10_000
 REPLAY = 128  # autopar.policies.traces.REPLAY (not imported here: --help stays instant)
@@ -27,6 +29,7 @@ def add_parser(sub) -> None:
                    help="fraction of the trace workloads held out for evaluation, whole model shapes (default 0.2)")
     t.add_argument("--allreduce", nargs="+", default=[], metavar="TABLE.csv",
                    help="all-reduce tables for the calibration (as `autopar calibrate --allreduce`)")
+    add_trace_model_flags(t)
     t.add_argument("--from-scratch", action="store_true",
                    help="do not start from the shipped policy's weights")
     t.add_argument("--replay", type=int, default=None, metavar="N",
@@ -47,9 +50,10 @@ def add_parser(sub) -> None:
     m.add_argument("--budget", type=int, default=40, metavar="RUNS",
                    help="distinct plans measured at most, cached ones included (default 40)")
     m.add_argument("--restrict", action="append", default=[], metavar="KNOB=V1,V2",
-                   help="values a knob may take (repeatable; KNOB=* frees it). Defaults: zero=0,1,3 "
-                        "recompute=none,full schedule=1f1b sequence_parallel=false comm_dtype=fp32 bucket=25 "
-                        "mesh_order=first; dp/pp/tp and micro_batch vary")
+                   help="values a knob (a plan field) may take (repeatable; KNOB=* frees it). Defaults: "
+                        "zero=0,1,3 offload_optimizer=false recompute=none,full schedule=1f1b "
+                        "sequence_parallel=false grad_comm_dtype=fp32 bucket_mb=25 mesh_order=first; "
+                        "dp/pp/tp and micro_batch_size vary")
     m.add_argument("--steps", type=int, default=20,
                    help="timed steps per run; their median is the reward (default 20: runs cost their start-up)")
     m.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default 3)")
@@ -78,8 +82,10 @@ def run(args) -> int:
     from rich.console import Console
 
     from autopar.errors import AutoparError
+    from autopar.policies.files import sidecar_path
     from autopar.policies.train import TrainConfig, train
 
+    sidecar_path(args.output)  # -o pol.json would clash with its sidecar: refuse before any work
     for flag in ("imitation_epochs", "dagger_rounds"):
         if getattr(args, flag) < 0:
             raise AutoparError(f"--{flag.replace('_', '-')} must be 0 or more, got {getattr(args, flag)}")
@@ -124,10 +130,12 @@ def run(args) -> int:
 
 
 def _run_traces(args, cfg, console) -> int:
+    from autopar.cli.common import model_sources
     from autopar.policies.traces import TraceTrainConfig, cluster_path, train_on_traces
 
     tcfg = TraceTrainConfig(traces=args.traces, cluster=args.cluster, holdout=args.holdout,
-                            allreduce=args.allreduce, from_scratch=args.from_scratch, replay=args.replay)
+                            allreduce=args.allreduce, from_scratch=args.from_scratch, replay=args.replay,
+                            models=model_sources(args))
     meta = train_on_traces(tcfg, cfg, console)
     t = meta["traces"]
     h, before = t["heldout"], t["heldout_before"]

@@ -9,8 +9,6 @@ that names the key.
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
 from autopar.cluster.gpus import DTYPES, GPUS, GPUSpec
@@ -18,6 +16,7 @@ from autopar.cluster.hardware import LINK_KINDS, Link, NodeLayout
 from autopar.cluster.presets import PRESETS, preset_names
 from autopar.cluster.topology import SCHEMA_VERSION, Cluster
 from autopar.errors import ClusterError
+from autopar.schema import MAX_GPUS, Anything, Int, Num, check, check_gpus, coefficients_schema, loads, read_file
 
 _REQUIRED = ("name", "gpu", "gpus_per_node", "node", "links")
 _OPTIONAL = ("schema_version", "preset", "nodes", "coefficients")
@@ -32,9 +31,10 @@ def load_cluster(spec: str, nodes: int | None = None, gpus_per_node: int | None 
         cluster = cluster_from_dict({"preset": spec}, f"preset {spec!r}")
     else:
         cluster = cluster_from_dict(_read_json(spec), spec)
-    if nodes is None and gpus_per_node is None:
-        return cluster
-    return cluster.with_nodes(cluster.nodes if nodes is None else nodes, gpus_per_node)
+    if nodes is not None or gpus_per_node is not None:
+        cluster = cluster.with_nodes(cluster.nodes if nodes is None else nodes, gpus_per_node)
+    check_gpus(cluster.nodes, cluster.gpus_per_node, f"cluster {spec!r}")
+    return cluster
 
 
 def _read_json(path: str) -> object:
@@ -44,12 +44,7 @@ def _read_json(path: str) -> object:
             raise ClusterError(f"cluster file {path!r} not found; give an existing .json path or a preset name")
         raise ClusterError(f"unknown cluster {path!r}: use a preset ({', '.join(preset_names())}) "
                            "or the path of a cluster .json file")
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ClusterError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ClusterError(f"cannot read cluster file {path!r}: {e}") from None
+    return loads(read_file(path, "cluster file", ClusterError), path, ClusterError)
 
 
 def cluster_from_dict(d: object, source: str = "cluster JSON") -> Cluster:
@@ -61,6 +56,7 @@ def cluster_from_dict(d: object, source: str = "cluster JSON") -> Cluster:
 
 
 def _cluster(d: object) -> Cluster:
+    check(d, Anything(), "the cluster document", ClusterError)  # depth and sizes, before any recursion
     d = _object(d, "the cluster document")
     given_links = _object(d.get("links", {}), "links")
     if "preset" in d:
@@ -81,13 +77,13 @@ def _cluster(d: object) -> Cluster:
         gpus_per_node=_count(d["gpus_per_node"], "gpus_per_node", 1),
         node=node,
         links=links,
-        coefficients=_object(d.get("coefficients", {}), "coefficients"),
+        coefficients=check(d.get("coefficients", {}), coefficients_schema(), "coefficients", ClusterError),
     )
 
 
 def _preset(name: object) -> dict:
     """A preset's document with its GPU written out, so that overrides can change one figure."""
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise ClusterError(f"preset is {name!r}; use one of {', '.join(preset_names())}")
     preset = PRESETS[name]
     return {**preset, "name": name, "gpu": GPUS[preset["gpu"]].to_dict()}
@@ -163,14 +159,8 @@ def _check_keys(d: dict, where: str, required: tuple[str, ...], optional: tuple[
 
 
 def _number(value: object, where: str, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ClusterError(f"{where} must be a number, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ClusterError(f"{where} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-    return float(value)
+    return check(value, Num(open_lo=not allow_zero), where, ClusterError)
 
 
 def _count(value: object, where: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ClusterError(f"{where} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return check(value, Int(minimum, MAX_GPUS), where, ClusterError)

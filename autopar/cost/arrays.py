@@ -1,23 +1,80 @@
 """Plans as a structure of NumPy arrays, so the cost model evaluates many plans per call.
 
-Knobs become integer codes; the pipeline layer split, which has a different length per plan,
+One column per Plan field (`autopar.knobs.plan_fields()`), named as the field: categorical
+fields hold the index of their value, the mesh order an index into `mesh_order_code`'s table
+(declared orders first). The pipeline layer split, which has a different length per plan,
 becomes an index into a small table of splits (`SplitTable`), each reduced to the classes of
 pipeline ranks that can be the bottleneck (see `SplitTable.add`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from autopar.plan import COMM_DTYPES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, Plan, balanced_split, device_blocks
+from autopar import axes
+from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, Field, balanced_split, device_blocks, plan_fields
+from autopar.plan import Plan
 from autopar.profile.model_profile import ModelProfile
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-DTYPE_BYTES_BY_CODE = np.array([DTYPE_BYTES[d] for d in COMM_DTYPES])  # COMM_DTYPES == PRECISIONS as sets
-MESH_ORDERS = (("pp", "dp", "tp"), ("pp", "tp", "dp"), ("dp", "pp", "tp"), ("tp", "pp", "dp"),
-               ("dp", "tp", "pp"), ("tp", "dp", "pp"))
+DTYPE_BYTES_BY_CODE = np.array([DTYPE_BYTES[d] for d in COMM_DTYPES])  # grad_comm_dtype code -> bytes
+_ORDERS: list[tuple[str, ...]] = []  # mesh order codes: the declared orders, then any other met
+
+
+def _reset_orders() -> None:
+    _ORDERS[:] = list(axes.mesh_orders())
+
+
+axes.on_change(_reset_orders)
+_reset_orders()
+
+
+def mesh_order_code(order: tuple[str, ...]) -> int:
+    order = tuple(order)
+    if order not in _ORDERS:
+        _ORDERS.append(order)
+    return _ORDERS.index(order)
+
+
+def mesh_order_of(code: int) -> tuple[str, ...]:
+    return _ORDERS[int(code)]
+
+
+def unique_rows(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Index of the first row of each distinct row of `columns` and each row's distinct id, through
+    one integer key per row (a mixed-radix number of the columns' value codes): a sort of one
+    int64 array instead of np.unique over rows."""
+    n = len(columns[0]) if columns else 0
+    key, radix = np.zeros(n, dtype=np.int64), 1
+    for col in columns:
+        col = np.asarray(col)
+        if col.dtype.kind in "biu" and n and col.min() >= 0 and col.max() < 1 << 20:
+            codes, size = col.astype(np.int64), int(col.max()) + 1
+        else:
+            uniq, codes = np.unique(col, return_inverse=True)
+            codes, size = codes.reshape(-1).astype(np.int64), len(uniq)
+        if radix * size >= 1 << 62:  # keep the key in range: renumber what is distinct so far
+            _, key = np.unique(key, return_inverse=True)
+            key, radix = key.reshape(-1).astype(np.int64), int(key.max(initial=0)) + 1
+        key, radix = key * size + codes, radix * size
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1)
+
+
+def encode(f: Field, value):
+    """A field's value as a number of its column."""
+    if f.values is not None:
+        return f.values.index(value)
+    if f.name == "mesh_order":
+        return mesh_order_code(value)
+    return value
+
+
+def decode(f: Field, code):
+    if f.values is not None:
+        return f.values[int(code)]
+    if f.name == "mesh_order":
+        return mesh_order_of(code)
+    return f.kind(code.item() if hasattr(code, "item") else code)
 
 
 class SplitTable:
@@ -62,6 +119,14 @@ class SplitTable:
         })
         return self._index[key]
 
+    def add_balanced(self, pp: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """The split id of the balanced split of every (pp, v) pair."""
+        first, inverse = unique_rows([pp, v])
+        layers = self.profile.num_layers
+        ids = np.array([self.add(int(pp[i]), int(v[i]), balanced_split(layers, int(pp[i] * v[i]))) for i in first],
+                       dtype=np.int64)
+        return ids[inverse]
+
     def stacked(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         """Per plan, the representative ranks padded to a common width (padding repeats the
         first representative, which changes no maximum, with multiplicity 0)."""
@@ -80,87 +145,50 @@ class SplitTable:
         return {"rank": ranks[ids], "counts": counts[ids], "layers": layers[ids], "mult": mult[ids]}
 
 
-@dataclass
 class PlanArrays:
-    """A batch of plans for one workload; every field is an array of the same length."""
+    """A batch of plans for one workload: one array per Plan field (attribute access by field
+    name, `pa.micro_batch_size`), all of the same length, plus `split` into `splits`."""
 
-    dp: np.ndarray
-    tp: np.ndarray
-    pp: np.ndarray
-    mbs: np.ndarray
-    nmb: np.ndarray
-    order: np.ndarray  # index into MESH_ORDERS
-    zero: np.ndarray
-    bucket_mb: np.ndarray
-    recompute: np.ndarray  # index into RECOMPUTE_MODES
-    recompute_blocks: np.ndarray
-    schedule: np.ndarray  # index into SCHEDULES
-    v: np.ndarray
-    sp: np.ndarray
-    precision: np.ndarray  # index into PRECISIONS
-    comm: np.ndarray  # index into COMM_DTYPES: dtype of the gradient reduction
-    offload: np.ndarray
-    split: np.ndarray  # index into `splits`
-    splits: SplitTable
-    group: np.ndarray | None = None  # plans with equal group differ only in data-parallel knobs
+    def __init__(self, columns: dict[str, np.ndarray], splits: SplitTable):
+        self.columns = {name: np.asarray(value) for name, value in columns.items()}
+        self.splits = splits
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        try:
+            return self.__dict__["columns"][name]
+        except KeyError:
+            raise AttributeError(f"PlanArrays has no column {name!r}") from None
 
     def __len__(self) -> int:
-        return len(self.dp)
+        return len(self.columns["split"])
+
+    @staticmethod
+    def names() -> list[str]:
+        return [f.name for f in plan_fields()] + ["split"]
 
     @classmethod
     def from_plans(cls, plans: list[Plan], profile: ModelProfile) -> PlanArrays:
         table = SplitTable(profile)
-        cols: dict[str, list] = {name: [] for name in cls._columns()}
+        cols: dict[str, list] = {name: [] for name in cls.names()}
         for p in plans:
-            cols["dp"].append(p.dp)
-            cols["tp"].append(p.tp)
-            cols["pp"].append(p.pp)
-            cols["mbs"].append(p.micro_batch_size)
-            cols["nmb"].append(p.num_micro_batches)
-            cols["order"].append(MESH_ORDERS.index(tuple(p.mesh_order)))
-            cols["zero"].append(p.zero)
-            cols["bucket_mb"].append(p.bucket_mb)
-            cols["recompute"].append(RECOMPUTE_MODES.index(p.recompute))
-            cols["recompute_blocks"].append(p.recompute_blocks)
-            cols["schedule"].append(SCHEDULES.index(p.schedule))
-            cols["v"].append(p.virtual_stages)
-            cols["sp"].append(p.sequence_parallel)
-            cols["precision"].append(PRECISIONS.index(p.precision))
-            cols["comm"].append(COMM_DTYPES.index(p.grad_comm_dtype))
-            cols["offload"].append(p.offload_optimizer)
+            for f in plan_fields():
+                cols[f.name].append(encode(f, getattr(p, f.name)))
             cols["split"].append(table.add(p.pp, p.virtual_stages, p.split_for(profile.num_layers)))
-        arrays = {k: np.asarray(v) for k, v in cols.items()}
-        return cls(**arrays, splits=table)
-
-    @classmethod
-    def _columns(cls) -> list[str]:
-        return [name for name in cls.__dataclass_fields__ if name not in ("splits", "group")]
+        return cls({k: np.asarray(v) for k, v in cols.items()}, table)
 
     @classmethod
     def empty(cls, table: SplitTable) -> PlanArrays:
-        return cls(**{k: np.zeros(0, dtype=np.int64) for k in cls._columns()}, splits=table)
+        return cls({k: np.zeros(0, dtype=np.int64) for k in cls.names()}, table)
 
     def plan(self, i: int) -> Plan:
         """The i-th plan back as a Plan (the layer split is written out explicitly only when it
         differs from the balanced default)."""
-        entry = self.splits.entries[int(self.split[i])]
-        pp, v = int(self.pp[i]), int(self.v[i])
-        split = entry["split"]
-        return Plan(
-            dp=int(self.dp[i]), tp=int(self.tp[i]), pp=pp, micro_batch_size=int(self.mbs[i]),
-            num_micro_batches=int(self.nmb[i]), mesh_order=MESH_ORDERS[int(self.order[i])],
-            zero=int(self.zero[i]), bucket_mb=float(self.bucket_mb[i]),
-            recompute=RECOMPUTE_MODES[int(self.recompute[i])], recompute_blocks=int(self.recompute_blocks[i]),
-            schedule=SCHEDULES[int(self.schedule[i])], virtual_stages=v,
-            layer_split=() if split == balanced_split(sum(split), pp * v) else split,
-            sequence_parallel=bool(self.sp[i]), precision=PRECISIONS[int(self.precision[i])],
-            grad_comm_dtype=COMM_DTYPES[int(self.comm[i])],
-            offload_optimizer=bool(self.offload[i]),
-        )
+        values = {f.name: decode(f, self.columns[f.name][i]) for f in plan_fields()}
+        split = self.splits.entries[int(self.columns["split"][i])]["split"]
+        if split != balanced_split(sum(split), values["pp"] * values["virtual_stages"]):
+            values["layer_split"] = split
+        return Plan(**values)
 
     def take(self, index: np.ndarray) -> PlanArrays:
         """A subset (by boolean mask or indices) sharing the split table."""
-        data = {k: getattr(self, k)[index] for k in self._columns()}
-        group = None if self.group is None else self.group[index]
-        return PlanArrays(**data, splits=self.splits, group=group)
-
+        return PlanArrays({k: v[index] for k, v in self.columns.items()}, self.splits)

@@ -8,7 +8,7 @@ import numpy as np
 
 from autopar.cost.arrays import PlanArrays
 from autopar.cost.coefficients import Coefficients
-from autopar.cost.model import HIDDEN_PARTS, MEMORY_PARTS, TIME_PARTS, evaluate
+from autopar.cost.model import HIDDEN_PARTS, evaluate, memory_parts, time_parts
 from autopar.plan import Plan
 
 
@@ -75,8 +75,8 @@ def estimates_from(workload, pa: PlanArrays, result: dict[str, np.ndarray], inde
         plan_precision = pa.plan(i).precision
         out.append(Estimate(
             iteration_time_s=float(result["iteration_time"][i]),
-            breakdown={p: float(result[p][i]) for p in TIME_PARTS},
-            memory={p: float(result[p][i]) for p in MEMORY_PARTS},
+            breakdown={p: float(result[p][i]) for p in time_parts()},
+            memory={p: float(result[p][i]) for p in memory_parts()},
             peak_memory_bytes=float(result["peak_memory"][i]),
             gpu_memory_bytes=float(gpu.memory_bytes),
             usable_memory_bytes=float(workload.memory_budget),

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.cost.arrays import DTYPE_BYTES, MESH_ORDERS, PlanArrays
+from autopar import axes
+from autopar.cost.arrays import PlanArrays, mesh_order_of, unique_rows
 from autopar.cost.coefficients import Coefficients
-from autopar.plan import COMM_DTYPES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES
+from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, knobs
 
 PRECISION_BYTES = np.array([DTYPE_BYTES[p] for p in PRECISIONS], dtype=float)
 COMM_BYTES = np.array([DTYPE_BYTES[p] for p in COMM_DTYPES], dtype=float)
@@ -45,6 +46,15 @@ HIDDEN_PARTS = ("hidden_tp_comm", "hidden_dp_comm")  # seconds of communication 
 TIME_PARTS = ("compute", "recompute", "tp_comm", "pp_p2p", "pp_bubble", "dp_comm", "optimizer", "overhead")
 MEMORY_PARTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations",
                 "comm_buffers", "workspace")
+
+
+def time_parts() -> tuple[str, ...]:
+    """TIME_PARTS and the time terms of declared axes and knobs: the breakdown of an estimate."""
+    return TIME_PARTS + tuple(k.name for k in knobs() if k.time_term is not None)
+
+
+def memory_parts() -> tuple[str, ...]:
+    return MEMORY_PARTS + tuple(f"{k.name}_memory" for k in knobs() if k.memory_term is not None)
 
 
 def _kind_arrays(profile) -> dict[str, np.ndarray]:
@@ -96,19 +106,12 @@ def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _links(cluster, pa: PlanArrays, coeffs: Coefficients) -> dict[str, np.ndarray]:
     """Effective bandwidth (bytes/s, efficiency applied) and latency of the tp, dp and pp groups,
     derived from the cluster graph once per distinct (degrees, mesh order)."""
-    n = int(max(pa.dp.max(initial=1), pa.tp.max(initial=1), pa.pp.max(initial=1))) + 1
-    keys = ((pa.dp.astype(np.int64) * n + pa.tp) * n + pa.pp) * len(MESH_ORDERS) + pa.order
-    uniq, inverse = np.unique(keys, return_inverse=True)
-    table = np.zeros((len(uniq), 6))
-    for row, key in enumerate(uniq.tolist()):
-        rest, order = divmod(key, len(MESH_ORDERS))
-        rest, pp = divmod(rest, n)
-        dp, tp = divmod(rest, n)
-        sizes = {"dp": int(dp), "tp": int(tp), "pp": int(pp)}
-        stride, strides = 1, {}
-        for axis in reversed(MESH_ORDERS[order]):
-            strides[axis] = stride
-            stride *= sizes[axis]
+    names = tuple(axes.AXES)
+    first, inverse = unique_rows([getattr(pa, a) for a in names] + [pa.mesh_order])
+    table = np.zeros((len(first), 6))
+    for row, i in enumerate(first):
+        dims = axes.ParallelDims({a: int(getattr(pa, a)[i]) for a in names}, mesh_order_of(pa.mesh_order[i]))
+        sizes, strides, pp = dims.degrees, dims.strides(), dims.degrees["pp"]
         for col, link in enumerate((cluster.ring(sizes["tp"], strides["tp"]),
                                     cluster.ring(sizes["dp"], strides["dp"]),
                                     cluster.p2p(strides["pp"]) if pp > 1 else None)):
@@ -144,8 +147,8 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     tp_overlap = "tp_comm_overlap" in workload.switches
     col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (G,) -> (G, 1)
 
-    t, b, m, v, pp = col(g.tp), col(g.mbs), col(g.nmb), col(g.v), col(g.pp)
-    sp_div = np.where(g.sp, g.tp, 1)[:, None].astype(float)  # sequence parallel shards the rest too
+    t, b, m, v, pp = col(g.tp), col(g.micro_batch_size), col(g.num_micro_batches), col(g.virtual_stages), col(g.pp)
+    sp_div = np.where(g.sequence_parallel, g.tp, 1)[:, None].astype(float)  # sequence parallel shards the rest too
     act_scale = col(PRECISION_BYTES[g.precision] / DTYPE_BYTES[profile.dtype])
     peak = col(np.array([cluster.gpu.peak_flops[p] for p in PRECISIONS])[g.precision])
     hbm = cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency / c.elementwise_traffic
@@ -259,15 +262,12 @@ def _norm(a: np.ndarray, b: np.ndarray, p: float) -> np.ndarray:
     return top * ((a / scale) ** p + (b / scale) ** p) ** (1 / p)
 
 
+DP_ONLY = ("zero", "offload_optimizer", "bucket_mb", "grad_comm_dtype")  # read outside _pipeline only
+
+
 def _groups(pa: PlanArrays) -> tuple[np.ndarray, np.ndarray]:
-    """Index of the first plan of each group and each plan's group."""
-    if pa.group is not None:
-        _, first, inverse = np.unique(pa.group, return_index=True, return_inverse=True)
-        return first, inverse
-    key = np.stack([pa.dp, pa.tp, pa.pp, pa.mbs, pa.nmb, pa.schedule, pa.v, pa.split, pa.recompute,
-                    pa.recompute_blocks, pa.sp, pa.precision, pa.order], axis=1).astype(np.int64)
-    _, first, inverse = np.unique(key, axis=0, return_index=True, return_inverse=True)
-    return first, inverse.reshape(-1)
+    """Index of the first plan of each group (plans equal but in DP_ONLY fields) and each plan's group."""
+    return unique_rows([v for k, v in pa.columns.items() if k not in DP_ONLY])
 
 
 def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> dict[str, np.ndarray]:
@@ -287,7 +287,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     local_params = part["local_params"]
     hide_b, hide_f = _dp_hiding(workload, c, part["backward_s"], part["forward_s"])
     megatron = workload.runtime == "megatron"
-    grad_bytes = local_params * col(COMM_BYTES[pa.comm])
+    grad_bytes = local_params * col(COMM_BYTES[pa.grad_comm_dtype])
     prec_bytes = col(PRECISION_BYTES[pa.precision])
     param_bytes = local_params * prec_bytes
     bucket = col(pa.bucket_mb) * 2**20
@@ -300,8 +300,8 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     scatter_all = all_gather_time(grad_bytes, dpn, dp_bw * c.collective("reduce_scatter"), dp_lat, base)
     gather = all_gather_time(param_bytes, dpn, dp_bw * c.collective("all_gather"), dp_lat, base)
     broadcast = all_gather_time(param_bytes, dpn, dp_bw * c.collective("broadcast"), dp_lat, base)
-    nmb = col(pa.nmb)
-    accumulate = ((pa.pp > 1) & (pa.nmb > 1))[:, None]
+    nmb = col(pa.num_micro_batches)
+    accumulate = ((pa.pp > 1) & (pa.num_micro_batches > 1))[:, None]
 
     def exposed(hide_b, hide_f):
         """The data-parallel collectives' time on the critical path, given what can hide them.
@@ -323,7 +323,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
 
     dp_time = exposed(hide_b, hide_f)
     dp_hidden = exposed(0.0 * hide_b, 0.0 * hide_f) - dp_time
-    offload = np.asarray(pa.offload, dtype=bool)[:, None]
+    offload = np.asarray(pa.offload_optimizer, dtype=bool)[:, None]
     shard_states = np.where(zero >= 1, dpn, 1.0)
     opt_params = local_params / shard_states
     hbm = cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency
@@ -353,15 +353,23 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
         "comm_buffers": np.where((dpn > 1) & (zero <= 1), np.minimum(grad_bytes, bucket), 0.0),
         "workspace": np.full_like(weights, c.workspace_bytes),
     }
+    for k in knobs():  # terms of axes and knobs the core model does not know
+        if k.memory_term is not None:
+            mem[f"{k.name}_memory"] = col(k.memory_term(workload, pa)) * np.ones_like(weights)
     peak_rank = sum(mem.values())
     at_peak = np.argmax(peak_rank, axis=1)[:, None]
 
     out = {name: part[name] for name in ("compute", "recompute", "tp_comm", "pp_p2p", "pp_bubble", "hidden_tp_comm")}
     out["hidden_dp_comm"] = dp_hidden[:, 0]
+    extra_time = np.zeros(len(pa))
+    for k in knobs():
+        if k.time_term is not None:
+            out[k.name] = np.asarray(k.time_term(workload, pa), dtype=float)
+            extra_time = extra_time + out[k.name]
     out.update({
         "dp_comm": dp_exposed, "optimizer": opt_exposed,
         "overhead": part["host"] + c.step_overhead_s,
-        "iteration_time": part["pipe"] + dp_exposed + opt_exposed + c.step_overhead_s,
+        "iteration_time": part["pipe"] + dp_exposed + opt_exposed + c.step_overhead_s + extra_time,
         "peak_memory": np.take_along_axis(peak_rank, at_peak, axis=1)[:, 0],
         "model_flops": part["model_flops_per_sample"] * workload.global_batch,
         "hw_flops": (part["model_flops_per_sample"] + part["recompute_flops_per_sample"]) * workload.global_batch,

@@ -18,6 +18,7 @@ from autopar.plan import COMM_DTYPES, RECOMPUTE_MODES, SCHEDULES, balanced_split
 FULL, SELECTIVE = RECOMPUTE_MODES.index("full"), RECOMPUTE_MODES.index("selective")
 GPIPE, ONE_F_ONE_B, INTERLEAVED = (SCHEDULES.index(s) for s in ("gpipe", "1f1b", "interleaved"))
 FP32 = COMM_DTYPES.index("fp32")
+DEFAULT_ORDER = 0  # mesh order code of the default order (tp innermost; see cost.arrays.mesh_order_code)
 ZOO_GPT = Path(__file__).resolve().parent.parent / "zoo" / "gpt.py"
 
 
@@ -99,13 +100,14 @@ def best(workload, candidates, coeffs=None):
 def megatron_candidates(row: MegatronRow, model=ZOO_GPT):
     """(workload, plans) with the paper's tp, pp and full recompute; micro-batch and
     interleaving open."""
-    from autopar.search.space import TP_INNER, enumerate_plans
+    from autopar.search.space import enumerate_plans
 
     w = _workload(row.size, row.gpus, row.global_batch, model)
     s = enumerate_plans(w)
     full_all = s.recompute_blocks == np.array([s.splits.entries[i]["layers"].max() for i in s.split])
     mask = ((s.tp == row.tp) & (s.pp == row.pp) & (s.recompute == FULL) & full_all & (s.zero == 0)
-            & ~s.sp & (s.comm == FP32) & (s.order == TP_INNER) & (s.bucket_mb == 25.0) & (s.schedule != GPIPE))
+            & ~s.sequence_parallel & (s.grad_comm_dtype == FP32) & (s.mesh_order == DEFAULT_ORDER)
+            & (s.bucket_mb == 25.0) & (s.schedule != GPIPE))
     return w, s.take(np.flatnonzero(mask))
 
 
@@ -117,9 +119,10 @@ def korthikanti_candidates(row: KorthikantiRow, selective: bool, model=ZOO_GPT):
     w = _workload(row.size, row.gpus, row.global_batch, model)
     s = enumerate_plans(w)
     full_all = s.recompute_blocks == np.array([s.splits.entries[i]["layers"].max() for i in s.split])
-    mode = (s.recompute == SELECTIVE) & s.sp if selective else (s.recompute == FULL) & full_all & ~s.sp
+    sp = s.sequence_parallel
+    mode = (s.recompute == SELECTIVE) & sp if selective else (s.recompute == FULL) & full_all & ~sp
     sched = (s.schedule == INTERLEAVED) if row.interleaved else (s.schedule == ONE_F_ONE_B)
-    mask = (s.tp == row.tp) & (s.pp == row.pp) & (s.mbs == row.micro_batch) & mode & sched
+    mask = (s.tp == row.tp) & (s.pp == row.pp) & (s.micro_batch_size == row.micro_batch) & mode & sched
     return w, s.take(np.flatnonzero(mask))
 
 

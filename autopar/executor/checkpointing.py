@@ -9,6 +9,9 @@
   (seq x seq) result starts it, and every op reading such a tensor belongs to it. So what the
   executor drops and redoes is what the cost model counts (`attn_core_bytes`, `attn_core_flops`).
   Fused attention (scaled_dot_product_attention) keeps no seq x seq tensor: nothing to drop.
+  Dropout is recomputed whole on every device, so selective recompute keeps the same tensors on
+  a GPU as in the CPU tests: CUDA runs it as one `native_dropout` op (output and bool mask), the
+  CPU as a noise fill (`empty_like`, `bernoulli_`, `div_`) and a multiply by that noise.
 
 Blocks are wrapped in place with `checkpoint_wrapper` (whose state-dict hooks keep parameter
 names unchanged, so checkpoints still map across plans).
@@ -27,9 +30,11 @@ from autopar.plan import Plan
 _aten = torch.ops.aten
 _BATCHED_MATMULS = {_aten.bmm.default: (0, 1), _aten.baddbmm.default: (1, 2)}  # op: positions of the factors
 _LAYOUT = {_aten.clone.default, _aten._unsafe_view.default, _aten.contiguous.default}
-# buffers that in-place ops fill or update later: dropout's mask on the CPU (empty_like, bernoulli_)
+# buffers that in-place ops fill or update later: dropout's noise on the CPU (empty_like, bernoulli_)
 # and the row means of rms_norm's CPU decomposition (mean, then add_ of eps)
 _FRESH = {_aten.empty_like.default, _aten.empty.memory_format, _aten.mean.dim}
+_DROPOUT = {_aten.native_dropout.default}
+_NOISE_FILLS = {_aten.bernoulli_.float, _aten.bernoulli_.Tensor, _aten.div_.Scalar}
 
 
 def _square(t) -> bool:
@@ -49,16 +54,41 @@ def _attention_core(op, args, kwargs) -> bool:
     return any(_square(t) for t in tree_leaves((args, kwargs)))
 
 
-def _selective_policy(ctx, op, *args, **kwargs):
-    # a kept tensor must not change afterwards, so in-place ops and the buffers they fill (_FRESH)
-    # are always recomputed
-    if op._schema.is_mutable or op in _FRESH or _attention_core(op, args, kwargs):
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE
+class SelectivePolicy:
+    """The selective-checkpoint policy of one checkpointed call (forward and recompute): it
+    remembers where the dropout noise it has seen filled lies, by address (the dispatcher hands
+    out a new Python object per op), until the multiply that applies it uses it up."""
+
+    def __init__(self):
+        self.noise: set[tuple] = set()
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        # a kept tensor must not change afterwards, so in-place ops and the buffers they fill
+        # (dropout's noise on the CPU: empty_like, bernoulli_, div_) are always recomputed, and so
+        # is the multiply by that noise: dropout keeps nothing, on the CPU as on CUDA (module doc)
+        if op in _NOISE_FILLS:
+            self.noise.add(_where(args[0]))
+        if (op._schema.is_mutable or op in _FRESH or op in _DROPOUT or _attention_core(op, args, kwargs)
+                or (op is _aten.mul.Tensor and _takes_noise(self.noise, args))):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+
+def _where(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), tuple(t.shape)
+
+
+def _takes_noise(noise: set, args) -> bool:
+    """Whether this multiply applies a dropout noise (then used up: its memory may be reused)."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and _where(a) in noise:
+            noise.discard(_where(a))
+            return True
+    return False
 
 
 def _selective_context():
-    return create_selective_checkpoint_contexts(_selective_policy)
+    return create_selective_checkpoint_contexts(SelectivePolicy())
 
 
 def apply_ac(blocks_held: list[tuple[nn.ModuleList, int]], plan: Plan) -> int:

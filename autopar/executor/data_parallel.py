@@ -21,19 +21,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from autopar.errors import PlanError
 from autopar.executor.mesh import Topology
 from autopar.executor.precision import DTYPES
 from autopar.plan import Plan
 
 _COMPRESS_HOOKS = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
-
-
-def check_backend(plan: Plan, backend: str) -> None:
-    """Refuse what the communication backend cannot do, before anything starts."""
-    if plan.grad_comm_dtype == "bf16" and backend != "nccl":
-        raise PlanError(f"grad_comm_dtype 'bf16' reduces gradients in bfloat16, which needs NCCL, not {backend}; "
-                        f"use grad_comm_dtype 'fp16' or 'fp32' on this backend")
 
 
 def apply_ddp(module: nn.Module, plan: Plan, topo: Topology) -> nn.Module:

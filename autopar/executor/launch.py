@@ -3,14 +3,17 @@
 `launch` builds a torchrun command line (`python -m autopar.executor.worker` per rank) and runs
 it in this process with `torch.distributed.run.run`, the function behind the `torchrun`
 command: same rendezvous, same elastic agent, same error files. No restarts: a failed rank
-ends the job, and its recorded error is the job's error. A timeout raises in the agent's
-thread, whose shutdown path then terminates every worker.
+ends the job, and its own error is the job's error. Each rank beats a heartbeat file; the
+launcher watches them to order the ranks' ends and to find a stopped rank, which torchrun
+would blame on the survivors' collective timeouts. A timeout raises in the agent's thread,
+whose shutdown path then terminates every worker; whatever is left is killed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import tempfile
 import threading
@@ -19,9 +22,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from autopar.errors import PlanError
-from autopar.executor.worker import LAUNCHER_PID, failure_note
+from autopar.executor.outcome import is_oom, killed_by, oom_kills
+from autopar.executor.worker import LAUNCHER_PID, failure_note, heartbeat_file
 from autopar.plan import Plan
+
+DEFAULT_TIMEOUT_S = 900.0  # `autopar run --timeout` default: the job's bound, and its collectives'
+STALE_S = 20.0  # a rank whose heartbeat is this old is stopped (it beats every worker.HEARTBEAT_S)
+POLL_S = 0.2  # how often the launcher looks at the heartbeats
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,7 @@ class LaunchSpec:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     backend: str = "auto"
-    timeout_s: float | None = None
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
     steps: int = 10
     warmup: int = 3
     seed: int = 0
@@ -52,7 +59,7 @@ class LaunchSpec:
 class LaunchResult:
     """How the job ended; `result` is rank 0's measurement (None on other nodes or on failure)."""
 
-    outcome: str  # ok | oom | timeout | error
+    outcome: str  # ok | oom | timeout | rank_failed (autopar.traces.record.OUTCOMES)
     error: str | None = None
     result: dict | None = None
     wall_s: float = 0.0
@@ -62,12 +69,12 @@ class _JobTimeout(Exception):
     pass
 
 
+
 def check_world_size(plan: Plan, spec: LaunchSpec) -> None:
     """Refuse, before starting anything, a plan made for another number of ranks."""
-    if plan.world_size != spec.world_size:
-        raise PlanError(f"the plan needs dp x tp x pp = {plan.dp} x {plan.tp} x {plan.pp} = {plan.world_size} "
-                        f"ranks but --nnodes {spec.nnodes} x --nproc-per-node {spec.nproc_per_node} = "
-                        f"{spec.world_size}; launch {plan.world_size} processes or use a plan for {spec.world_size}")
+    plan.dims.check_world(spec.world_size, f"--nnodes {spec.nnodes} x --nproc-per-node {spec.nproc_per_node} = "
+                          f"{spec.world_size}", f"launch {plan.world_size} processes or use a plan for "
+                          f"{spec.world_size}", needs="the plan needs ")
 
 
 def torchrun_argv(plan_path, model, model_args: dict, spec: LaunchSpec, result_path) -> list[str]:
@@ -110,35 +117,151 @@ def _deadline(seconds: float | None):
         signal.signal(signal.SIGALRM, previous)
 
 
-def _failure(err, result_path: Path) -> tuple[str, str]:
-    """(outcome, message) of the rank whose failure caused the others; its traceback is in its log.
+class _Watch(threading.Thread):
+    """Watches the ranks: when each rank's process ended (a pidfd per rank becomes readable at its
+    exit, so the order of the ends is exact, which torchrun's whole-second error files are not),
+    and which rank stopped beating its heartbeat file (SIGSTOP, a frozen host): that one is
+    killed so the job ends now, and named."""
 
-    A rank that died of a signal (other than the agent's SIGTERM: the OOM killer, a segfault)
-    caused its peers' errors; otherwise the worker's failure notes order the errors to the
-    microsecond (torchrun's error files carry whole seconds, so its "first failure" may be a
-    peer that only lost its connection)."""
+    def __init__(self, result_path: Path, ranks: range, stale_s: float):
+        super().__init__(daemon=True)
+        self.result_path, self.ranks, self.stale_s = result_path, ranks, stale_s
+        self.beats: dict[int, dict] = {}
+        self.gone: dict[int, int] = {}  # rank -> the order its process ended in (0 first)
+        self.pidfds: dict[int, int] = {}  # pidfd -> rank
+        self.stopped: str | None = None  # the verdict on a rank that stopped beating
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.done.is_set():
+                self._look()
+                ready, _, _ = select.select(list(self.pidfds), [], [], POLL_S)
+                for fd in ready:  # ended in this order (ties: the same wake-up)
+                    self.gone.setdefault(self.pidfds.pop(fd), len(self.gone))
+                    os.close(fd)
+        finally:
+            for fd in self.pidfds:
+                os.close(fd)
+
+    def _look(self) -> None:
+        now = time.time()
+        for rank in self.ranks:
+            beat = _read_json(heartbeat_file(self.result_path, rank))
+            if beat is None or rank in self.gone:
+                continue
+            if rank not in self.beats or self.beats[rank]["pid"] != beat["pid"]:
+                try:
+                    self.pidfds[os.pidfd_open(beat["pid"])] = rank
+                except OSError:  # ended already
+                    self.gone.setdefault(rank, len(self.gone))
+            self.beats[rank] = beat
+            age = now - beat["time"]
+            if self.stopped is None and age > self.stale_s:
+                self.stopped = (f"rank {rank} stopped responding: no heartbeat for {age:.0f} s, the last at step "
+                                f"{beat['step']} (process {beat['pid']} stopped or frozen)")
+                _kill(beat["pid"])
+
+    def slowest(self) -> str:
+        """Which rank a timed-out job waited for: the one at the earliest step, and of those one
+        that is not itself waiting inside torch (its peers wait there for it, in a collective or
+        in the backward pass that launches them)."""
+        if not self.beats:
+            return "no rank started"
+
+        def waiting(r: int) -> bool:
+            return "/torch/" in str(self.beats[r].get("where", ""))
+
+        rank = min(self.beats, key=lambda r: (self.beats[r]["step"], waiting(r), r))
+        beat = self.beats[rank]
+        step = "starting up" if beat["step"] < 0 else f"at step {beat['step']}"
+        return f"rank {rank} was {step}" + (f" in {beat['where']}" if beat.get("where") else "")
+
+    def kill_workers(self) -> None:
+        """No rank outlives the launch, stopped or not."""
+        for beat in self.beats.values():
+            _kill(beat["pid"])
+
+
+def _read_json(path) -> dict | None:
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _kill(pid: int) -> None:
+    if _alive(pid) and "autopar.executor.worker" in _cmdline(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)  # works on a stopped process too
+        except ProcessLookupError:
+            pass
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _failure(err, result_path: Path, watch: _Watch, oom_kills_before: int | None = None) -> tuple[str, str]:
+    """(outcome, message) of the rank whose failure caused the others'.
+
+    The rank whose process ended first caused the rest (its peers fail on the lost connection
+    after it); with its own note (the first line of its exception) if it raised, else its signal
+    or exit code. Without a recorded order, a rank killed by a signal other than the agent's
+    SIGTERM, then the earliest failure note, then torchrun's first failure."""
+    notes = {rank: n for rank in err.failures if (n := _read_json(failure_note(result_path, rank)))}
+
+    def own_error(rank: int) -> str:
+        if rank in notes:
+            return str(notes[rank].get("message", "")).strip()
+        failure = err.failures.get(rank)
+        if failure is None:
+            return "ended"
+        if failure.signal_name() != "<N/A>":
+            return killed_by(failure.signal_name(), oom_kills_before)
+        return f"exited with code {failure.exitcode} without raising (os._exit or sys.exit)"
+
     died = {rank: f for rank, f in err.failures.items() if f.signal_name() not in ("<N/A>", "SIGTERM")}
-    notes = {}
-    for rank in err.failures:
-        note = Path(failure_note(result_path, rank))
-        if note.exists():
-            notes[rank] = json.loads(note.read_text())
-    if died:
+    gone = {rank: t for rank, t in watch.gone.items() if rank in err.failures}
+
+    def cause_first(r: int) -> tuple:
+        """Ends seen at once: a signal other than the agent's SIGTERM, then an exit without a note
+        (os._exit), then a raise (peers raise on the lost connection), then SIGTERM."""
+        signal_name = err.failures[r].signal_name()
+        kind = 0 if r in died else 3 if signal_name == "SIGTERM" else 2 if r in notes else 1
+        return gone[r], kind, notes.get(r, {}).get("time", 0)
+
+    if gone:
+        rank = min(gone, key=cause_first)
+    elif died:
         rank = min(died, key=lambda r: died[r].timestamp)
-        message = f"killed by {died[rank].signal_name()}"
     elif notes:
-        rank = min(notes, key=lambda r: notes[r]["time"])
-        message = notes[rank]["message"].strip()
+        rank = min(notes, key=lambda r: notes[r].get("time", 0))
     else:
-        rank, failure = err.get_first_failure()
-        recorded = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
-        message = recorded.strip() or f"exit code {failure.exitcode}"
-    oom = "OutOfMemoryError" in message or "out of memory" in message.lower()
-    return ("oom" if oom else "error"), f"rank {rank} failed: {message}"
+        rank, _ = err.get_first_failure()
+    message = own_error(rank)
+    return ("oom" if is_oom(message) else "rank_failed"), f"rank {rank} failed: {message}"
 
 
 def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult:
-    """Run the plan's workers on this node and wait for them (a collective of all nodes)."""
+    """Run the plan's workers on this node and wait for them (a collective of all nodes).
+
+    Ends within spec.timeout_s: on a rank that stops beating for STALE_S (killed, then named), or at
+    the deadline (naming the rank the others waited for). SIGINT/SIGTERM to the launcher end the
+    workers and raise KeyboardInterrupt. No worker outlives this call."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -148,15 +271,29 @@ def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult
         result_path = Path(tmp) / "result.json"
         args = get_args_parser().parse_args(torchrun_argv(plan_path, model, model_args, spec, result_path))
         os.environ[LAUNCHER_PID] = str(os.getpid())  # workers inherit it: see worker._die_with_launcher
+        first = spec.node_rank * spec.nproc_per_node
+        watch = _Watch(result_path, range(first, first + spec.nproc_per_node), STALE_S)
+        watch.start()
+
+        def ended(outcome: str, error: str | None = None, result=None) -> LaunchResult:
+            return LaunchResult(outcome, error, result, wall_s=time.perf_counter() - started)
+
+        kills = oom_kills()  # a SIGKILL while this count rises is the kernel's OOM killer
         try:
             with _deadline(spec.timeout_s):
                 run(args)
         except _JobTimeout:
-            return LaunchResult("timeout", f"the job did not finish within --timeout {spec.timeout_s:g} s",
-                                wall_s=time.perf_counter() - started)
+            return ended("timeout", f"the job did not finish within --timeout {spec.timeout_s:g} s; "
+                                    f"{watch.slowest()}")
         except ChildFailedError as err:
-            outcome, message = _failure(err, result_path)
-            return LaunchResult(outcome, message, wall_s=time.perf_counter() - started)
-        result = json.loads(result_path.read_text()) if result_path.exists() else None
-        return LaunchResult("ok", result=result, wall_s=time.perf_counter() - started)
-
+            if watch.stopped:
+                return ended("timeout", watch.stopped)
+            return ended(*_failure(err, result_path, watch, kills))
+        except SignalException:
+            raise KeyboardInterrupt from None
+        finally:
+            watch.done.set()
+            watch.join()
+            watch.kill_workers()
+        result = _read_json(result_path)
+        return ended("ok", result=result)

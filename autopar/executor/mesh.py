@@ -1,7 +1,7 @@
-"""Process group, device and the (pp, dp, tp) device mesh of a plan.
+"""Process group, device and the device mesh of a plan (one named dimension per axis, `ParallelDims`).
 
 The same code runs on GPUs (NCCL) and on CPUs (gloo): the backend and device follow from
-whether CUDA is present, unless the caller forces one.
+whether this node has a GPU for every rank, unless the caller forces one.
 """
 
 from __future__ import annotations
@@ -12,44 +12,71 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import PlanError
+from autopar.executor.support import has_nccl
 from autopar.plan import Plan
 
 BACKENDS = ("auto", "nccl", "gloo")
+# where launchers other than torchrun put the node-local rank: Slurm's srun, Open MPI's mpirun
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
 
 
-def resolve_backend(backend: str = "auto") -> str:
-    """'auto' means NCCL when CUDA is available, gloo otherwise."""
+def resolve_backend(backend: str = "auto", local_ranks: int | None = None) -> str:
+    """'auto' means NCCL when every rank on this node gets a GPU of its own, gloo otherwise
+    (NCCL refuses two ranks on one GPU). `local_ranks`: ranks per node, by default torchrun's
+    LOCAL_WORLD_SIZE (1 for a plain `python train.py`)."""
     if backend not in BACKENDS:
         raise PlanError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if local_ranks is None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise PlanError("backend 'nccl' needs CUDA GPUs and none is available; use --backend gloo or auto")
+        return "nccl" if 0 < local_ranks <= gpus else "gloo"
+    if backend == "nccl" and local_ranks > gpus:
+        raise PlanError(f"backend 'nccl' needs a GPU per rank: {local_ranks} rank(s) per node but {gpus} GPU(s) "
+                        f"visible; use --nproc-per-node {gpus} or fewer, or --backend gloo" if gpus else
+                        "backend 'nccl' needs CUDA GPUs and none is available; use --backend gloo or auto")
     return backend
+
+
+def local_rank() -> int:
+    """This process's rank on its node: from torchrun, srun or mpirun, else the global rank
+    modulo the node's GPUs (ranks fill nodes in order)."""
+    for name in LOCAL_RANK_VARIABLES:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return int(os.environ.get("RANK", "0")) % max(torch.cuda.device_count(), 1)
 
 
 def init_distributed(backend: str = "auto", timeout_s: float | None = None) -> torch.device:
     """Join the process group torchrun describes (or a one-process group) and pick the device.
 
     A script started without torchrun gets a world of one, so `autopar.apply` also works in a
-    plain `python train.py` for a single-rank plan.
+    plain `python train.py` for a single-rank plan. A group the caller initialised decides the
+    device: a GPU when it reaches GPUs through NCCL ("nccl" or a mixed "cpu:gloo,cuda:nccl").
     """
-    backend = dist.get_backend() if dist.is_initialized() else resolve_backend(backend)
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    backend = current_backend(backend)
+    if has_nccl(backend):
+        device = torch.device("cuda", local_rank())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
         kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        if device.type == "cuda":  # binds NCCL's communicators to this GPU from the start
+            kwargs["device_id"] = device
         if "RANK" in os.environ:
             dist.init_process_group(backend, **kwargs)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     return device
+
+
+def current_backend(backend: str = "auto") -> str:
+    """The backend of the process group if one is initialised, else the one `backend` resolves to."""
+    return dist.get_backend() if dist.is_initialized() else resolve_backend(backend)
 
 
 @dataclass(frozen=True)
@@ -67,13 +94,8 @@ class Topology:
 
 
 def build_mesh(plan: Plan, device: torch.device) -> Topology:
-    """The device mesh with axes named pp/dp/tp in the plan's order (outermost first)."""
+    """The device mesh with one dimension per axis, named as the axis, in the plan's order (outermost first)."""
     world = dist.get_world_size()
-    if world != plan.world_size:
-        raise PlanError(f"the plan needs dp x tp x pp = {plan.dp} x {plan.tp} x {plan.pp} = {plan.world_size} "
-                        f"ranks but {world} were launched; launch {plan.world_size} processes or use a plan "
-                        f"for {world}")
-    sizes = {"pp": plan.pp, "dp": plan.dp, "tp": plan.tp}
-    shape = tuple(sizes[axis] for axis in plan.mesh_order)
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=tuple(plan.mesh_order))
-    return Topology(mesh, device)
+    plan.dims.check_world(world, f"{world} were launched", f"launch {plan.world_size} processes or use a plan "
+                          f"for {world}", needs="the plan needs ")
+    return Topology(plan.dims.build_mesh(device.type), device)

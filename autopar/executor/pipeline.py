@@ -78,7 +78,7 @@ def cut_stages(model: nn.Module, blocks: nn.ModuleList, plan: Plan, pp_rank: int
 
 def rank_view(parts: list[nn.Module], name: str) -> nn.Module:
     """One module holding every part this rank owns under the full model's names: what the
-    optimizer and distributed checkpoints see."""
+    optimizer and distributed checkpoints see. A plain container, never run."""
     if len(parts) == 1:
         return parts[0]
     view = nn.Module()  # not a copy of parts[0]: FSDP's wrapped classes re-run __init__ when copied

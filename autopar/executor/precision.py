@@ -1,17 +1,32 @@
 """Compute precision: autocast for bf16/fp16, and loss scaling for fp16.
 
+Autocast covers the forward and the loss only, never a backward: autocast caches the bf16/fp16
+copies of the weights while it is active, and activation recompute inside a live autocast
+reuses those cached copies instead of recasting, so its saved tensors no longer match the
+forward's (`CheckpointError`). Pipeline schedules run forward and backward in one call, so
+there the stage modules' forwards and the loss are wrapped one by one.
+
 The loss scaler is `ShardedGradScaler` over the whole world: tensor-, pipeline- and
 ZeRO-sharded gradients differ between ranks, and every rank must skip a step together when
-any of them overflowed, which the plain `GradScaler` does not ensure.
+any of them overflowed, which the plain `GradScaler` does not ensure. It unscales the local
+shards of DTensor gradients: with tensor parallelism and no FSDP a rank holds DTensor and plain
+gradients side by side, which one fused unscale call cannot take. With optimizer offload every
+gradient shard is on the CPU, and so are the scale and the overflow check: their all-reduce runs
+over a gloo group of the world, never a CPU tensor over NCCL (torch's own fallback copies the flag
+to the GPU and back each step).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 from autopar.plan import Plan
 
@@ -25,11 +40,62 @@ def autocast(plan: Plan, device: torch.device):
     return torch.autocast(device.type, dtype=DTYPES[plan.precision])
 
 
+def autocast_calls(fn, plan: Plan, device: torch.device):
+    """`fn` run under the plan's autocast, which ends when it returns (before any backward)."""
+    if plan.precision == "fp32":
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with autocast(plan, device):
+            return fn(*args, **kwargs)
+    return run
+
+
+def autocast_forward(module: nn.Module, plan: Plan, device: torch.device) -> None:
+    """Run `module`'s forward under the plan's autocast (in place: names and hooks unchanged)."""
+    if plan.precision != "fp32":
+        module.forward = autocast_calls(module.forward, plan, device)
+
+
+class LocalShardGradScaler(ShardedGradScaler):
+    """ShardedGradScaler that checks and unscales each DTensor gradient's local shard."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+        grads = defaultdict(list)  # (device, dtype) -> local gradients
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    local = grad._local_tensor if isinstance(grad, DTensor) else grad
+                    if not allow_fp16 and local.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    grads[local.device, local.dtype].append(local)
+            found, inv = {}, {}
+            for (device, _), tensors in grads.items():
+                if device not in found:
+                    found[device] = found_inf.to(device)
+                    inv[device] = inv_scale.to(device)
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv[device])
+        # a rank holding no gradient still joins the found-inf all-reduce
+        return found or {self._scale.device: found_inf}
+
+
+def loss_scaler(plan: Plan, device: torch.device) -> torch.amp.GradScaler | None:
+    """A one-process loss scaler for fp16 (the single-process reference), None otherwise."""
+    return torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
+
+
 def grad_scaler(plan: Plan, device: torch.device) -> ShardedGradScaler | None:
-    """A world-wide loss scaler for fp16, None otherwise."""
+    """A world-wide loss scaler for fp16, None otherwise; on the CPU when the optimizer is
+    offloaded (a collective when the world is on GPUs: every rank makes the gloo group)."""
     if plan.precision != "fp16":
         return None
-    scaler = ShardedGradScaler(device=device.type, process_group=dist.group.WORLD)
+    home = torch.device("cpu") if plan.offload_optimizer else device
+    group = dist.new_group(backend="gloo") if home.type != device.type else dist.group.WORLD
+    scaler = LocalShardGradScaler(device=home.type, process_group=group)
     # make the scale now: pipeline ranks before the last stage never scale a loss themselves
-    scaler.scale(torch.ones((), device=device))
+    scaler.scale(torch.ones((), device=home))
     return scaler

@@ -17,7 +17,6 @@ import tempfile
 from pathlib import Path
 
 from autopar.atomic import write_text_atomic
-from autopar.errors import PlanError
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
 from autopar.traces import append_record, read_records
@@ -57,8 +56,8 @@ class MeasuredReward:
 
     def run(self, plan: Plan) -> dict:
         """Measure the plan now, even when the cache knows it (a repeated run), and cache the result."""
-        if plan.world_size != self.nproc:
-            raise PlanError(f"the plan is for {plan.world_size} ranks but this reward backend runs {self.nproc}")
+        plan.dims.check_world(self.nproc, f"this reward backend runs {self.nproc}", "use a plan for "
+                              f"{self.nproc} ranks", needs="the plan needs ")
         key = self.key(plan)
         record = self._measure(plan)
         ok = record is not None and record["outcome"] == "ok"

@@ -3,8 +3,11 @@ pipeline schedule.
 
 The order is torchtitan's: mesh, pipeline cut, tensor parallel, activation checkpointing, data
 parallel (DDP / ZeRO-1 / FSDP2), optimizer. Every rank builds the whole model from the same
-seed and keeps its part, so any plan starts from the same weights as a single-process run
-and its losses can be compared with one (DESIGN §8).
+seed on the CPU and keeps its part, so any plan starts from the same weights as a
+single-process run and its losses can be compared with one (DESIGN §8). The part is sharded
+there and reaches the GPU piece by piece (tensor parallelism moves one weight at a time and
+keeps its shard, FSDP2 one block at a time), so a plan that fits sharded never holds a whole
+stage on the GPU.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from torch.nn.parallel import DistributedDataParallel
 from autopar.errors import PlanError
 from autopar.executor.checkpointing import apply_ac
 from autopar.executor.data import local_share
-from autopar.executor.data_parallel import apply_dp, build_optimizer, check_backend, localised_tp_leaves
-from autopar.executor.mesh import Topology, build_mesh, init_distributed
+from autopar.executor.data_parallel import apply_dp, build_optimizer, localised_tp_leaves
+from autopar.executor.mesh import Topology, build_mesh, current_backend, init_distributed
 from autopar.executor.pipeline import blocks_name, build_schedule, cut_stages, rank_view, stage_ids
-from autopar.executor.precision import autocast, grad_scaler
+from autopar.executor.precision import autocast, autocast_calls, autocast_forward, grad_scaler
+from autopar.executor.support import check_supported
 from autopar.executor.tensor_parallel import apply_tp
 from autopar.executor.tied import TiedGrads, tied_grads, tied_names
 from autopar.modelfile import materialize, resolve_tp_plan
@@ -84,7 +88,7 @@ class ParallelModel:
     def local_batch(self, inputs, targets):
         """This rank's share of a global batch, on this rank's device."""
         share = local_share((tuple(inputs), targets), self.plan, self.topo.rank("dp"))
-        return tuple(t.to(self.device) for t in share[0]), _to(share[1], self.device)
+        return tuple(t.to(self.device) for t in share[0]), move_targets(share[1], self.device)
 
     def train_step(self, inputs: Sequence[torch.Tensor] | torch.Tensor, targets) -> torch.Tensor | None:
         """One optimizer step on this rank's local batch (micro_batch_size x num_micro_batches samples).
@@ -134,8 +138,7 @@ class ParallelModel:
         losses = [] if self.has_last_stage else None
         args = inputs if self.has_first_stage else ()
         target = targets if self.has_last_stage else None
-        with autocast(self.plan, self.device):
-            self.schedule.step(*args, target=target, losses=losses)
+        self.schedule.step(*args, target=target, losses=losses)  # the stages autocast their own forwards
         if losses is None:
             return None
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
@@ -157,7 +160,8 @@ def _as_tuple(targets) -> tuple:
     return tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
 
 
-def _to(targets, device):
+def move_targets(targets, device):
+    """Targets (a tensor, or a tuple/list of them) on `device`."""
     if isinstance(targets, torch.Tensor):
         return targets.to(device)
     return type(targets)(t.to(device) for t in targets)
@@ -190,12 +194,12 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
     blocks: returns the repeated blocks (nn.ModuleList) to pipeline and checkpoint;
         default `model.layers`, else the longest ModuleList.
     seed: the initial weights (the same on every rank and in `parity.reference_losses`).
-    backend: "auto" (NCCL with CUDA, else gloo), "nccl" or "gloo", when the process group is
-        not initialised yet; timeout_s: its collective timeout.
+    backend: "auto" (NCCL when this node has a GPU per rank, else gloo), "nccl" or "gloo", when
+        the process group is not initialised yet; timeout_s: its collective timeout.
     """
+    check_supported(plan, current_backend(backend))  # before any process group or model exists
     device = init_distributed(backend, timeout_s)
     topo = build_mesh(plan, device)
-    check_backend(plan, dist.get_backend())
     model = build_full_model(build_model, seed)
     find_blocks = blocks or _default_blocks
     block_list = find_blocks(model)
@@ -220,9 +224,12 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
     del model
     torch.manual_seed(seed + 1 + pp_rank + plan.pp * topo.rank("dp"))  # dropout: same on tp peers
     for part, container in zip(inner, containers):
-        part.to(device)
-        if plan.tp > 1:
+        if plan.tp > 1:  # sharded where it was built: each weight moves to the device as its shard
             apply_tp(part, topo.mesh["tp"], tp_map, container, plan.sequence_parallel)
+        if plan.zero < 2:  # FSDP2 moves each block to the device and shards it, one block at a time
+            part.to(device)
+        if plan.pp > 1:  # the schedule runs forward and backward in one call: autocast the forward only
+            autocast_forward(part, plan, device)
     apply_ac([held for container in containers for held in _real_blocks(container)], plan)
     parts = [apply_dp(part, [c[i] for c, i in _real_blocks(container)], plan, topo)
              for part, container in zip(inner, containers)]
@@ -235,6 +242,9 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
         ids = stage_ids(plan, pp_rank)
         result.has_first_stage = 0 in ids
         result.has_last_stage = plan.stages - 1 in ids
+        stage_loss = autocast_calls(loss_fn, plan, device)
         result.schedule = build_schedule(parts, plan, pp_rank, device, topo.group("pp"),
-                                         lambda out, tgt: result._scaled(loss_fn(out, tgt)))
+                                         lambda out, tgt: result._scaled(stage_loss(out, tgt)))
+    if device.type == "cuda":  # peak memory from here on is the training's, not the set-up's
+        torch.cuda.reset_peak_memory_stats(device)
     return result

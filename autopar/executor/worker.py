@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from functools import partial
 
@@ -56,20 +58,60 @@ def failure_note(result_path, rank) -> str:
     return f"{result_path}.rank{rank}.failure"
 
 
+def heartbeat_file(result_path, rank) -> str:
+    """Where a rank beats: its pid, the step it is at, and (by the file's mtime) that it lives."""
+    return f"{result_path}.rank{rank}.beat"
+
+
+HEARTBEAT_S = 1.0  # a rank rewrites its heartbeat file this often, from a thread of its own
+_progress = {"step": -1}  # the training step this rank is in (-1: starting up)
+_stepped = threading.Event()  # set by the training loop at each step
+
+
+def _where(frame) -> str:
+    """`file:line function` of the main thread's innermost frame: where a hung rank waits."""
+    if frame is None:
+        return ""
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
+def _beat(path: str) -> None:
+    """Beat until the process ends. A thread keeps beating while the main thread waits in a
+    collective, so a stale beat means the whole process is stopped (SIGSTOP) or gone."""
+    from autopar.atomic import write_text_atomic
+
+    main = threading.main_thread().ident
+    while True:
+        try:
+            write_text_atomic(path, json.dumps({"pid": os.getpid(), "step": _progress["step"], "time": time.time(),
+                                                "where": _where(sys._current_frames().get(main))}))
+        except Exception:  # noqa: BLE001, S110 - a full disk must not kill the rank; the launcher sees the stale beat
+            pass
+        _stepped.wait(HEARTBEAT_S)  # a new step beats at once: the launcher knows the step a stopped rank was at
+        _stepped.clear()
+
+
 def main(argv=None) -> None:
     """Bind to the launcher first, then import torch (seconds) and train. `record` writes an
     uncaught error to torchrun's error file; the failure note adds a precise time, so the
     launcher can tell the rank that failed first from peers that failed because of it (error
     files carry whole seconds only)."""
     _die_with_launcher()
+    args = parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    threading.Thread(target=_beat, args=(heartbeat_file(args.result, rank),), daemon=True).start()
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    args = parse_args(argv)
+    from autopar.atomic import write_text_atomic
+
     try:
         record(_train)(args)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says "interrupted", once
+        os._exit(130)
     except Exception as e:
-        with open(failure_note(args.result, os.environ.get("RANK", "0")), "w", encoding="utf-8") as f:
-            json.dump({"time": time.time(), "message": f"{type(e).__name__}: {e}"}, f)
+        first = (str(e).strip().splitlines() or ["(no message)"])[0]
+        write_text_atomic(failure_note(args.result, rank),
+                          json.dumps({"time": time.time(), "message": f"{type(e).__name__}: {first}"}))
         raise
 
 
@@ -84,7 +126,8 @@ def _train(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from autopar.executor.measure import peak_memory_bytes, summarize, synchronize, tokens_per_sample
-    from autopar.executor.parity import max_relative_difference, mismatch_causes, parity_verdict, reference_losses
+    from autopar.executor.parity import (deterministic, mismatch_causes, parity_report, parity_verdict,
+                                         reference_losses)
     from autopar.executor.train_step import apply
     from autopar.modelfile import load_model_file
     from autopar.plan import Plan
@@ -96,6 +139,8 @@ def _train(args: argparse.Namespace) -> None:
     if args.no_dropout:
         build = partial(_no_dropout, build)
     optimizer = partial(getattr(torch.optim, OPTIMIZERS[args.optimizer]), lr=args.lr)
+    if args.check_parity:  # the run and its reference alike
+        deterministic()
     par = apply(plan, build, optimizer, model_file.loss_fn,
                 tp_plan=model_file.tp_plan if model_file.has_tp_plan else None, blocks=model_file.blocks,
                 seed=args.seed, backend=args.backend, timeout_s=args.timeout)
@@ -103,7 +148,9 @@ def _train(args: argparse.Namespace) -> None:
     inputs, targets = model_file.example_batch(plan.global_batch, device="cpu", **model_args)
     local_inputs, local_targets = par.local_batch(inputs, targets)
     times, losses = [], []
-    for _ in range(args.warmup + args.steps):
+    for step in range(args.warmup + args.steps):
+        _progress["step"] = step
+        _stepped.set()
         synchronize(par.device)
         start = time.perf_counter()
         losses.append(par.train_step(local_inputs, local_targets))
@@ -112,22 +159,29 @@ def _train(args: argparse.Namespace) -> None:
     global_losses = par.global_losses(losses)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (times[args.warmup:], peak_memory_bytes(par.device)))
-    if dist.get_rank() == 0:
-        measured = summarize([t for t, _ in gathered], [m for _, m in gathered], plan.global_batch,
-                             tokens_per_sample(inputs))
-        measured["losses"] = global_losses
-        if args.check_parity:
-            batches = [(inputs, targets)] * len(global_losses)
-            reference = reference_losses(build, optimizer, model_file.loss_fn, batches, seed=args.seed)
-            measured["parity_max_rel_diff"] = max_relative_difference(global_losses, reference)
-            measured["parity_verdict"] = parity_verdict(measured["parity_max_rel_diff"],
-                                                        mismatch_causes(build(), plan))
-        result = {"measured": measured, "seq_len": tokens_per_sample(inputs), "backend": dist.get_backend(),
-                  "device": torch.cuda.get_device_name(par.device) if par.device.type == "cuda" else "cpu"}
-        with open(args.result, "w", encoding="utf-8") as f:
-            json.dump(result, f)
+    rank, backend, device = dist.get_rank(), dist.get_backend(), par.device
     dist.barrier()  # no rank closes its connections while a peer still uses them
+    # free the model (the reference needs the device's memory) while its groups still exist: the
+    # schedule's loss closure holds it in a cycle, which a later collection would tear down after
+    # the process group is gone
+    del par, local_inputs, local_targets, losses
+    gc.collect()
     dist.destroy_process_group()
+    if rank != 0:
+        return
+    measured = summarize([t for t, _ in gathered], [m for _, m in gathered], plan.global_batch,
+                         tokens_per_sample(inputs))
+    measured["losses"] = global_losses
+    if args.check_parity:  # on the plan's device and precision, now that no peer waits on this rank
+        reference = reference_losses(build, optimizer, model_file.loss_fn, [(inputs, targets)] * len(global_losses),
+                                     seed=args.seed, precision=plan.precision, device=device)
+        measured.update(parity_report(global_losses, reference, plan.precision, device))
+        measured["parity_verdict"] = parity_verdict(measured["parity_max_rel_diff"], mismatch_causes(build(), plan),
+                                                    plan.precision)
+    result = {"measured": measured, "seq_len": tokens_per_sample(inputs), "backend": backend,
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    with open(args.result, "w", encoding="utf-8") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def grad_elements(plan: Plan) -> int:
 
 def default_of(name: str):
     """The Plan field's default: a knob at its default needs no flag in any framework."""
-    return Plan.__dataclass_fields__[name].default
+    return Plan.defaults()[name]
 
 
 __all__ = ["FRAMEWORKS", "Export", "export_plan"]

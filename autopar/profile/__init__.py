@@ -12,12 +12,18 @@ from autopar.profile.model_profile import BlockProfile, ModelProfile
 
 
 def profile_model(path_or_modelfile, model_args: dict | None = None, dtype: str = "bf16",
-                  cache: bool = True) -> ModelProfile:
-    """The ModelProfile of a model.py (a path, a zoo name such as "gpt", or a loaded ModelFile)."""
+                  cache: bool = True, timeout: float | None = None) -> ModelProfile:
+    """The ModelProfile of a model.py (a path, a zoo name such as "gpt", or a loaded ModelFile).
+    With `timeout`, a path is profiled in a child process that gets that many seconds
+    (`autopar.profile.isolated`: the CLI's --profile-timeout)."""
     if cache and isinstance(path_or_modelfile, (str, os.PathLike)):
         hit = profile_cache.lookup(path_or_modelfile, model_args, dtype)
         if hit is not None:
             return hit
+        if timeout is not None:
+            from autopar.profile.isolated import profile_isolated
+
+            return profile_isolated(path_or_modelfile, dict(model_args or {}), dtype, timeout)
     from autopar.profile.profiler import profile_model as measure
 
     return measure(path_or_modelfile, model_args, dtype=dtype, cache=cache)

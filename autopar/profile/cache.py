@@ -43,8 +43,10 @@ def lookup(path, model_args: dict | None, dtype: str) -> ModelProfile | None:
     if not path.exists() and (ZOO / f"{path}.py").is_file():
         path = ZOO / f"{path}.py"
     try:
+        if not path.is_file():  # a FIFO would block the read; a directory, a loop: the loader reports it
+            return None
         source = path.read_bytes()
-    except OSError:
+    except (OSError, RuntimeError):
         return None  # the loader reports the problem
     return load(profile_digest(path, hashlib.sha256(source).hexdigest(), dict(model_args or {}), dtype))
 

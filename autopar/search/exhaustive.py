@@ -6,13 +6,34 @@ import numpy as np
 
 from autopar.cost import Coefficients, PlanArrays, evaluate
 from autopar.errors import NoValidPlanError
+from autopar.knobs import knobs
 from autopar.plan import Plan
 from autopar.search.base import Planner
 from autopar.search.simplicity import simplest_first, tie_buckets
 from autopar.search.space import degree_choices, enumerate_plans
 
 CHUNK = 1 << 17
-STRUCTURE = ("dp", "tp", "pp", "mbs", "recompute", "recompute_blocks", "schedule", "v", "sp")
+
+
+def structure_fields() -> list[str]:
+    """The fields that make plans distinct alternatives (every knob but the data-parallel details)."""
+    return [f.name for k in knobs() if not k.detail for f in k.fields]
+
+
+def distinct(pa: PlanArrays, order, k: int, fields: list[str] | None = None, accept=None,
+             seen: set | None = None) -> list[int]:
+    """The first k rows in `order` whose structure (`fields`, default `structure_fields()`) no
+    earlier row nor `seen` has, among those `accept(row)` takes (default: all)."""
+    names = fields or structure_fields()
+    chosen, seen = [], set() if seen is None else seen
+    for i in order:
+        if len(chosen) >= k:
+            break
+        key = tuple(float(pa.columns[f][i]) for f in names)
+        if key not in seen and (accept is None or accept(int(i))):
+            seen.add(key)
+            chosen.append(int(i))
+    return chosen
 
 
 class ExhaustivePlanner(Planner):
@@ -49,22 +70,15 @@ class ExhaustivePlanner(Planner):
         shortlist = space.take(rows)
         times = evaluate(workload, shortlist, self.coeffs)["iteration_time"]
         # only the tie buckets down to the k-th distinct structure can hold the answer: those become Plans
-        buckets, chosen, seen = tie_buckets(times), [], set()
+        buckets, seen, names = tie_buckets(times), set(), structure_fields()
         for i in np.argsort(times, kind="stable"):
-            seen.add(tuple(int(getattr(shortlist, f)[i]) for f in STRUCTURE))
+            seen.add(tuple(float(shortlist.columns[f][i]) for f in names))
             if len(seen) == k:
                 break
         band = np.flatnonzero(buckets <= buckets[i])
         plans = [shortlist.plan(int(j)) for j in band]
-        seen = set()
-        for j in simplest_first(plans, times[band]):
-            key = tuple(int(getattr(shortlist, f)[band[j]]) for f in STRUCTURE)
-            if key not in seen:
-                seen.add(key)
-                chosen.append(band[j])
-            if len(chosen) == k:
-                break
-        best = shortlist.take(np.array(chosen))
+        order = [band[j] for j in simplest_first(plans, times[band])]
+        best = shortlist.take(np.array(distinct(shortlist, order, k)))
         return best, evaluate(workload, best, self.coeffs)
 
 
@@ -73,11 +87,10 @@ def no_plan_error(workload) -> NoValidPlanError:
     cannot be split into tensor x pipeline degrees the model allows."""
     n, batch = workload.world_size, workload.global_batch
     if not degree_choices(workload):
-        profile = workload.profile
-        model_parallel = [t * p for t in range(1, n + 1) for p in range(1, profile.num_layers + 1)
-                          if n % (t * p) == 0 and all(u % t == 0 for u in profile.tp_units or (1,))
-                          and (t == 1 or profile.has_tp_plan)]
-        dps = sorted({n // mp for mp in model_parallel})
+        from autopar import axes
+
+        dp = axes.derived_axis()  # the degrees the other axes allow, whatever the batch
+        dps = sorted({d[dp] for d in axes.feasible_degrees(workload, unchecked=(dp,))})
         return NoValidPlanError(
             f"global batch {batch} is not divisible by any data-parallel degree possible on {n} GPUs "
             f"(dp must be one of {dps}); use a global batch that is a multiple of {dps[0]}")

@@ -1,29 +1,41 @@
 """The Optuna baseline: a multivariate TPE study over the plan space, one cost-model
 evaluation per trial.
 
-A trial walks the space knob by knob (`sampling.KnobSpace`): for every knob it suggests an
-index into the knob's fixed universe, and the walk takes the valid choice nearest to it, so
-each parameter keeps one distribution across trials and every trial is a valid plan. Every
+A trial walks the space knob by knob (`autopar.search.space.sample`): for every decision it
+suggests a position in [0, 1] and the walk takes the valid choice nearest to it
+(`Knob.position_of`), so each parameter keeps one distribution across trials and every trial
+is a valid plan. Every
 trial suggests every knob, including the ones its plan ignores, so multivariate TPE models
 the knobs jointly. Plans that do not fit in memory are infeasible through a constraint (peak
 memory minus GPU memory). With a storage URL the study is resumable: `trials` is the study's
 total budget, so rerunning a killed search runs only the trials still missing, and processes
-sharing one study stop together at the budget.
+sharing one study stop together at exactly the budget. Trials beat a heartbeat on the storage:
+one left RUNNING by a killed process is failed after GRACE_S and retried with its parameters
+(Optuna's RetryHeartbeatStaleTrialCallback, which replaced RetryFailedTrialCallback in 4.9).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from contextlib import contextmanager
+
+import numpy as np
 
 from autopar.cost import PlanArrays, evaluate
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.search.base import Planner
-from autopar.search.sampling import KNOBS, KnobSpace, best_distinct, nearest
+from autopar.knobs import decisions
+from autopar.search.sampling import best_distinct, check_space, nearest
+from autopar.search.space import sample
 
 CONSTRAINT = "memory_over_gb"  # peak memory per GPU minus GPU memory: feasible when <= 0
+HEARTBEAT_S = 1  # a running trial's heartbeat on the study storage
+GRACE_S = 5  # a trial without a heartbeat this long was killed: failed, then retried
+OPEN_ATTEMPTS = 5  # opening a storage that another process is creating at the same moment
+ORPHAN_S = 20  # a trial RUNNING this long that never beat was killed before its first heartbeat
 
 
 class OptunaPlanner(Planner):
@@ -39,15 +51,14 @@ class OptunaPlanner(Planner):
 
     def propose(self, workload, k: int = 1) -> list[Plan]:
         optuna = _import_optuna()
-        space = KnobSpace(workload)
+        check_space(workload)
         self.evaluations = 0
         with _quiet(optuna):
             study = self._study(optuna, workload)
             complete = (optuna.trial.TrialState.COMPLETE,)
             done = len(study.get_trials(deepcopy=False, states=complete))
             with _progress_bar(self.progress, done, self.trials) as advance:
-                study.optimize(lambda trial: self._objective(trial, space), n_trials=max(0, self.trials - done),
-                               callbacks=[optuna.study.MaxTrialsCallback(self.trials, states=complete), advance])
+                self._fill_budget(study, lambda trial: self._objective(trial, workload), advance)
             trials = study.get_trials(deepcopy=False, states=complete)
         plans = [Plan.from_dict(t.user_attrs["plan"]) for t in trials]
         result = {"iteration_time": [t.value for t in trials],
@@ -57,17 +68,40 @@ class OptunaPlanner(Planner):
         self.evaluations += extra
         return best
 
-    def _objective(self, trial, space: KnobSpace) -> float:
-        universe = space.universe
+    def _fill_budget(self, study, objective, advance) -> None:
+        """Run trials until the study holds `trials` complete ones. When none can start because
+        the missing ones are RUNNING elsewhere, wait: another process finishes them, or they
+        belonged to a killed process and go stale after GRACE_S, fail, and are retried here."""
+        from optuna.storages import fail_stale_trials
+        from optuna.trial import TrialState
 
-        def suggest(name: str) -> float:
-            return universe[name][trial.suggest_int(name, 0, len(universe[name]) - 1)]
+        idle_since = None
+        while True:
+            fail_stale_trials(study)  # a no-op without heartbeats (an in-memory study)
+            done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+            if done >= self.trials:
+                return
+            study.optimize(objective, n_trials=self.trials - done, callbacks=[advance])
+            if len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))) > done:
+                idle_since = None
+                continue
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since > ORPHAN_S + GRACE_S:
+                return  # the other processes' trials never finished nor went stale
+            _fail_orphans(study)
+            time.sleep(HEARTBEAT_S / 2)
 
-        plan = space.sample(lambda name, positions: nearest(positions, suggest(name)))
-        for name in KNOBS:
-            if name not in trial.params:
-                suggest(name)
-        workload = space.workload
+    def _objective(self, trial, workload) -> float:
+        _within_budget(trial, self.trials)
+
+        def choose(knob, choices) -> int:
+            positions = np.array([knob.position_of(c, choices) for c in choices])
+            return nearest(positions, _suggest(trial, knob))
+
+        plan = sample(workload, choose)
+        for knob in decisions():
+            if knob.name not in trial.params:
+                _suggest(trial, knob)
         res = evaluate(workload, PlanArrays.from_plans([plan], workload.profile))
         self.evaluations += 1
         peak = float(res["peak_memory"][0])
@@ -82,12 +116,20 @@ class OptunaPlanner(Planner):
 
         key = _study_key(workload)
         name = self.study_name or (f"autopar-{key}" if self.storage else None)
-        try:
-            storage = self.storage and _rdb_storage(optuna, self.storage)
-            study = optuna.create_study(storage=storage, study_name=name, load_if_exists=True, direction="minimize")
-        except (SQLAlchemyError, ImportError) as e:  # a bad URL or file, a database driver missing
-            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise AutoparError(f"cannot open Optuna storage {self.storage!r}: {first_line}") from None
+        for attempt in range(OPEN_ATTEMPTS):
+            try:
+                storage = self.storage and _rdb_storage(optuna, self.storage)
+                study = optuna.create_study(storage=storage, study_name=name, load_if_exists=True,
+                                            direction="minimize")
+                break
+            except (SQLAlchemyError, ImportError) as e:  # a bad URL or file, a database driver missing
+                first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                # processes started together on a new database race to create its tables and version row
+                # ("already exists", "UNIQUE constraint failed", "locked"): the loser retries
+                if isinstance(e, SQLAlchemyError) and attempt + 1 < OPEN_ATTEMPTS:
+                    time.sleep(0.2 * (attempt + 1))
+                    continue
+                raise AutoparError(f"cannot open Optuna storage {self.storage!r}: {first_line}") from None
         made_for = study.user_attrs.get("workload_key")
         if made_for is None and not study.trials:
             study.set_user_attr("workload_key", key)
@@ -101,6 +143,45 @@ class OptunaPlanner(Planner):
         return study
 
 
+def _fail_orphans(study) -> None:
+    """Fail and retry trials RUNNING for ORPHAN_S without ever beating: a process killed between
+    creating a trial and its first heartbeat leaves one, and Optuna's stale check skips trials
+    without a heartbeat. A live trial beats within HEARTBEAT_S and lasts milliseconds."""
+    import datetime
+
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+    from optuna.trial import TrialState
+
+    now = datetime.datetime.now()
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if t.datetime_start is not None and (now - t.datetime_start).total_seconds() > ORPHAN_S:
+            study.tell(t.number, state=TrialState.FAIL)
+            RetryHeartbeatStaleTrialCallback(max_retry=3)(study, study.trials[t.number])
+
+
+def _within_budget(trial, budget: int) -> None:
+    """Keep the study's budget exact across processes: a trial runs only if fewer than `budget`
+    trials numbered before it completed, run or wait to run (a failed one does not count: its
+    retry does). Trial numbers are assigned by the storage in order, so two processes never
+    both take the last slot; the one that finds the budget spent stops its loop."""
+    import optuna
+
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)
+    before = sum(t.number < trial.number for t in trial.study.get_trials(deepcopy=False, states=states))
+    if before >= budget:
+        trial.study.stop()
+        raise optuna.TrialPruned(f"the study's budget of {budget} trials is spent")
+
+
+def _suggest(trial, knob) -> float:
+    """A position in [0, 1]: one of the fixed slots of a categorical knob (TPE models them as
+    categories), any share of its range for a degree, micro-batch or recompute count."""
+    if knob.slots is not None:
+        n = len(knob.slots)
+        return trial.suggest_categorical(knob.name, list(range(n))) / max(n - 1, 1)
+    return trial.suggest_float(knob.name, 0.0, 1.0)
+
+
 def _study_key(workload) -> str:
     """A short hash of everything the study's space and objective depend on."""
     text = json.dumps([workload.profile.digest, workload.cluster.to_dict(), workload.global_batch,
@@ -112,7 +193,12 @@ def _rdb_storage(optuna, url: str):
     """Optuna commits some 25 times a trial; on SQLite each commit waited for the disk, and a
     200-trial study took minutes. WAL mode without a sync per commit loses nothing that was
     committed when the process is killed (a power cut may lose the last trials)."""
-    storage = optuna.storages.RDBStorage(url)
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+    # heartbeats: a trial whose process was killed is failed once its beat is GRACE_S old (the next
+    # optimize call of any process on the study checks), and retried with the same parameters
+    storage = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                                         heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
     if storage.engine.dialect.name == "sqlite":
         from sqlalchemy import event
 
@@ -138,11 +224,16 @@ def _import_optuna():
 
 @contextmanager
 def _quiet(optuna):
-    """Silence Optuna's line per trial (the progress bar replaces it), then restore it."""
+    """Silence Optuna's line per trial (the progress bar replaces it) and its warnings that the
+    heartbeat API is experimental, then restore both."""
+    import warnings
+
     before = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            yield
     finally:
         optuna.logging.set_verbosity(before)
 
@@ -167,6 +258,8 @@ def _progress_bar(enabled: bool, done: int, total: int):
 
         def advance(study, trial) -> None:
             nonlocal best
+            if trial.state.name != "COMPLETE":  # pruned past the budget, or failed
+                return
             if trial.constraints[CONSTRAINT] <= 0:
                 best = min(best, trial.value)
             bar.update(task, advance=1, description=f"best {best:.4g} s" if best < float("inf") else "none fits yet")

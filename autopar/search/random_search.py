@@ -13,7 +13,8 @@ from autopar.cost import PlanArrays, evaluate
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.search.base import Planner
-from autopar.search.sampling import KnobSpace, best_distinct
+from autopar.search.sampling import best_distinct, check_space
+from autopar.search.space import sample
 
 
 class RandomPlanner(Planner):
@@ -26,9 +27,9 @@ class RandomPlanner(Planner):
         self.trials, self.seed = trials, seed
 
     def propose(self, workload, k: int = 1) -> list[Plan]:
-        space = KnobSpace(workload)
+        check_space(workload)
         rng = np.random.default_rng(self.seed)
-        plans = [space.sample(lambda name, positions: int(rng.integers(len(positions)))) for _ in range(self.trials)]
+        plans = [sample(workload, lambda knob, choices: int(rng.integers(len(choices)))) for _ in range(self.trials)]
         result = evaluate(workload, PlanArrays.from_plans(plans, workload.profile))
         best, extra = best_distinct(workload, plans, result, k, "random search")
         self.evaluations = len(plans) + extra

@@ -42,7 +42,11 @@ class RLPlanner(Planner):
         super().__init__()
         if decode not in DECODERS:
             raise AutoparError(f"unknown decode {decode!r}; choose one of {list(DECODERS)}")
+        from autopar.policies.fingerprint import stale_note
+        from autopar.policies.load import default_policy_path
+
         self.actor = load_policy(policy)  # checks the space signature: fail before any search
+        self.stale_note = stale_note(self.actor.meta, policy or default_policy_path())
         self.seed, self.decode = seed, decode
         self.last_confidence: Confidence | None = None  # of the best plan of the last propose()
         self.confidences: list[Confidence | None] = []  # of every plan of the last propose(), in order

@@ -14,15 +14,15 @@ never to compare speed.
 
 from __future__ import annotations
 
+from autopar.axes import AXES, divisors
 from autopar.capability import sequence_parallel_options
 from autopar.cost import PlanArrays, evaluate
 from autopar.errors import NoValidPlanError
+from autopar.knobs import STATE_BYTES_PER_PARAM, knob
 from autopar.plan import Plan
 from autopar.search.base import Planner
 from autopar.search.simplicity import simplicity_key
-from autopar.search.space import degree_choices, divisors, micro_batch_choices, recompute_choices, tp_choices
-
-STATE_BYTES_PER_PARAM = 16  # bf16 weights + bf16 grads + fp32 master + two fp32 Adam moments
+from autopar.search.space import choices, degree_choices
 DEEP_MODEL_BLOCKS = 20
 
 
@@ -45,7 +45,7 @@ class RulesPlanner(Planner):
         n, memory = workload.world_size, workload.memory_budget
         layer_state = max(b.params for b in profile.layers) * STATE_BYTES_PER_PARAM
         model_state = profile.params * STATE_BYTES_PER_PARAM
-        tps = tp_choices(workload)
+        tps = [t for t in divisors(n) if AXES["tp"].allowed(workload, t) is None]
         inside = [t for t in tps if t <= cluster.gpus_per_node] or [1]
         tp = next((t for t in inside if layer_state / t <= memory), inside[-1])
         deep = profile.num_layers > DEEP_MODEL_BLOCKS
@@ -59,14 +59,15 @@ class RulesPlanner(Planner):
         # splitting layers, shallow ones split layers (inside a node) before pipelining
         rest.sort(key=lambda tp_pp: (tp_pp[0] * tp_pp[1], tp_pp[0] > cluster.gpus_per_node,
                                      tp_pp[0] if deep else tp_pp[1]))
-        allowed = set(degree_choices(workload))  # what the executor can run for this model
+        allowed = {(d["dp"], d["tp"], d["pp"]) for d in degree_choices(workload)}  # what the executor can run
         return [(n // (t * p), t, p) for t, p in [first, *rest] if (n // (t * p), t, p) in allowed]
 
     def _fitting(self, workload, dp: int, tp: int, pp: int, k: int) -> list[Plan]:
         candidates = []
         for zero in ((0, 1, 3) if dp > 1 else (0,)):
-            for mode, blocks in [r for r in recompute_choices(workload, pp, 1) if r[0] != "selective"]:
-                for mbs in micro_batch_choices(workload, dp):
+            recompute = choices(workload, knob("recompute"), {"pp": pp})
+            for mode, blocks in [r for r in recompute if r[0] != "selective"]:
+                for mbs in choices(workload, knob("micro_batch_size"), {"dp": dp}):
                     nmb = workload.global_batch // (dp * mbs)
                     if pp > 1 and nmb < pp:
                         continue

@@ -10,19 +10,24 @@ offload, no recompute before selective before full. Less machinery is less to go
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, fields
 
 import numpy as np
 
-from autopar.plan import COMM_DTYPES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, Plan
+from autopar.plan import REQUIRED, Plan, plan_fields
 
 TIE = 5e-3  # plans within 0.5% are equally fast for the cost model
 IMPLIED_DEFAULTS = {"tp": 1, "pp": 1}  # no model parallelism: the plain data-parallel plan
-CHOICES = {"recompute": RECOMPUTE_MODES, "schedule": SCHEDULES, "precision": PRECISIONS,
-           "grad_comm_dtype": COMM_DTYPES}
-KNOBS = tuple((f.name, IMPLIED_DEFAULTS.get(f.name, f.default)) for f in fields(Plan)
-              if f.name in IMPLIED_DEFAULTS or f.default is not MISSING)  # field order
-KNOBS_DEFAULTS = dict(KNOBS)
+
+
+def defaults() -> dict:
+    """Every field but those a plan must give (dp, micro-batching), at its default, in field order."""
+    return {name: IMPLIED_DEFAULTS.get(name, default) for name, default in Plan.defaults().items()
+            if name in IMPLIED_DEFAULTS or name not in REQUIRED}
+
+
+def _choices(name: str) -> tuple | None:
+    return next((f.values for f in plan_fields() if f.name == name and f.values and isinstance(f.values[0], str)),
+                None)
 
 
 def _distance(name: str, value, default) -> float:
@@ -32,14 +37,13 @@ def _distance(name: str, value, default) -> float:
         return 1.0
     if isinstance(value, (int, float)):
         return abs(math.log2(value / default)) if default else float(value)
-    if name in CHOICES:
-        return 1.0 + CHOICES[name].index(value)
-    return 1.0
+    values = _choices(name)
+    return 1.0 + values.index(value) if values else 1.0
 
 
 def simplicity_key(plan: Plan) -> tuple:
     """Smaller is simpler: (knobs away from their default, each knob's distance in field order)."""
-    distances = tuple(_distance(name, getattr(plan, name), default) for name, default in KNOBS)
+    distances = tuple(_distance(name, getattr(plan, name), default) for name, default in defaults().items())
     return (sum(d > 0 for d in distances), distances)
 
 
@@ -61,7 +65,7 @@ def simpler_variants(workload, plan: Plan) -> list[Plan]:
     one of them is the answer."""
     from autopar.errors import PlanError
 
-    off = {name: default for name, default in KNOBS
+    off = {name: default for name, default in defaults().items()
            if name not in IMPLIED_DEFAULTS and name != "precision" and getattr(plan, name) != default}
     out = []
     for change in [{name: default} for name, default in off.items()] + ([off] if len(off) > 1 else []):
@@ -71,7 +75,7 @@ def simpler_variants(workload, plan: Plan) -> list[Plan]:
         if change.get("recompute") == "none":
             change["recompute_blocks"] = 0
         if "schedule" in change or "virtual_stages" in change:
-            change.update(schedule=KNOBS_DEFAULTS["schedule"], virtual_stages=1, layer_split=())
+            change.update(schedule=defaults()["schedule"], virtual_stages=1, layer_split=())
         try:
             variant = plan.with_(**change)
             variant.validate(workload)

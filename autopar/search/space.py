@@ -1,141 +1,134 @@
-"""The plan space of a workload: the choices of every knob given the earlier ones.
+"""The one walker of the plan space: every planner and the RL environment walk it.
 
-One definition serves every planner: the exhaustive oracle enumerates it, the rules pick in it,
-and the RL environment and Optuna walk it knob by knob. Knobs that cannot matter are pinned to
-one canonical value (no ZeRO, bucket or gradient dtype without data parallelism; no sequence
-parallel without tensor parallelism) so the space holds no duplicate plans.
+The space is the knobs of `autopar.knobs` in decision order, each with its choices given the
+earlier knobs it depends on. `walk` grows every partial plan knob by knob, as columns of value
+codes, calling a knob's `choices` once per distinct value of its dependencies (so the
+exhaustive space of a 320-GPU workload, a quarter of a million plans, takes a fraction of a
+second); `pick` narrows a knob's choices (to a fixed value, to its lean values), which is how the
+RL environment builds the completions its memory masks evaluate. `sample` takes one path, one
+knob at a time, for the sampling planners. Knobs that cannot matter have a single canonical
+choice (no ZeRO, bucket or gradient dtype without data parallelism; no sequence parallel without
+tensor parallelism), so the space holds no duplicate plans.
 """
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.capability import sequence_parallel_options
-from autopar.cost.arrays import MESH_ORDERS, PlanArrays, SplitTable
-from autopar.plan import COMM_DTYPES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, balanced_split, device_blocks
+from autopar import axes
+from autopar.cost.arrays import PlanArrays, SplitTable, encode
+from autopar.errors import AutoparError
+from autopar.knobs import Knob, depends_of, knobs
+from autopar.plan import Plan
 
-BUCKETS_MB = (5.0, 25.0, 100.0)
-MAX_VIRTUAL_STAGES = 8
-TP_INNER, DP_INNER = MESH_ORDERS.index(("pp", "dp", "tp")), MESH_ORDERS.index(("pp", "tp", "dp"))
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+Pick = Callable[[list], list]  # a knob's choices -> the ones to walk
+MAX_PLANS = 10_000_000  # rows one walk may build (~1.5 GB of PlanArrays); a 175B GPT on 1,024 GPUs has 1.5M
 
 
-def tp_choices(workload) -> list[int]:
-    """Degrees that divide the GPU count and every tensor-parallel unit (heads, sharded dims)."""
-    profile = workload.profile
-    if not profile.has_tp_plan:
-        return [1]
-    return [t for t in divisors(workload.world_size) if all(u % t == 0 for u in profile.tp_units)
-            and sequence_parallel_options(profile, t)]
+@dataclass
+class Walk:
+    """Partial (or complete) plans: per knob walked, the distinct values met and a code column."""
+
+    values: dict[str, list]
+    codes: dict[str, np.ndarray]
+    size: int
+
+    def value(self, name: str, row: int):
+        return self.values[name][int(self.codes[name][row])]
 
 
-def degree_choices(workload) -> list[tuple[int, int, int]]:
-    """(dp, tp, pp) with dp x tp x pp = GPUs, pp <= blocks and dp dividing the global batch."""
-    n, layers, batch = workload.world_size, workload.profile.num_layers, workload.global_batch
-    out = []
-    for tp in tp_choices(workload):
-        for pp in divisors(n // tp):
-            dp = n // (tp * pp)
-            if pp <= layers and batch % dp == 0 and (pp == 1 or "pp" not in workload.profile.limits):
-                out.append((dp, tp, pp))
-    return out
+def choices(workload, k: Knob, decided: dict) -> list:
+    """A knob's choices given the values decided so far (only its dependencies are read)."""
+    return k.choices(workload, {d: decided[d] for d in depends_of(k)})
 
 
-def micro_batch_choices(workload, dp: int) -> list[int]:
-    return divisors(workload.global_batch // dp)
+def walk(workload, pick: dict[str, Pick] | None = None) -> Walk:
+    """Every plan of the space, each knob narrowed by `pick` where given."""
+    pick = pick or {}
+    w = Walk({}, {}, 1)
+    for k in knobs():
+        deps = depends_of(k)
+        if deps:
+            key = np.zeros(w.size, dtype=np.int64)
+            for d in deps:
+                key = key * (len(w.values[d]) + 1) + w.codes[d]
+            uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        else:
+            first, inverse = np.zeros(1, dtype=np.int64), np.zeros(w.size, dtype=np.int64)
+        known: dict = {}
+        table: list[np.ndarray] = []
+        for row in first:
+            opts = choices(workload, k, {d: w.value(d, row) for d in deps})
+            if k.name in pick:
+                opts = pick[k.name](opts)
+            table.append(np.array([known.setdefault(v, len(known)) for v in opts], dtype=np.int64))
+        counts = np.array([len(t) for t in table], dtype=np.int64)[inverse.reshape(-1)]
+        flat = np.concatenate(table) if table else np.zeros(0, dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum([len(t) for t in table])[:-1]]).astype(np.int64)
+        total = int(counts.sum())
+        if total > MAX_PLANS:  # bounded memory and time, whatever the workload
+            raise AutoparError(f"the plan space of {workload.describe()} has more than {MAX_PLANS:,} plans; "
+                               f"autopar enumerates at most {MAX_PLANS:,}: use --method rl, optuna or "
+                               f"random, which sample it, or fewer GPUs or a smaller global batch")
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        within = np.arange(total) - starts
+        column = flat[np.repeat(offsets[inverse.reshape(-1)], counts) + within]
+        w.codes = {name: np.repeat(col, counts) for name, col in w.codes.items()}
+        w.codes[k.name] = column
+        w.values[k.name] = list(known)
+        w.size = total
+        if total == 0:
+            break
+    return w
 
 
-def schedule_choices(workload, pp: int, num_micro_batches: int) -> list[tuple[str, int]]:
-    """(schedule, virtual stages). Interleaving needs micro-batches divisible by pp and an even
-    number of blocks per chunk, as Megatron-LM's interleaved schedule does."""
-    if pp == 1:
-        return [("1f1b", 1)]
-    out = [("gpipe", 1)]
-    if num_micro_batches >= pp:
-        out.append(("1f1b", 1))
-        layers = workload.profile.num_layers
-        if num_micro_batches % pp == 0:
-            out += [("interleaved", v) for v in range(2, MAX_VIRTUAL_STAGES + 1) if layers % (pp * v) == 0]
-    return out
+def to_arrays(w: Walk, table: SplitTable) -> PlanArrays:
+    """The plans of a complete walk as PlanArrays (the balanced layer split for each)."""
+    if w.size == 0:
+        return PlanArrays.empty(table)
+    cols: dict[str, np.ndarray] = {}
+    for k in knobs():
+        encoded = np.array([[encode(f, v) for f, v in zip(k.fields, _parts(k, value))] for value in w.values[k.name]])
+        for j, f in enumerate(k.fields):
+            cols[f.name] = encoded[w.codes[k.name], j]
+    cols["split"] = table.add_balanced(cols["pp"].astype(np.int64), cols["virtual_stages"].astype(np.int64))
+    return PlanArrays(cols, table)
 
 
-def recompute_choices(workload, pp: int, v: int) -> list[tuple[str, int]]:
-    """(mode, checkpointed blocks per pipeline rank): none, selective when the model has an
-    attention core (or Megatron-Core, which recomputes its core attention), and full recompute of 1 ... all blocks of the busiest rank (every count up to
-    16, then a geometric grid, always including all)."""
-    out = [("none", 0)]
-    if workload.runtime == "megatron" or any(b.attn_core_bytes > 0 for b in workload.profile.layers):
-        out.append(("selective", 0))
-    most = max(device_blocks(balanced_split(workload.profile.num_layers, pp * v), pp))
-    counts = set(range(1, min(most, 16) + 1))
-    counts |= {int(round(most * f / 16)) for f in range(1, 17)}
-    out += [("full", n) for n in sorted(c for c in counts if 1 <= c <= most)]
-    return out
-
-
-def _data_parallel_options(workload, dp: int, tp: int) -> np.ndarray:
-    """Rows of (zero, bucket_mb, comm dtype code, offload, mesh order code, sequence parallel)."""
-    precision = workload.precision
-    sp_opts = sequence_parallel_options(workload.profile, tp)
-    if dp == 1:
-        return np.array([(0, BUCKETS_MB[1], COMM_DTYPES.index("fp32"), 0, TP_INNER, sp) for sp in sp_opts],
-                        dtype=float)
-    comms = [COMM_DTYPES.index("fp32")]
-    gloo = workload.cluster.node.intra == "shm"  # CPU processes: gloo has no bf16, the host is the device
-    if precision == "fp16" or (precision == "bf16" and not gloo):
-        comms.append(COMM_DTYPES.index(precision))
-    orders = (TP_INNER, DP_INNER) if tp > 1 else (TP_INNER,)
-    rows = []
-    for zero in (0, 1, 2, 3):
-        buckets = BUCKETS_MB if zero <= 1 else (BUCKETS_MB[1],)
-        offloads = (0, 1) if zero >= 2 and not gloo else (0,)
-        rows += itertools.product([zero], buckets, comms, offloads, orders, sp_opts)
-    return np.array(rows, dtype=float)
-
-
-INNER = ("zero", "bucket_mb", "comm", "offload", "order", "sp")  # columns of _data_parallel_options
-OUTER = ("dp", "tp", "pp", "mbs", "nmb", "schedule", "v", "precision", "split")
+def _parts(k: Knob, value) -> tuple:
+    return (value,) if len(k.fields) == 1 else value
 
 
 def enumerate_plans(workload) -> PlanArrays:
-    """Every plan of the space as PlanArrays: a Python loop over degrees, micro-batches and
-    schedules; NumPy over the recompute and data-parallel knobs inside each."""
-    profile = workload.profile
-    table = SplitTable(profile)
-    precision = PRECISIONS.index(workload.precision)
-    cols: dict[str, list[np.ndarray]] = {name: [] for name in OUTER + INNER + ("recompute", "recompute_blocks", "group")}
-    next_group = 0
-    for dp, tp, pp in degree_choices(workload):
-        inner = _data_parallel_options(workload, dp, tp)
-        # plans differing only in ZeRO, bucket, gradient dtype or offload share a cost-model group
-        _, inner_group = np.unique(inner[:, 4:6], axis=0, return_inverse=True)
-        inner_group = inner_group.reshape(-1)
-        for mbs in micro_batch_choices(workload, dp):
-            nmb = workload.global_batch // (dp * mbs)
-            for schedule, v in schedule_choices(workload, pp, nmb):
-                split_id = table.add(pp, v, balanced_split(profile.num_layers, pp * v))
-                rc = np.array([(RECOMPUTE_MODES.index(m), n) for m, n in recompute_choices(workload, pp, v)])
-                n_rc, size = len(rc), len(inner) * len(rc)
-                for name, value in zip(OUTER, (dp, tp, pp, mbs, nmb, SCHEDULES.index(schedule), v, precision,
-                                               split_id)):
-                    cols[name].append(np.full(size, value, dtype=np.int64))
-                for j, name in enumerate(INNER):
-                    cols[name].append(np.repeat(inner[:, j], n_rc))
-                cols["recompute"].append(np.tile(rc[:, 0], len(inner)))
-                cols["recompute_blocks"].append(np.tile(rc[:, 1], len(inner)))
-                cols["group"].append(next_group + np.repeat(inner_group, n_rc) * n_rc + np.tile(np.arange(n_rc),
-                                                                                               len(inner)))
-                next_group += (int(inner_group.max()) + 1) * n_rc
-    if not cols["dp"]:
-        return PlanArrays.empty(table)
-    a = {name: np.concatenate(parts) for name, parts in cols.items()}
-    for name in ("zero", "comm", "order"):
-        a[name] = a[name].astype(np.int64)
-    for name in ("offload", "sp"):
-        a[name] = a[name].astype(bool)
-    return PlanArrays(**a, splits=table)
+    """Every plan of the space (the exhaustive oracle's input)."""
+    return to_arrays(walk(workload), SplitTable(workload.profile))
+
+
+def plan_of(workload, values: dict) -> Plan:
+    """The plan of one value per knob: the one place a Plan is assembled from knob values."""
+    fields: dict = {}
+    for k in knobs():
+        fields.update(k.assign(values[k.name]))
+    return Plan(**fields)
+
+
+def values_of(plan: Plan) -> dict:
+    """The knob values of a plan (the inverse of `plan_of`)."""
+    return {k.name: k.value_of(plan) for k in knobs()}
+
+
+def sample(workload, choose: Callable[[Knob, list], int]) -> Plan:
+    """One plan of the space: each decision picked by `choose(knob, choices)` (an index)."""
+    decided: dict = {}
+    for k in knobs():
+        opts = choices(workload, k, decided)
+        decided[k.name] = opts[choose(k, opts)] if k.decision and len(opts) > 1 else opts[0]
+    return plan_of(workload, decided)
+
+
+def degree_choices(workload) -> list[dict[str, int]]:
+    """The degrees of every axis the workload allows (see `autopar.axes.feasible_degrees`)."""
+    return axes.feasible_degrees(workload)

@@ -17,53 +17,41 @@ import numpy as np
 from autopar.errors import AutoparError
 from autopar.plan import RECOMPUTE_MODES
 
-STRUCTURE = ("dp", "tp", "pp", "mbs", "recompute", "zero")
+STRUCTURE = ("dp", "tp", "pp", "micro_batch_size", "recompute", "zero")  # what calibration must see vary
 
 
 def choose_plans(workload, k: int, seed: int = 0, backend: str = "gloo") -> list:
     """Up to k plans of the workload: the cost model's best first, then distinct structures at
     random (seeded). Plans that do not fit, offload the optimizer, interleave, or reduce gradients
     in a dtype the backend lacks are left out; full recompute checkpoints every block."""
-    from autopar.executor.data_parallel import check_backend
-    from autopar.search.exhaustive import ExhaustivePlanner
+    from autopar.cost import PlanArrays, evaluate
+    from autopar.executor.support import refusal
+    from autopar.search.exhaustive import ExhaustivePlanner, distinct
     from autopar.search.space import enumerate_plans
 
     space = enumerate_plans(workload)
     if len(space) == 0:
         raise AutoparError(f"no plan for global batch {workload.global_batch} on {workload.world_size} ranks")
-    from autopar.cost import evaluate
 
     res = evaluate(workload, space)
     full = RECOMPUTE_MODES.index("full")
     all_blocks = space.recompute_blocks == np.array([space.splits.entries[i]["layers"].max() for i in space.split])
-    keep = (res["fits"] & ~space.offload & (space.v == 1) & ((space.recompute != full) | all_blocks)
+    keep = (res["fits"] & ~space.offload_optimizer & (space.virtual_stages == 1)
+            & ((space.recompute != full) | all_blocks)
             & (space.bucket_mb == 25.0))
     index = np.flatnonzero(keep)
     if len(index) == 0:
         raise AutoparError(f"no plan of {workload.profile.name} fits {workload.world_size} ranks of "
                            f"{workload.cluster.name}")
-    chosen, seen = [], set()
 
-    def add(i) -> None:
-        plan = space.plan(int(i))
-        key = tuple(int(getattr(space, f)[i]) for f in STRUCTURE)
-        if key in seen:
-            return
-        try:
-            check_backend(plan, backend)
-        except AutoparError:
-            return
-        seen.add(key)
-        chosen.append(plan)
+    def runs_here(i: int) -> bool:
+        return refusal(space.plan(i), backend) is None
 
     best = ExhaustivePlanner().propose(workload, 1)[0]
-    chosen.append(best)
-    seen.add((best.dp, best.tp, best.pp, best.micro_batch_size, RECOMPUTE_MODES.index(best.recompute), best.zero))
-    for i in np.random.default_rng(seed).permutation(index):
-        if len(chosen) >= k:
-            break
-        add(i)
-    return chosen
+    best_row = PlanArrays.from_plans([best], workload.profile)
+    seen = {tuple(float(best_row.columns[f][0]) for f in STRUCTURE)}
+    rows = distinct(space, np.random.default_rng(seed).permutation(index), k - 1, list(STRUCTURE), runs_here, seen)
+    return [best] + [space.plan(i) for i in rows]
 
 
 def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4), *, cluster=None,
@@ -85,7 +73,7 @@ def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4
     if plans < 1 or repeats < 1 or not nprocs or nprocs[0] < 1:
         raise AutoparError(f"need --plans >= 1, --repeats >= 1 and process counts >= 1, got {plans}, {repeats} "
                            f"and {nprocs}")
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, max(nprocs))  # NCCL only with a GPU for every rank
     profile = profile_model(model, model_args, dtype=precision)
     base = load_cluster(cluster) if cluster else (load_cluster("cpu") if backend == "gloo" else detect())
     share = [plans // len(nprocs) + (1 if i < plans % len(nprocs) else 0) for i in range(len(nprocs))]

@@ -18,15 +18,18 @@ reward backend. Schema version 1, every key always present:
                             loss of every step, warm-up included); empty when no step finished
     predicted       object|null  the cost model's iteration_time_s and peak_memory_gb for the
                             same workload and plan, when it was available
-    outcome         str     "ok", "oom" (out of device memory), "timeout", or "error"
+    outcome         str     "ok", "oom" (out of device memory), "timeout" (the job passed its time
+                            bound, or a rank stopped beating), "rank_failed" (a rank raised, exited
+                            or was killed; `error` names it), or "error" (the launch itself failed)
     error           str|null  the failure message, null when outcome is "ok"
     versions        object  autopar, torch, python, backend
 
 Appends are atomic: each record is written with a single `os.write` on a descriptor opened with
 O_APPEND and held under an exclusive `flock`, so concurrent writers never interleave and a
-killed writer leaves either the whole line or nothing. `read_records` reports each malformed
-line with its line number and still returns the good ones, so one bad line never costs a
-calibration run its data.
+killed writer leaves either the whole line or nothing. `read_records` checks every line against
+`autopar.schema.TRACE_SCHEMA` (and its plan against the plan schema), reports each malformed,
+torn or mistyped line with its line number and still returns the good ones, so one bad line
+never costs a calibration run its data.
 """
 
 from __future__ import annotations
@@ -35,15 +38,18 @@ import fcntl
 import json
 import os
 import platform
+import stat
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from importlib import metadata
 from typing import Any
 
 from autopar.errors import AutoparError
+from autopar.plan import Plan
+from autopar.schema import TRACE_SCHEMA, check, loads, read_file
 
 TRACE_SCHEMA_VERSION = 1
-OUTCOMES = ("ok", "oom", "timeout", "error")
+OUTCOMES = ("ok", "oom", "timeout", "rank_failed", "error")
 
 
 def _package_version(name: str) -> str:
@@ -106,6 +112,8 @@ class TraceRecord:
         missing = sorted(names - set(d))
         if missing:
             raise AutoparError(f"trace record is missing key(s) {missing}")
+        d = check(d, TRACE_SCHEMA, "trace record")
+        Plan.from_dict(d["plan"])  # a record whose plan cannot be read is skipped like any bad line
         return cls(**d)
 
 
@@ -124,8 +132,13 @@ class TraceProblem:
 def append_record(path, record: TraceRecord) -> None:
     """Append one record as one whole line, safe against crashes and concurrent writers."""
     data = (record.to_json() + "\n").encode("utf-8")
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        raise AutoparError(f"cannot append to trace file {path}: {e.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise AutoparError(f"trace file {path} is not a regular file; give the path of a .jsonl file")
         fcntl.flock(fd, fcntl.LOCK_EX)
         size = os.fstat(fd).st_size
         # a writer that died mid-line (disk full) must not glue its fragment to this record
@@ -139,25 +152,27 @@ def append_record(path, record: TraceRecord) -> None:
         os.close(fd)  # closing releases the lock
 
 
+def check_trace_file(path) -> None:
+    """Before any work: the trace file exists and is a regular file (reading a FIFO would block)."""
+    if not os.path.exists(path):
+        raise AutoparError(f"trace file {path} not found")
+    if not os.path.isfile(path):
+        raise AutoparError(f"trace file {path} is not a regular file; give the path of a .jsonl file")
+
+
 def read_records(path, *, strict: bool = False) -> tuple[list[TraceRecord], list[TraceProblem]]:
     """The records of a trace file and the problems of its malformed lines (1-based numbers).
 
     With strict=True, any problem raises AutoparError listing every bad line instead.
     """
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise AutoparError(f"cannot read trace file {path}: {e.strerror}") from None
+    lines = read_file(path, "trace file", AutoparError).decode("utf-8", errors="replace").splitlines()
     records, problems = [], []
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
         try:
-            records.append(TraceRecord.from_dict(json.loads(text)))
-        except json.JSONDecodeError as e:
-            problems.append(TraceProblem(str(path), number, f"not valid JSON ({e.msg} at column {e.colno})"))
-        except (AutoparError, TypeError) as e:
+            records.append(TraceRecord.from_dict(loads(text, "", AutoparError)))
+        except AutoparError as e:  # a torn line (a writer killed mid-line), a mistyped field: skip it
             problems.append(TraceProblem(str(path), number, str(e)))
     if strict and problems:
         raise AutoparError(f"{len(problems)} malformed trace line(s): " + "; ".join(map(str, problems)))

@@ -102,6 +102,8 @@ class VTrainRow:
 def read_vtrain_csv(path) -> list[VTrainRow]:
     """The rows of a vTrain ground-truth CSV, checked; AutoparError names the file, line and column."""
     path = Path(path)
+    if path.exists() and not path.is_file():  # a FIFO would block the read
+        raise AutoparError(f"{path} is not a regular file; give the path of a vTrain CSV file")
     try:
         # the files start with a UTF-8 byte-order mark
         with open(path, encoding="utf-8-sig", newline="") as f:

@@ -1,0 +1,278 @@
+"""Parallel axes, declared once, and the degrees of one plan (`ParallelDims`).
+
+In the spirit of torchtitan's `ParallelDims` and Megatron-Core's rank generator: an axis is a
+name, a position in the device mesh (outermost first; tensor parallelism innermost, as
+Megatron's default order), a rule for the degrees a workload allows and, for axes the core
+cost model does not know, the time and memory terms it adds. Everything that deals in degrees
+(the Plan, the plan space, the cost model's process groups, the executor's device mesh) reads
+this registry, so a new axis is one `declare_axis` call.
+
+Data parallelism is the derived axis: its degree is the world size over the product of the
+others. A *folded* axis (`FoldedAxis`) is not one more axis to permute but a second split of
+some axes' ranks: expert parallelism carves ep ranks out of dp (x cp), and HSDP splits dp into
+replicate x shard, as torchtitan and Megatron-Core do. Folded axes have no mesh position of
+their own; they are declared with the axes they split (none is declared yet).
+
+Mesh orders are the few that matter, declared (`mesh_orders`), not every permutation: the
+default (axes by mesh position) and the one with data parallelism innermost. This module
+imports only the standard library (torch only inside `ParallelDims.build_mesh`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.errors import PlanError
+
+Check = Callable[[Any, int], "str | None"]  # (workload, degree) -> None when allowed, else why not
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One parallel axis. `allowed(workload, degree)` returns None or the reason a degree is not
+    allowed (with the fix); `derived` marks the axis whose degree is the world size over the rest."""
+
+    name: str
+    label: str  # in words, for tables
+    mesh_position: int  # smaller: further out in the device mesh
+    allowed: Check = lambda workload, degree: None
+    derived: bool = False
+    help: str = ""
+    # cost terms the core model does not know: (workload, PlanArrays) -> seconds or bytes per plan
+    time_term: Callable | None = None
+    memory_term: Callable | None = None
+
+
+@dataclass(frozen=True)
+class FoldedAxis:
+    """A second split of the ranks of `within` (expert parallelism within dp x cp; HSDP's shard
+    within dp): its degree divides the product of their degrees and its ranks are the innermost
+    ones of that product, so it adds no mesh order."""
+
+    name: str
+    label: str
+    within: tuple[str, ...]
+    help: str = ""
+
+    def check(self, degrees: dict[str, int], degree: int) -> None:
+        whole = math.prod(degrees[a] for a in self.within)
+        if degree < 1 or whole % degree:
+            raise PlanError(f"{self.name}={degree} must divide {' x '.join(self.within)} = {whole}; "
+                            f"use a {self.name} that divides {whole}")
+
+    def stride(self, dims: ParallelDims) -> int:
+        """Rank distance between neighbours along the folded axis: that of the innermost axis it splits."""
+        strides = dims.strides()
+        return min(strides[a] for a in self.within)
+
+
+AXES: dict[str, Axis] = {}
+FOLDED: dict[str, FoldedAxis] = {}
+_listeners: list[Callable[[], None]] = []  # caches built from the registry (knobs, order tables)
+
+
+def declare_axis(axis: Axis) -> Axis:
+    if axis.name in AXES:
+        raise ValueError(f"axis {axis.name!r} is declared twice")
+    if axis.derived and any(a.derived for a in AXES.values()):
+        raise ValueError("only one axis can be derived from the world size")
+    AXES[axis.name] = axis
+    _changed()
+    return axis
+
+
+def declare_folded(folded: FoldedAxis) -> FoldedAxis:
+    unknown = [a for a in folded.within if a not in AXES]
+    if unknown or folded.name in FOLDED or folded.name in AXES:
+        raise ValueError(f"folded axis {folded.name!r}: unknown axes {unknown} or name taken")
+    FOLDED[folded.name] = folded
+    _changed()
+    return folded
+
+
+def undeclare(name: str) -> None:
+    """Remove an axis or folded axis (tests declaring a throwaway axis clean up with this)."""
+    AXES.pop(name, None)
+    FOLDED.pop(name, None)
+    _changed()
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    _listeners.append(listener)
+
+
+def _changed() -> None:
+    _feasible_memo.clear()
+    for listener in _listeners:
+        listener()
+
+
+def axis_names() -> tuple[str, ...]:
+    """Declaration order (the Plan's field order)."""
+    return tuple(AXES)
+
+
+def derived_axis() -> str:
+    return next(a.name for a in AXES.values() if a.derived)
+
+
+def default_order() -> tuple[str, ...]:
+    """Axes by mesh position, outermost first (the innermost last)."""
+    return tuple(sorted(AXES, key=lambda a: AXES[a].mesh_position))
+
+
+def mesh_orders() -> tuple[tuple[str, ...], ...]:
+    """The declared mesh orders: the default, and the default with the derived (data-parallel)
+    axis innermost, which puts the gradient reduction on the fastest links instead of tp."""
+    base = default_order()
+    dp = derived_axis()
+    dp_inner = tuple(a for a in base if a != dp) + (dp,)
+    return (base,) if dp_inner == base else (base, dp_inner)
+
+
+def complete_order(order, degrees: dict[str, int]) -> tuple[str, ...]:
+    """A mesh order naming every declared axis: axes it leaves out (an older plan's, written
+    before an axis existed) must have degree 1 and go to their default position."""
+    order = tuple(order)
+    missing = [a for a in default_order() if a not in order]
+    if len(set(order)) != len(order) or set(order) - set(AXES) or any(degrees.get(a, 1) != 1 for a in missing):
+        raise PlanError(f"mesh_order must be a permutation of {list(AXES)}, got {list(order)}")
+    if not missing:
+        return order
+    out = list(order)
+    for a in missing:
+        out.insert(min(default_order().index(a), len(out)), a)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The degrees of one plan along every declared axis, in a mesh order (outermost first)."""
+
+    degrees: dict[str, int]
+    order: tuple[str, ...] = field(default_factory=default_order)
+
+    def __post_init__(self):
+        for name, degree in self.degrees.items():
+            if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+                raise PlanError(f"plan field '{name}' must be a positive integer, got {degree!r}")
+        if sorted(self.order) != sorted(self.degrees):
+            raise PlanError(f"mesh_order must be a permutation of {list(AXES)}, got {list(self.order)}")
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degrees.values())
+
+    def product_text(self) -> str:
+        names = " x ".join(self.degrees)
+        values = " x ".join(str(d) for d in self.degrees.values())
+        return f"{names} = {values} = {self.world_size}"
+
+    def check_world(self, world: int, have: str, fix: str, needs: str = "") -> None:
+        """The one world-size check: `have` says what provides `world` ranks, `fix` how to match
+        (`needs`: "the plan needs " where the product is in ranks)."""
+        if self.world_size != world:
+            unit = " ranks" if needs else ""
+            raise PlanError(f"{needs}{self.product_text()}{unit} but {have}; {fix}")
+
+    def strides(self) -> dict[str, int]:
+        """Rank distance between neighbours along each axis (innermost axis: 1)."""
+        stride, out = 1, {}
+        for axis in reversed(self.order):
+            out[axis] = stride
+            stride *= self.degrees[axis]
+        return out
+
+    def check_workload(self, workload) -> None:
+        """Every axis's own rule on its degree (divides the heads, at most the blocks, ...)."""
+        for name, degree in self.degrees.items():
+            why = AXES[name].allowed(workload, degree)
+            if why:
+                raise PlanError(why)
+
+    def build_mesh(self, device_type: str):
+        """torch's DeviceMesh with one named dimension per axis, in this order."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tuple(self.degrees[a] for a in self.order)
+        return init_device_mesh(device_type, shape, mesh_dim_names=self.order)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n in increasing order, found up to sqrt(n) (n may be a large batch)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+_feasible_memo: dict[tuple, list[dict[str, int]]] = {}
+
+
+def feasible_degrees(workload, unchecked: tuple[str, ...] = ()) -> list[dict[str, int]]:
+    """Every assignment of degrees the workload allows: product = world size, each axis's rule
+    (but those of `unchecked`). Memoised per workload: every step of the walker asks."""
+    key = (id(workload), workload.world_size, workload.global_batch, workload.profile.digest, tuple(AXES), unchecked)
+    if key not in _feasible_memo:
+        if len(_feasible_memo) > 1024:
+            _feasible_memo.clear()
+        _feasible_memo[key] = _feasible(workload, unchecked)
+    return [dict(d) for d in _feasible_memo[key]]
+
+
+def _feasible(workload, unchecked: tuple[str, ...]) -> list[dict[str, int]]:
+    world = workload.world_size
+    free = [a for a in AXES.values() if not a.derived]
+    dp = derived_axis()
+    out: list[dict[str, int]] = []
+
+    def assign(i: int, rest: int, chosen: dict[str, int]) -> None:
+        if i == len(free):
+            if dp in unchecked or AXES[dp].allowed(workload, rest) is None:
+                out.append({a: (rest if a == dp else chosen[a]) for a in AXES})
+            return
+        for d in divisors(rest):
+            if free[i].name in unchecked or free[i].allowed(workload, d) is None:
+                assign(i + 1, rest // d, {**chosen, free[i].name: d})
+
+    assign(0, world, {})
+    return out
+
+
+# -- the axes of today ------------------------------------------------------------------------------
+def _pp_allowed(workload, pp: int) -> str | None:
+    layers, limits = workload.profile.num_layers, getattr(workload.profile, "limits", {})
+    if pp > 1 and "pp" in limits:  # what the executor cannot run for this model (autopar.capability)
+        return f"pp={pp} but {limits['pp']}"
+    return None if pp <= layers else f"pp={pp} exceeds the model's {layers} blocks; use fewer pipeline stages"
+
+
+def _dp_allowed(workload, dp: int) -> str | None:
+    batch = workload.global_batch
+    return None if batch % dp == 0 else (f"dp={dp} does not divide the global batch {batch}; choose degrees "
+                                         f"whose data-parallel part divides it")
+
+
+def _tp_allowed(workload, tp: int) -> str | None:
+    profile = workload.profile
+    if tp == 1:
+        return None
+    if not profile.has_tp_plan:
+        return f"tp={tp} but {profile.tp_note or 'the model has no tensor-parallel plan'}"
+    bad = [u for u in profile.tp_units if u % tp]
+    if bad:
+        return (f"tp={tp} does not divide {bad} (heads / sharded dims of the model); "
+                f"use a tp that divides {math.gcd(*profile.tp_units)}")
+    from autopar.capability import sequence_parallel_options
+
+    if not sequence_parallel_options(profile, tp):
+        return (f"tp={tp} needs sequence parallelism for this model ({profile.limits['sp_off']}), but the sequence "
+                f"length {profile.seq_len} is not divisible by {tp}; use a tp that divides it")
+    return None
+
+
+# declaration order is the Plan's field order and the decision order (the derived dp last)
+declare_axis(Axis("dp", "data", 1, _dp_allowed, derived=True, help="data-parallel degree"))
+declare_axis(Axis("tp", "tensor", 2, _tp_allowed, help="tensor-parallel degree"))
+declare_axis(Axis("pp", "pipeline", 0, _pp_allowed, help="pipeline-parallel degree"))

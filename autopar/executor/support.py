@@ -1,0 +1,34 @@
+"""Which plans the executor can run, and why not the others.
+
+One rule function for everyone: `apply` and `autopar run` refuse a plan with its reason before
+any process starts, and the search space (`autopar.search.space`) leaves out what it refuses
+(knob by knob: `autopar.knobs.comm_dtype_problem`), so no planner proposes a plan that cannot run. Every plan the
+space holds is run on 4 gloo ranks by tests/test_executor_plans.py.
+"""
+
+from __future__ import annotations
+
+from autopar.errors import PlanError
+from autopar.knobs import comm_dtype_problem
+from autopar.plan import Plan
+
+
+def has_nccl(backend: str) -> bool:
+    """Whether a process-group backend string reaches GPUs through NCCL ("nccl", "cpu:gloo,cuda:nccl")."""
+    return "nccl" in backend
+
+
+def refusal(plan: Plan, backend: str) -> str | None:
+    """Why the executor cannot run `plan` on `backend` ("nccl", "gloo", ...), or None when it can.
+
+    Every other combination of the plan's knobs runs (tests/test_executor_plans.py): fp16 loss
+    scaling with tensor parallelism, recompute under bf16/fp16 in pipelines, interleaved
+    schedules with FSDP2, optimizer offload with fp16."""
+    return comm_dtype_problem(plan.grad_comm_dtype, backend)
+
+
+def check_supported(plan: Plan, backend: str) -> None:
+    """Raise PlanError with the reason when the executor cannot run `plan` on `backend`."""
+    reason = refusal(plan, backend)
+    if reason:
+        raise PlanError(reason)

@@ -1,0 +1,479 @@
+"""The knob registry: every field of a plan declared once.
+
+A knob is a Plan field (or, for a value with two parts, two fields: recompute mode and blocks,
+schedule and virtual stages) with its choices given the workload and the knobs decided before
+it, its lean choices (among which the least memory of any completion lies: the RL memory masks
+complete a partial plan with them), its label and words for tables, its CLI flag, its action
+slots and observation features for the policy, and whether it makes plans distinct alternatives.
+Each parallel axis of `autopar.axes` is a knob too (its degree), generated from the axis.
+
+Everything that walks, encodes or shows the plan space reads `knobs()`: the Plan and its JSON,
+the one walker of the space (`autopar.search.space`), the PlanArrays columns, the samplers,
+the RL decision sequence, the Why table, `Plan.describe()` and the `estimate` flags. A new
+knob is one `declare_knob` call. One name everywhere: the Plan field name is the JSON key, the
+PlanArrays column, the decision name and (with dashes) the CLI flag. Standard library only:
+the executor loads plans without the planner's dependencies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from autopar import axes as _axes
+from autopar.errors import PlanError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE_MODES = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp16", "fp32")
+COMM_DTYPES = ("fp32", "bf16", "fp16")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+ZERO_STAGES = (0, 1, 2, 3)
+BUCKETS_MB = (5.0, 25.0, 100.0)
+MAX_VIRTUAL_STAGES = 8
+SCHEDULE_VALUES = (("gpipe", 1), ("1f1b", 1)) + tuple(("interleaved", v) for v in range(2, MAX_VIRTUAL_STAGES + 1))
+# 16-bit weights and gradients, fp32 master weights and two fp32 Adam moments (mixed-precision Adam)
+STATE_BYTES_PER_PARAM = 16
+LOG2_MAX_GPUS = 14.0  # 16,384 GPUs: the scale of degree and micro-batch features
+
+
+@dataclass(frozen=True)
+class Field:
+    """One Plan field: its type (int, float, bool, str, tuple) and default; `values` makes it
+    categorical (PlanArrays stores the index)."""
+
+    name: str
+    kind: type
+    default: Any
+    values: tuple | None = None
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One decision of the plan space (or, `decision=False`, a value derived from earlier ones).
+
+    choices(workload, decided) -> the values allowed given `decided` (the values of `depends`,
+    earlier knobs); a value is a scalar, or a tuple with one entry per field.
+    """
+
+    name: str
+    fields: tuple[Field, ...]
+    choices: Callable[[Any, dict], list]
+    depends: tuple[str, ...] = ()
+    label: str = ""  # the row of the plan and Why tables
+    text: Callable[[Any], str] = str  # a value in words
+    short: Callable[[Any], str | None] = lambda value: None  # its token in Plan.describe(), None: left out
+    slots: tuple | None = None  # fixed action slot per value; None: position among the workload's choices
+    slot: Callable[[Any, list], int] | None = None  # custom slot (overrides `slots`)
+    lean: Callable[[list], list] = list  # the choices among which the least memory lies
+    feature: Callable[[Any, tuple], tuple[float, float]] | None = None  # (absolute, relative) in about [0, 1]
+    position: Callable[[Any, list], float] | None = None  # where a value lies in [0, 1] (Optuna's samplers)
+    detail: bool = False  # plans differing only in details are not distinct alternatives
+    decision: bool = True  # False: derived from earlier knobs (a single choice, never asked)
+    flag_help: str = ""
+    parse: Callable[[str], Any] | None = None  # CLI text -> value (default: the field's type)
+    check: Callable[[Any], None] | None = None  # a rule on the whole plan (raises PlanError)
+    # cost terms the core model does not know: (workload, PlanArrays) -> seconds or bytes per plan
+    time_term: Callable | None = None
+    memory_term: Callable | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def value_of(self, plan) -> Any:
+        if len(self.fields) == 1:
+            return getattr(plan, self.fields[0].name)
+        return tuple(getattr(plan, f.name) for f in self.fields)
+
+    def assign(self, value) -> dict[str, Any]:
+        """Plan fields of a value."""
+        if len(self.fields) == 1:
+            return {self.fields[0].name: value}
+        return dict(zip((f.name for f in self.fields), value))
+
+    @property
+    def default(self) -> Any:
+        return self.fields[0].default if len(self.fields) == 1 else tuple(f.default for f in self.fields)
+
+    def slot_of(self, value, choices: list) -> int:
+        if self.slot is not None:
+            return self.slot(value, choices)
+        return (self.slots if self.slots is not None else choices).index(value)
+
+    def features(self, value, choices: tuple) -> tuple[float, float]:
+        if self.feature is not None:
+            return self.feature(value, choices)
+        if self.slots is not None:  # categorical: its slot, scaled
+            return self.slots.index(value) / max(len(self.slots) - 1, 1), 0.0
+        return _log_features(value, choices)
+
+    def position_of(self, value, choices: list) -> float:
+        if self.position is not None:
+            return self.position(value, choices)
+        if self.slots is not None:
+            return self.slots.index(value) / max(len(self.slots) - 1, 1)
+        return _log_share(value, min(choices), max(choices))
+
+
+_declared: list[Knob] = []
+AXES_DEPEND = "*axes"  # in `depends`: every declared axis
+
+
+def depends_of(k: Knob) -> tuple[str, ...]:
+    out: list[str] = []
+    for name in k.depends:
+        out += list(_axes.AXES) if name == AXES_DEPEND else [name]
+    return tuple(out)
+
+
+def declare_knob(knob: Knob) -> Knob:
+    if any(k.name == knob.name for k in knobs()):
+        raise ValueError(f"knob {knob.name!r} is declared twice")
+    _declared.append(knob)
+    _invalidate()
+    return knob
+
+
+def undeclare_knob(name: str) -> None:
+    _declared[:] = [k for k in _declared if k.name != name]
+    _invalidate()
+
+
+def _invalidate() -> None:
+    knobs.cache_clear()
+    plan_fields.cache_clear()
+
+
+_axes.on_change(_invalidate)
+
+
+@cache
+def knobs() -> tuple[Knob, ...]:
+    """Every knob in decision order: the free axes, the derived axis, then the declared knobs."""
+    free = [_axis_knob(a) for a in _axes.AXES.values() if not a.derived]
+    dp = _axes.AXES[_axes.derived_axis()]
+    return (_PRECISION, *free, _axis_knob(dp), *_declared)
+
+
+def decisions() -> tuple[Knob, ...]:
+    return tuple(k for k in knobs() if k.decision)
+
+
+def knob(name: str) -> Knob:
+    for k in knobs():
+        if k.name == name:
+            return k
+    raise KeyError(name)
+
+
+@cache
+def plan_fields() -> tuple[Field, ...]:
+    """The Plan's fields: axis degrees first (declaration order), then every knob's, then the
+    mesh order and the explicit layer split."""
+    by_name = {f.name: f for k in knobs() for f in k.fields}
+    ordered = [by_name.pop(a) for a in _axes.AXES]
+    return (*ordered, *by_name.values())
+
+
+# -- helpers for declarations --------------------------------------------------------------------------
+def _log_share(x: float, low: float, high: float) -> float:
+    return math.log(x / low) / math.log(high / low) if high > low and x > 0 and low > 0 else 0.0
+
+
+def _log_features(value, choices) -> tuple[float, float]:
+    top = max(choices)
+    return math.log2(max(value, 1e-30)) / LOG2_MAX_GPUS, (math.log(value) / math.log(top)) if top > 1 else 0.0
+
+
+def _gloo(workload) -> bool:
+    """CPU processes: gloo has no bf16 reductions, and the host is the device (no offload)."""
+    return workload.cluster.node.intra == "shm"
+
+
+def balanced_split(num_blocks: int, stages: int) -> tuple[int, ...]:
+    """Blocks per stage, as even as possible; the extra blocks go to the middle stages,
+    because the first stage also holds the embedding and the last one the head."""
+    if stages <= 0 or num_blocks < stages:
+        raise PlanError(f"cannot split {num_blocks} blocks into {stages} pipeline stages: "
+                        f"use at most {num_blocks} stages (pp x virtual stages)")
+    base, extra = divmod(num_blocks, stages)
+    split = [base] * stages
+    order = sorted(range(stages), key=lambda i: (-min(i, stages - 1 - i), i))
+    for i in order[:extra]:
+        split[i] += 1
+    return tuple(split)
+
+
+def device_blocks(split: tuple[int, ...], pp: int) -> tuple[int, ...]:
+    """Blocks held by each pipeline rank: virtual stage i lives on rank i mod pp."""
+    per_rank = [0] * pp
+    for i, n in enumerate(split):
+        per_rank[i % pp] += n
+    return tuple(per_rank)
+
+
+def _unique(values: list) -> list:
+    return list(dict.fromkeys(values))
+
+
+# -- the axes as knobs ------------------------------------------------------------------------------
+def _axis_knob(axis: _axes.Axis) -> Knob:
+    earlier = tuple(a for a in _axes.AXES if not _axes.AXES[a].derived)
+    earlier = earlier[:earlier.index(axis.name)] if not axis.derived else earlier
+
+    def choices(workload, decided) -> list[int]:
+        return sorted({d[axis.name] for d in _axes.feasible_degrees(workload)
+                       if all(d[a] == decided[a] for a in earlier)})
+
+    return Knob(axis.name, (Field(axis.name, int, 1),), choices, depends=earlier, label=f"{axis.label} parallel",
+                text=lambda v: f"{axis.name}{v}", decision=not axis.derived, flag_help=axis.help,
+                time_term=axis.time_term, memory_term=axis.memory_term, parse=int)
+
+
+_PRECISION = Knob("precision", (Field("precision", str, "bf16", PRECISIONS),),
+                  lambda w, d: [w.precision], label="precision", slots=PRECISIONS, decision=False,
+                  flag_help="training precision (the workload's)")
+
+
+# -- the knobs of today ------------------------------------------------------------------------------
+def _micro_batch_choices(w, d) -> list[int]:
+    return _axes.divisors(w.global_batch // d["dp"])
+
+
+def _recompute_choices(w, d) -> list[tuple[str, int]]:
+    """(mode, checkpointed blocks per pipeline rank): none, selective when the model has an
+    attention core, and full recompute of 1 ... all blocks of the busiest rank (every count up to
+    16, then a geometric grid, always including all). Interleaving needs blocks divisible by
+    pp x v, so the busiest rank holds as many blocks whatever the schedule chosen later.
+    Megatron-Core recomputes its core attention selectively whatever the model file's attention."""
+    pp = d["pp"]
+    out = [("none", 0)]
+    if w.runtime == "megatron" or any(b.attn_core_bytes > 0 for b in w.profile.layers):
+        out.append(("selective", 0))
+    most = max(device_blocks(balanced_split(w.profile.num_layers, pp), pp))
+    counts = set(range(1, min(most, 16) + 1)) | {int(round(most * f / 16)) for f in range(1, 17)}
+    return out + [("full", n) for n in sorted(c for c in counts if 1 <= c <= most)]
+
+
+def _recompute_slot(value, choices) -> int:
+    """Slot 0: none, 1: selective, 2 + i: full recompute of the i-th count."""
+    if value[0] == "full":
+        return 2 + [c for c in choices if c[0] == "full"].index(value)
+    return RECOMPUTE_MODES.index(value[0])
+
+
+def _recompute_features(value, choices) -> tuple[float, float]:
+    mode, blocks = value
+    most = max((c[1] for c in choices), default=1) or 1
+    return RECOMPUTE_MODES.index(mode) / 2, blocks / most
+
+
+def _recompute_position(value, choices) -> float:
+    mode, blocks = value
+    most = max((c[1] for c in choices), default=1) or 1
+    return {"none": 0.0, "selective": 0.1}.get(mode, 1.0 - 0.8 * (1 - blocks / most))
+
+
+def _lean_recompute(choices: list) -> list:
+    """Memory is monotone in the number of recomputed blocks: the extremes of each mode suffice."""
+    fulls = [c for c in choices if c[0] == "full"]
+    return [c for c in choices if c[0] != "full"] + _unique(fulls[:1] + fulls[-1:])
+
+
+def _recompute_text(value) -> str:
+    mode, blocks = value
+    return {"none": "no recompute", "selective": "selective recompute"}.get(mode, f"full recompute of {blocks} blocks")
+
+
+def _parse_recompute(text: str):
+    """none | selective | full (every block: resolved against the workload) | N blocks."""
+    if text in ("none", "selective"):
+        return (text, 0)
+    if text == "full":
+        return ("full", None)
+    if not text.isdigit():
+        raise PlanError(f"--recompute must be none, selective, full or a block count, got '{text}'")
+    return ("full", int(text))
+
+
+def _check_recompute(plan) -> None:
+    if plan.recompute == "full":
+        if plan.recompute_blocks < 1:
+            raise PlanError("recompute 'full' needs recompute_blocks >= 1 (blocks checkpointed per "
+                            "pipeline rank); use recompute 'none' for no recompute")
+    elif plan.recompute_blocks != 0:
+        raise PlanError(f"recompute_blocks={plan.recompute_blocks} only applies to recompute 'full'; "
+                        f"set it to 0 or set recompute to 'full'")
+
+
+def _schedule_choices(w, d) -> list[tuple[str, int]]:
+    """(schedule, virtual stages). Interleaving needs micro-batches divisible by pp and an even
+    number of blocks per chunk, as Megatron-LM's interleaved schedule does."""
+    pp, nmb = d["pp"], d["num_micro_batches"]
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("gpipe", 1)]
+    if nmb >= pp:
+        out.append(("1f1b", 1))
+        if nmb % pp == 0:
+            layers = w.profile.num_layers
+            out += [("interleaved", v) for v in range(2, MAX_VIRTUAL_STAGES + 1) if layers % (pp * v) == 0]
+    return out
+
+
+def _schedule_text(value) -> str:
+    name, v = value
+    return name if v == 1 else f"interleaved:{v}"
+
+
+def _parse_schedule(text: str):
+    name, _, v = text.partition(":")
+    if v and not v.isdigit():
+        raise PlanError(f"--schedule interleaved:V needs an integer V, got '{v}'")
+    return (name, int(v or 1))
+
+
+def _check_schedule(plan) -> None:
+    if plan.schedule == "interleaved":
+        if plan.pp < 2 or plan.virtual_stages < 2:
+            raise PlanError("the interleaved schedule needs pp >= 2 and virtual_stages >= 2; "
+                            "use schedule '1f1b' otherwise")
+        if plan.num_micro_batches % plan.pp:
+            raise PlanError(f"the interleaved schedule needs num_micro_batches ({plan.num_micro_batches}) "
+                            f"divisible by pp ({plan.pp}); change the micro-batch size or pp")
+    elif plan.virtual_stages != 1:
+        raise PlanError(f"virtual_stages={plan.virtual_stages} needs schedule 'interleaved'")
+    if plan.pp > 1 and plan.num_micro_batches < plan.pp and plan.schedule != "gpipe":
+        raise PlanError(f"1F1B with pp={plan.pp} needs at least {plan.pp} micro-batches, got "
+                        f"{plan.num_micro_batches}; lower the micro-batch size or use schedule 'gpipe'")
+
+
+def comm_dtype_problem(dtype: str, backend: str) -> str | None:
+    """What a backend cannot reduce in: gloo has no bf16 reductions (the space leaves bf16 out on
+    CPU clusters, the executor refuses it on gloo)."""
+    if dtype == "bf16" and "nccl" not in backend:  # "cpu:gloo,cuda:nccl" reduces GPU tensors over NCCL
+        return (f"grad_comm_dtype 'bf16' reduces gradients in bfloat16, which needs NCCL, not {backend}; "
+                f"use grad_comm_dtype 'fp16' or 'fp32' on this backend")
+    return None
+
+
+def _comm_choices(w, d) -> list[str]:
+    if d["dp"] == 1:
+        return ["fp32"]
+    backend = "gloo" if _gloo(w) else "nccl"
+    return ["fp32"] + [p for p in (w.precision,) if p != "fp32" and comm_dtype_problem(p, backend) is None]
+
+
+def _mesh_choices(w, d) -> list[tuple[str, ...]]:
+    """The default order; the data-parallel-innermost one only where it changes the groups."""
+    orders = _axes.mesh_orders()
+    innermost = orders[0][-1]
+    return list(orders) if d[_axes.derived_axis()] > 1 and d.get(innermost, 1) > 1 else [orders[0]]
+
+
+def _bool_text(name: str) -> Callable[[bool], str]:
+    return lambda v: f"{name} {'on' if v else 'off'}"
+
+
+def _zero_text(z: int) -> str:
+    return {0: "DDP (ZeRO-0)", 1: "ZeRO-1 (sharded optimizer)", 2: "ZeRO-2 (+ sharded gradients)",
+            3: "ZeRO-3 (FSDP2, sharded parameters)"}[z]
+
+
+def _check_offload(plan) -> None:
+    if plan.offload_optimizer and plan.zero < 2:
+        raise PlanError("offload_optimizer runs through FSDP2's CPU offload and needs zero 2 or 3")
+
+
+def _check_sp(plan) -> None:
+    if plan.sequence_parallel and plan.tp < 2:
+        raise PlanError("sequence_parallel needs tp >= 2; set tp >= 2 or drop sequence_parallel")
+
+
+def _sp_choices(w, d) -> list[bool]:
+    """Off and on under tensor parallelism, as far as the executor can run them for this model."""
+    from autopar.capability import sequence_parallel_options
+
+    return list(sequence_parallel_options(w.profile, d["tp"]))
+
+
+def _zero_choices(w, d) -> list[int]:
+    return [0] if d["dp"] == 1 else list(ZERO_STAGES)
+
+
+def _offload_choices(w, d) -> list[bool]:
+    return [False, True] if d["zero"] >= 2 and not _gloo(w) else [False]
+
+
+def _bucket_choices(w, d) -> list[float]:
+    return list(BUCKETS_MB) if d["dp"] > 1 and d["zero"] <= 1 else [BUCKETS_MB[1]]
+
+
+def _bucket_features(value, choices) -> tuple[float, float]:
+    return _log_share(value, BUCKETS_MB[0], BUCKETS_MB[-1]), 0.0
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() not in ("true", "false", "on", "off", "1", "0"):
+        raise PlanError(f"expected true or false, got '{text}'")
+    return text.lower() in ("true", "on", "1")
+
+
+def _parse_order(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(","))
+
+
+for _k in (
+    Knob("micro_batch_size", (Field("micro_batch_size", int, 1),), _micro_batch_choices, ("dp",),
+         label="micro-batch", text=lambda m: f"micro-batch {m}", lean=lambda c: c[:1], parse=int,
+         flag_help="samples per micro-batch per data-parallel rank"),
+    Knob("num_micro_batches", (Field("num_micro_batches", int, 1),),
+         lambda w, d: [w.global_batch // (d["dp"] * d["micro_batch_size"])], ("dp", "micro_batch_size"),
+         label="micro-batches", decision=False, parse=int),
+    Knob("zero", (Field("zero", int, 0, ZERO_STAGES),), _zero_choices, ("dp",), label="ZeRO",
+         text=_zero_text, short=lambda z: f"zero{z}" if z else None, slots=ZERO_STAGES,
+         detail=True, parse=int, flag_help="0: DDP, 1: sharded optimizer, 2: + sharded gradients, 3: FSDP2"),
+    Knob("recompute", (Field("recompute", str, "none", RECOMPUTE_MODES), Field("recompute_blocks", int, 0)),
+         _recompute_choices, ("pp",), label="recompute", text=_recompute_text,
+         short=lambda v: {"none": None, "selective": "ac=sel"}.get(v[0], f"ac={v[1]}"), slot=_recompute_slot,
+         lean=_lean_recompute, feature=_recompute_features, position=_recompute_position,
+         parse=_parse_recompute, check=_check_recompute,
+         flag_help="activation recompute: none, selective, full (all blocks) or N blocks per pipeline rank"),
+    Knob("bucket_mb", (Field("bucket_mb", float, 25.0),), _bucket_choices, ("dp", "zero"), label="gradient buckets",
+         text=lambda b: f"{b:g} MB buckets", short=lambda b: f"bucket={b:g}MB" if b != BUCKETS_MB[1] else None,
+         slots=BUCKETS_MB, lean=lambda c: c[:1], feature=_bucket_features,
+         detail=True, parse=float,
+         flag_help="DDP gradient bucket (fusion buffer) size in MB"),
+    Knob("schedule", (Field("schedule", str, "1f1b", SCHEDULES), Field("virtual_stages", int, 1)),
+         _schedule_choices, ("pp", "num_micro_batches"), label="pipeline schedule", text=_schedule_text,
+         short=_schedule_text, slots=SCHEDULE_VALUES,
+         feature=lambda v, c: (SCHEDULES.index(v[0]) / 2, (v[1] - 1) / (MAX_VIRTUAL_STAGES - 1)),
+         parse=_parse_schedule, check=_check_schedule,
+         flag_help="gpipe | 1f1b | interleaved:V"),
+    Knob("sequence_parallel", (Field("sequence_parallel", bool, False),),
+         _sp_choices, ("tp",), label="sequence parallel",
+         text=_bool_text("sequence parallel"), short=lambda v: "sp" if v else None, slots=(False, True),
+         lean=lambda c: c[-1:], parse=_parse_bool, check=_check_sp,
+         flag_help="shard the activations outside tensor-parallel regions over tp"),
+    Knob("grad_comm_dtype", (Field("grad_comm_dtype", str, "fp32", COMM_DTYPES),), _comm_choices, ("dp",),
+         label="gradient reduction dtype", text=lambda c: f"gradients reduced in {c}",
+         short=lambda c: f"comm={c}" if c != "fp32" else None, slots=COMM_DTYPES,
+         lean=lambda c: [min(c, key=DTYPE_BYTES.get)], detail=True,
+         flag_help="dtype of the data-parallel gradient reduction"),
+    Knob("offload_optimizer", (Field("offload_optimizer", bool, False),), _offload_choices, ("zero",),
+         label="optimizer offload", text=_bool_text("CPU offload"), short=lambda v: "offload" if v else None,
+         slots=(False, True), detail=True, parse=_parse_bool,
+         check=_check_offload, flag_help="optimizer state and step on the CPU (FSDP2 offload; zero 2 or 3)"),
+    Knob("mesh_order", (Field("mesh_order", tuple, None),), _mesh_choices, (AXES_DEPEND,), label="mesh order",
+         text=lambda o: "mesh (" + ", ".join(o) + ")", slot=lambda o, c: _axes.mesh_orders().index(o),
+         short=lambda o: None if o == _axes.default_order() else "mesh=" + ",".join(o),
+         feature=lambda o, c: (_axes.mesh_orders().index(o), 0.0), lean=lambda c: c[:1],
+         position=lambda o, c: float(_axes.mesh_orders().index(o)),
+         detail=True, parse=_parse_order,
+         flag_help="mesh axes, outermost first (default: by mesh position, tp innermost)"),
+):
+    declare_knob(_k)

@@ -1,0 +1,103 @@
+"""Which code a trace record's model may be profiled with: traces are data, never code.
+
+Calibration needs each record's model profile. A trace file is passed between teams, so a
+`model.path` in it must not make autopar import and run that file. A record's profile comes,
+in this order, from
+  1. the profile stored in the record (`model.profile`, written by `autopar run`), checked
+     against the profile schema;
+  2. a model file bundled with autopar (the zoo, the vTrain importer's Megatron GPT), by name;
+  3. a model file the user named on the command line (`--model FILE`) whose bytes and
+     arguments match the record's `model.digest`;
+  4. the record's own path, only with `--trust-model-paths` (the user vouches for the traces).
+Anything else is refused in one line naming the record and the file, before any code runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from autopar.errors import AutoparError
+
+PACKAGE = Path(__file__).resolve().parents[1]  # the autopar package directory
+
+
+def bundled_files() -> set[Path]:
+    """autopar's own model files: a trace may name these (they are autopar's code, not the trace's)."""
+    from autopar import zoo
+
+    return {zoo.path(name).resolve() for name in zoo.MODELS} | {(PACKAGE / "traces" / "megatron_gpt.py").resolve()}
+
+
+def _bundled(model: dict) -> Path | None:
+    """The bundled file a record names, by zoo name or by its path inside the package."""
+    from autopar import zoo
+
+    path = model.get("path")
+    if path is None and model.get("name") in zoo.MODELS:
+        return zoo.path(model["name"]).resolve()
+    if not isinstance(path, str):
+        return None
+    if path in zoo.MODELS:
+        return zoo.path(path).resolve()
+    candidate = (PACKAGE.parent / path).resolve() if not Path(path).is_absolute() else Path(path).resolve()
+    return candidate if candidate in bundled_files() else None
+
+
+def _digests(file, args: dict) -> tuple[str, str]:
+    """A model file's record digest, and the form `autopar run` wrote before it stored profiles."""
+    from autopar.traces.vtrain import model_digest
+
+    source = hashlib.sha256(Path(file).read_bytes()).hexdigest()
+    legacy = hashlib.sha256(f"{source}{json.dumps(args, sort_keys=True)}".encode()).hexdigest()
+    return model_digest(file, args), legacy
+
+
+@dataclass(frozen=True)
+class ModelSources:
+    """The model files the user vouches for (`--model`), and whether record paths are trusted."""
+
+    files: tuple[str, ...] = ()
+    trust_paths: bool = False
+
+    def profile(self, model: dict, dtype: str, source: str):
+        """The ModelProfile of a record's model (see the module docstring for where it comes from)."""
+        from autopar.profile import ModelProfile, profile_model
+        from autopar.schema import check, profile_schema
+
+        stored = model.get("profile")
+        if stored is not None:
+            d = check(stored, profile_schema(), f"{source}: model.profile", AutoparError)
+            try:
+                profile = ModelProfile.from_dict(d)
+            except (TypeError, ValueError) as e:
+                raise AutoparError(f"{source}: model.profile cannot be read ({e})") from None
+            if profile.dtype == dtype:
+                return profile
+        args = model.get("args")
+        if args is None:
+            raise AutoparError(f"{source}: the record's model has no 'args' (the model arguments it was profiled "
+                               f"with), so its profile cannot be rebuilt")
+        path = self._file(model, source)
+        try:
+            return profile_model(path, args, dtype=dtype)
+        except AutoparError as e:
+            raise AutoparError(f"{source}: cannot profile the record's model {path!r}: {e}") from None
+
+    def _file(self, model: dict, source: str) -> str:
+        from autopar.traces.vtrain import resolve_model_path
+
+        bundled = _bundled(model)
+        if bundled is not None:
+            return str(bundled)
+        for file in self.files:
+            if Path(file).is_file() and model.get("digest") in _digests(file, model.get("args") or {}):
+                return file
+        named = str(model.get("path") or model.get("name"))
+        if self.trust_paths:
+            return resolve_model_path(named)
+        raise AutoparError(f"{source}: the record names the model file {named!r} and carries no profile; a trace is "
+                           f"data and autopar does not run code it names: pass --model-file FILE (a file whose "
+                           f"digest matches the record), or --trust-model-paths if you trust the traces' files")

@@ -1,0 +1,177 @@
+"""Every plan the search space holds runs with parity, or is refused before launch with its reason
+(4 gloo ranks, tiny GPT).
+
+The space of the tiny GPT on 4 CPU ranks, global batch 16, holds ~5,700 plans over precision x
+schedule x recompute x ZeRO x tp/sp x micro-batching x mesh order. Running them all would take
+hours, so the cases are a pairwise covering set: every pair of knob values that occurs together
+in the space occurs together in some case (a fault from one knob or from two interacting shows).
+Each case trains 3 steps; its losses must match the single-process reference in the plan's
+precision within that precision's stated tolerance (`parity.TOLERANCES`). Plans outside the
+space that the executor cannot run are refused by `support.refusal` before any process starts.
+
+One 4-rank job (torch.multiprocessing, gloo pinned so a GPU machine runs it too) runs every case
+in turn, as tests/test_executor_parity.py does.
+"""
+
+import itertools
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+from conftest import workload
+from test_executor_parity import _free_port
+
+from autopar.errors import PlanError
+from autopar.executor.parity import TOLERANCES, max_relative_difference, reference_losses
+from autopar.executor.support import refusal
+from autopar.executor.train_step import apply
+from autopar.modelfile import load_model_file
+from autopar.plan import PRECISIONS, Plan
+from autopar.search.space import enumerate_plans
+
+WORLD, STEPS, GLOBAL_BATCH = 4, 3, 16
+ARGS = {"size": "tiny", "dropout": 0.0}
+GPT = load_model_file("gpt")
+
+
+def knobs(plan: Plan) -> dict:
+    """The values a case must cover, pairwise (bucket size and exact recompute counts excluded:
+    tests/test_executor_parity.py covers those)."""
+    return {"precision": plan.precision, "degrees": (plan.dp, plan.tp, plan.pp),
+            "schedule": (plan.schedule, plan.virtual_stages) if plan.pp > 1 else "-",
+            "recompute": plan.recompute, "zero": plan.zero, "sp": plan.sequence_parallel,
+            "comm": plan.grad_comm_dtype, "offload": plan.offload_optimizer, "mesh": plan.mesh_order,
+            "micro_batches": plan.num_micro_batches}
+
+
+def pairs(plan: Plan) -> set:
+    return set(itertools.combinations(sorted(knobs(plan).items(), key=lambda kv: kv[0]), 2))
+
+
+def covering_cases(plans: list[Plan]) -> list[Plan]:
+    """A small set of `plans` covering every pair of knob values that `plans` cover (greedy:
+    repeatedly the plan covering most uncovered pairs; ties to the earliest, so it is stable)."""
+    candidates = [(p, pairs(p)) for p in plans]
+    uncovered = set().union(*(c for _, c in candidates))
+    chosen = []
+    while uncovered:
+        plan, covered = max(candidates, key=lambda pc: len(pc[1] & uncovered))
+        chosen.append(plan)
+        uncovered -= covered
+    return chosen
+
+
+def space() -> list[Plan]:
+    out = []
+    for precision in PRECISIONS:
+        w = workload("gpt", cluster="cpu", gpus_per_node=WORLD, global_batch=GLOBAL_BATCH, dtype=precision, **ARGS)
+        arrays = enumerate_plans(w)
+        out += [arrays.plan(i) for i in range(len(arrays))]
+    return out
+
+
+SPACE = space()
+BASE = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 4, "num_micro_batches": 4}
+# the crashes first found by hand, kept by name (each failed before its fix)
+CRASHES = {
+    "fp16 tp2 pp2 (no DDP: scaler got mixed Tensor and DTensor gradients)":
+        Plan(**{**BASE, "tp": 2, "pp": 2}, precision="fp16"),
+    "bf16 pp2 dp2 selective recompute (autocast live in backward: CheckpointError)":
+        Plan(**{**BASE, "dp": 2, "pp": 2, "micro_batch_size": 2}, precision="bf16", recompute="selective"),
+    "fp16 pp2 tp2 sp selective recompute (CheckpointError)":
+        Plan(**{**BASE, "tp": 2, "pp": 2}, precision="fp16", recompute="selective", sequence_parallel=True),
+    "interleaved zero3 pp2 dp2 (rank view copied an FSDP2 module)":
+        Plan(**{**BASE, "dp": 2, "pp": 2, "micro_batch_size": 2}, precision="fp32", schedule="interleaved",
+             virtual_stages=2, zero=3),
+}
+# outside the gloo space (offload is pointless when the host is the device) but still runnable
+OFFLOAD = {f"{p} zero3 offload dp2 pp2": Plan(**{**BASE, "dp": 2, "pp": 2, "micro_batch_size": 2}, precision=p,
+                                              zero=3, offload_optimizer=True) for p in PRECISIONS}
+CASES = {**CRASHES, **OFFLOAD, **{f"{p.describe()} {p.precision}": p for p in covering_cases(SPACE)}}
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=2.0)  # plain SGD: wrong gradient scaling shows in the losses
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    """Run every case; each rank appends its results as JSON lines. A failing case ends the job at
+    once (its peers may wait on it in a collective): the cases after it are reported as not run."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.manual_seed(1000)
+    batch = GPT.example_batch(GLOBAL_BATCH, device="cpu", **ARGS)
+    with open(f"{out}.rank{rank}", "a") as f:
+        for name, plan in CASES.items():
+            try:
+                par = apply(plan, lambda: GPT.build(**ARGS), sgd, GPT.loss_fn, tp_plan=GPT.tp_plan,
+                            blocks=GPT.blocks, backend="gloo", timeout_s=60)
+                local = par.local_batch(*batch)
+                result = {"losses": par.global_losses([par.train_step(*local) for _ in range(STEPS)])}
+            except Exception as e:  # noqa: BLE001 - recorded; the test names it
+                f.write(json.dumps({"case": name, "error": f"rank {rank}: {type(e).__name__}: {e}"[:500]}) + "\n")
+                f.flush()
+                os._exit(1)  # mp.spawn then ends the peers
+            f.write(json.dumps({"case": name, **result}) + "\n")
+            f.flush()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def losses(tmp_path_factory):
+    """{case: losses, or the error of the first rank that failed it}; cases never run are absent."""
+    out = str(tmp_path_factory.mktemp("plans") / "losses")
+    try:
+        mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD)
+    except ProcessException:
+        pass  # the failed case's error is in the rank files
+    results = {}
+    for rank in range(WORLD):
+        path = f"{out}.rank{rank}"
+        lines = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+        for line in lines:
+            if "error" in line or line["case"] not in results:
+                results[line["case"]] = line.get("error", line.get("losses"))
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.manual_seed(1000)
+    batch = GPT.example_batch(GLOBAL_BATCH, device="cpu", **ARGS)
+    return {p: reference_losses(lambda: GPT.build(**ARGS), sgd, GPT.loss_fn, [batch] * STEPS, precision=p)
+            for p in PRECISIONS}
+
+
+def test_the_cases_cover_every_pair_of_knob_values_in_the_space():
+    assert set().union(*map(pairs, CASES.values())) >= set().union(*map(pairs, SPACE))
+    assert len(CASES) < 80  # the suite's budget: about a second a case on 2 cores
+
+
+def test_the_space_holds_nothing_the_executor_refuses():
+    assert [p for p in SPACE if refusal(p, "gloo")] == []
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_plan_runs_with_parity_in_its_precision(losses, reference, name):
+    plan, got = CASES[name], losses.get(name, "not run: an earlier case failed and ended the job")
+    assert not isinstance(got, str), got
+    expected = reference[plan.precision]
+    assert max_relative_difference(got, expected) <= TOLERANCES[plan.precision], (got, expected)
+
+
+REFUSED = [(Plan(**{**BASE, "dp": 4, "micro_batch_size": 1}, precision="bf16", grad_comm_dtype="bf16"), "gloo",
+            "needs NCCL")]
+
+
+@pytest.mark.parametrize("plan,backend,reason", REFUSED)
+def test_plans_outside_the_space_are_refused_before_anything_starts(plan, backend, reason):
+    assert reason in refusal(plan, backend)
+    with pytest.raises(PlanError, match=reason):
+        apply(plan, lambda: GPT.build(**ARGS), sgd, GPT.loss_fn, backend=backend)
+    assert not dist.is_initialized()
