@@ -6,6 +6,7 @@ import atexit
 import functools
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -42,3 +43,10 @@ def workload(model="gpt", cluster="dgx-a100-80g", nodes=1, gpus_per_node=None, g
 
     return Workload(profile(model, dtype, **model_args),
                     load_cluster(cluster, nodes=nodes, gpus_per_node=gpus_per_node), global_batch)
+
+
+def free_port() -> int:
+    """A port nothing on this machine listens on now (the rendezvous of a test's process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -9,12 +9,12 @@ the tests compare them with the plain single-process loop.
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 
 from autopar.executor.parity import max_relative_difference, reference_losses
 from autopar.executor.state import load_checkpoint, save_checkpoint
@@ -116,16 +116,11 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def losses(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("parity") / "losses.json")
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD)
+    mp.spawn(_worker, args=(free_port(), out), nprocs=WORLD)
     with open(out) as f:
         return json.load(f)
 

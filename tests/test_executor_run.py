@@ -3,7 +3,6 @@ reward backend, and the example script: real torchrun launches on gloo, small an
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 from autopar.executor.reward import MeasuredReward
 from autopar.plan import Plan
@@ -99,18 +99,13 @@ def test_a_plan_for_another_world_size_is_refused_before_launch(tmp_path):
     assert len(ran.stderr.strip().splitlines()) == 1 and not (tmp_path / "t.jsonl").exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_two_nodes_on_one_machine_match_one_process(tmp_path):
     """Every single-node plan matches the single-process losses (test_executor_parity); two
     launchers on this machine, dp across the "nodes", must match them too."""
     save_plan(tmp_path / "p.json", dp=2, tp=2)  # tp inside a node, dp across the two nodes
     common = ["run", "p.json", "gpt", *TINY, "--steps", 2, "--warmup", 1, *ranks(2), "--nnodes", 2,
-              "--master-addr", "127.0.0.1", "--master-port", _free_port()]
+              "--master-addr", "127.0.0.1", "--master-port", free_port()]
     node1 = autopar(*common, "--node-rank", 1, cwd=tmp_path, wait=False)
     node0 = autopar(*common, "--node-rank", 0, "--trace", "t.jsonl", "--check-parity", cwd=tmp_path)
     assert node1.wait(timeout=120) == 0 and node0.returncode == 0, node0.stdout + node0.stderr

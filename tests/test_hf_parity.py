@@ -7,21 +7,22 @@ zoo models and an HF model (drawn from the plan space) run. One 4-rank job runs 
 import json
 import math
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 
 pytest.importorskip("transformers")
+
+from hf_configs import PARITY_FAMILIES, write_configs  # noqa: E402
 
 from autopar.executor.parity import max_relative_difference, reference_losses  # noqa: E402
 from autopar.executor.train_step import apply  # noqa: E402
 from autopar.modelfile import load_model_file  # noqa: E402
 from autopar.plan import Plan  # noqa: E402
-from hf_configs import PARITY_FAMILIES, write_configs  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 WORLD, BATCH, STEPS = 4, 8, 2
@@ -99,11 +100,6 @@ def _worker(rank: int, port: int, out: str, cases: dict) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory):
@@ -127,7 +123,7 @@ def job(refs, proposed, tmp_path_factory):
     cases.update({f"proposed {name}": (model, args, plan.to_dict(), 1)
                   for name, (model, args, plan) in proposed.items()})
     out = str(tmp_path_factory.mktemp("hf-parity") / "losses.json")
-    mp.spawn(_worker, args=(_free_port(), out, cases), nprocs=WORLD)
+    mp.spawn(_worker, args=(free_port(), out, cases), nprocs=WORLD)
     return json.loads(Path(out).read_text())
 
 
