@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
-from conftest import workload
-from test_executor_parity import _free_port
+from conftest import free_port, workload
 
 from autopar.errors import PlanError
 from autopar.executor.parity import TOLERANCES, max_relative_difference, reference_losses
@@ -127,7 +126,7 @@ def losses(tmp_path_factory):
     """{case: losses, or the error of the first rank that failed it}; cases never run are absent."""
     out = str(tmp_path_factory.mktemp("plans") / "losses")
     try:
-        mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD)
+        mp.spawn(_worker, args=(free_port(), out), nprocs=WORLD)
     except ProcessException:
         pass  # the failed case's error is in the rank files
     results = {}
