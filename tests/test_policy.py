@@ -192,3 +192,30 @@ def test_a_policy_trained_on_an_older_cost_model_is_used_with_one_line_said(trai
     assert main(["search", "gpt", "--model-arg", "size=tiny", "--nodes", "1", "--global-batch", "16",
                  "--method", "rl", "--policy", str(trained), "--json"]) == 0
     assert "note:" not in capsys.readouterr().err
+
+
+def test_the_cost_fingerprint_follows_the_predictions_not_the_source(monkeypatch):
+    """Predictions moved by float noise (1e-12 relative, as a refactor or another BLAS may) keep the
+    fingerprint; moved by 1% (a real change of the model) they change it, and so does a space that
+    enumerates other plans."""
+    from autopar import cost
+    from autopar.policies import fingerprint
+
+    before = fingerprint.cost_fingerprint()
+    real = cost.evaluate
+
+    def scaled(factor):
+        def evaluate(*args, **kwargs):
+            out = dict(real(*args, **kwargs))
+            out["iteration_time"] = out["iteration_time"] * factor
+            return out
+        return evaluate
+
+    monkeypatch.setattr(cost, "evaluate", scaled(1 + 1e-12))
+    assert fingerprint.cost_fingerprint() == before
+    monkeypatch.setattr(cost, "evaluate", scaled(1.01))
+    assert fingerprint.cost_fingerprint() != before
+    monkeypatch.setattr(cost, "evaluate", real)
+    enumerate_all = fingerprint.enumerate_plans
+    monkeypatch.setattr(fingerprint, "enumerate_plans", lambda w: (s := enumerate_all(w)).take(np.arange(len(s) - 1)))
+    assert fingerprint.cost_fingerprint() != before

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from autopar.search.simplicity import TIE
 from autopar.cli import main
 from autopar.cost import estimate
+from autopar.envs.workloads import heldout_workloads
 from autopar.errors import AutoparError
 from autopar.policies.load import default_policy_path, read_meta
 from autopar.search import get_planner
 from autopar.search.space import enumerate_plans
 from conftest import workload
+
+HELDOUT_CHECK = 6
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +29,31 @@ def small():
 def test_shipped_policy_is_small_and_documents_its_training():
     path = default_policy_path()
     assert path.stat().st_size + path.with_suffix(".json").stat().st_size <= 5 * 2**20
-    meta = read_meta(path)
-    assert meta["command"].startswith("autopar train") and meta["eval"]["validation"]["median"] > 0.9
+    assert read_meta(path)["command"].startswith("autopar train")
+
+
+@pytest.fixture(scope="module")
+def heldout():
+    """The first six held-out workloads (shapes and clusters no training run sees), each with the
+    exhaustive oracle's iteration time: a few seconds in all."""
+    oracle = get_planner("exhaustive")
+    return [(w, estimate(w, oracle.propose(w, 1)[0]).iteration_time_s) for w in heldout_workloads(n=HELDOUT_CHECK)]
+
+
+def test_shipped_policy_matches_the_oracle_live_on_held_out_workloads(heldout):
+    """The shipped policy measured now, against this cost model, as `autopar search --method rl`
+    uses it: the best of its top-8 (beam decode, re-ranked by the cost model), and its greedy top-1.
+    Ratio = oracle time / policy plan's time (1: the oracle's optimum). Bounds: a healthy policy on
+    the 64 held-out workloads reaches top-8 median 1.000, p5 0.998 and top-1 median 1.000, p5 0.85
+    (README); an untrained one, whose top-8 the cost model still re-ranks, does not (median ~0.6)."""
+    planner = get_planner("rl")
+    top8, top1 = [], []
+    for w, oracle_s in heldout:
+        top8.append(oracle_s / estimate(w, planner.propose(w, 8)[0]).iteration_time_s)
+        top1.append(oracle_s / estimate(w, planner.propose(w, 1)[0]).iteration_time_s)
+    ratios = f"top-8 {np.round(top8, 3).tolist()}, top-1 {np.round(top1, 3).tolist()}"
+    assert np.median(top8) >= 0.98 and min(top8) >= 0.9, ratios
+    assert np.median(top1) >= 0.9, ratios
 
 
 def test_top1_is_a_fitting_plan_with_a_confidence(small):
