@@ -283,7 +283,16 @@ def test_dataset_subset_keeps_rows_aligned():
     sub = ds.subset(idx)
     np.testing.assert_array_equal(sub.measured, ds.measured[idx])
     np.testing.assert_allclose(sub.predict(TRUE), ds.predict(TRUE)[idx])
-    assert dataclasses.asdict(Coefficients()) == Coefficients().to_dict()
+
+
+def test_coefficients_round_trip_through_cluster_json():
+    """A fitted set of coefficients written into a cluster JSON reads back equal, every field
+    included (a field to_dict dropped or from_dict ignored would come back at its default)."""
+    fitted = dataclasses.replace(TRUE, link_efficiency={**TRUE.link_efficiency, "nvlink": 0.61},
+                                 collective_efficiency={"all_gather": 0.7})
+    changed = [f.name for f in dataclasses.fields(Coefficients) if getattr(fitted, f.name) != getattr(Coefficients(), f.name)]
+    assert len(changed) >= 3, changed
+    assert Coefficients.from_dict(json.loads(json.dumps(fitted.to_dict()))) == fitted
 
 
 def test_repeated_runs_of_a_plan_make_one_row_at_their_median():

@@ -91,8 +91,13 @@ def test_balanced_split_is_even_and_complete(blocks, stages):
         return
     split = balanced_split(blocks, stages)
     assert len(split) == stages and sum(split) == blocks and max(split) - min(split) <= 1
-    # the ends get no more than the middle: they also hold the embedding and the head
-    assert split[0] <= max(split) and split[-1] == min(split) or stages == 1
+    # the extra blocks go to the middle first (the ends also hold the embedding and the head): a
+    # stage farther from both ends never holds fewer blocks; the first stage gets one only when every
+    # stage but the last has one, and the last stage never does
+    depth = [min(i, stages - 1 - i) for i in range(stages)]
+    assert all(split[i] >= split[j] for i in range(stages) for j in range(stages) if depth[i] > depth[j])
+    assert (split[0] > min(split)) == (stages > 1 and blocks % stages == stages - 1)
+    assert split[-1] == min(split)
 
 
 def test_device_blocks_assigns_virtual_stages_round_robin():
