@@ -78,7 +78,7 @@ def test_a_searched_plan_runs_on_4_ranks_and_writes_a_trace(tmp_path):
     assert record.workload == {"global_batch": 16, "seq_len": 32}
     assert record.cluster["backend"] == "gloo" and record.cluster["gpus_per_node"] == plan.world_size
     assert record.model["dims"]["hidden"] == 64 and record.model["params"] > 0
-    assert record.predicted is None or record.predicted["iteration_time_s"] > 0
+    assert record.predicted["iteration_time_s"] > 0 and record.predicted["peak_memory_gb"] > 0
 
 
 def test_single_rank_run_checks_parity(tmp_path):

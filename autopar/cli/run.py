@@ -85,13 +85,15 @@ def _cluster(args, spec):
 
 def _prediction(model, model_args: dict, plan, cluster, timeout: float) -> tuple[dict | None, object, str]:
     """The cost model's figures for this plan on this cluster, the model profile's dims, and a
-    note when there is no prediction (a model the profiler cannot handle). A plan the model's
+    note when there is no prediction (the profiler or the cost model refused the model, the plan's
+    precision or the cluster with an AutoparError, which the note quotes). A plan the model's
     profile rejects (PlanError: what the executor cannot run for it) is refused before launching;
-    otherwise the prediction is an aside: whatever goes wrong in it, the run goes ahead. The profile
+    otherwise the prediction is an aside and the run goes ahead; any other exception is a bug and
+    propagates. The profile
     runs the model file in a child process first (within `timeout`), so a model that exits or hangs
     at import is reported before the launcher imports it."""
     from autopar.cost import estimate
-    from autopar.errors import ModelFileError
+    from autopar.errors import AutoparError, ModelFileError
     from autopar.profile import profile_model
     from autopar.workload import Workload
 
@@ -99,14 +101,14 @@ def _prediction(model, model_args: dict, plan, cluster, timeout: float) -> tuple
         profile = profile_model(model, model_args, dtype=plan.precision, timeout=timeout)
     except ModelFileError:
         raise  # a model that cannot be imported or built cannot run either
-    except Exception as e:  # noqa: BLE001 - see the docstring
-        return None, None, f"no prediction: {type(e).__name__}: {e}"
+    except AutoparError as e:
+        return None, None, f"no prediction: the model could not be profiled: {e}"
     workload = Workload(profile=profile, cluster=cluster, global_batch=plan.global_batch)
     plan.validate(workload)
     try:
         est = estimate(workload, plan)
-    except Exception as e:  # noqa: BLE001 - see the docstring
-        return None, profile, f"no prediction: {type(e).__name__}: {e}"
+    except AutoparError as e:
+        return None, profile, f"no prediction: the cost model cannot estimate this plan on {cluster.name}: {e}"
     return {"iteration_time_s": est.iteration_time_s, "peak_memory_gb": est.peak_memory_bytes / 1e9}, profile, ""
 
 
