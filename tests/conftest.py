@@ -21,11 +21,18 @@ settings.register_profile("ci", derandomize=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+SCRATCH_ENV = {  # variable -> scratch subfolder; subprocesses (torchrun, the CLI) inherit them
+    "AUTOPAR_CACHE_DIR": "autopar",  # profiles, oracle and measured-reward caches (else ~/.cache/autopar)
+    "MPLCONFIGDIR": "matplotlib",  # matplotlib's config and font cache (else ~/.config, ~/.cache/matplotlib)
+}
+
+
 def pytest_configure(config):
-    """Tests never read or write the user's caches (set before collection, since test modules
-    build workloads at import)."""
-    path = tempfile.mkdtemp(prefix="autopar-test-cache-")
-    os.environ["AUTOPAR_CACHE_DIR"] = path
+    """Tests never read or write the user's home (set before collection, since test modules build
+    workloads at import, and before anything imports matplotlib)."""
+    path = Path(tempfile.mkdtemp(prefix="autopar-test-"))
+    for variable, folder in SCRATCH_ENV.items():
+        os.environ[variable] = str(path / folder)
     atexit.register(shutil.rmtree, path, ignore_errors=True)
 
 

@@ -168,7 +168,7 @@ def test_allreduce_fit_on_vtrain_tables():
     assert [int(t.ranks[0]) for t in tables] == [2, 4, 8] and all(len(t.seconds) == 1024 for t in tables)
     fitted = fit_allreduce(tables, load_cluster("dgx-a100-80g"))
     assert fitted.mape < 0.08
-    assert 0.6 < fitted.efficiency <= 1.0  # REFERENCES.md §3: large messages reach ~78% of 300 GB/s
+    assert 0.6 < fitted.efficiency <= 1.0  # docs/references.md §3: large messages reach ~78% of 300 GB/s
 
 
 # -- CLI and bad input ------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The cost model against published figures (REFERENCES.md), with one set of coefficients."""
+"""The cost model against published figures (docs/references.md), with one set of coefficients."""
 
 from __future__ import annotations
 

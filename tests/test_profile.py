@@ -20,7 +20,7 @@ def gpt(size, **args):
     return profile_model("gpt", {"size": size, **args}, cache=False)
 
 
-# Korthikanti et al. 2022 (REFERENCES.md §2): activation bytes per transformer layer in 16-bit,
+# Korthikanti et al. 2022 (docs/references.md §2): activation bytes per transformer layer in 16-bit,
 # no parallelism: s·b·h·(34 + 5·a·s/h); under tensor parallelism everything but 10·s·b·h is divided
 # by t, i.e. 24·s·b·h + 5·a·s²·b is the sharded part. b = 1 (profiles are per sample).
 @pytest.mark.parametrize("size, args", [("tiny", {"hidden": 128, "heads": 8, "seq_len": 512}),  # ffn == seq

@@ -33,7 +33,7 @@ SMALL = ["2,8,2,256,4,4,128,1,1,2,50.5", "4,8,1,256,4,4,128,2,2,1,40.0", "8,16,2
 def test_reads_both_published_files():
     single = read_vtrain_csv(VTRAIN / "ground_truth_single.csv")
     multi = read_vtrain_csv(VTRAIN / "ground_truth_multi.csv")
-    assert len(single) == 1440 and len(multi) == 109  # REFERENCES.md §5
+    assert len(single) == 1440 and len(multi) == 109  # docs/references.md §5
     assert {r.gpus for r in single} == {2, 4, 8}
     assert {r.params_billion for r in multi} == {3.6, 18.4, 39.1, 175.0}
     assert single[0].line == 2 and single[0].hidden == 1024  # the BOM does not hide the first column

@@ -4,7 +4,7 @@ The cost model times a ring all-reduce of B bytes over n ranks as
 
     collective_latency_s + 2(n-1) * hop_latency * latency_scale + 2(n-1)/n * B / (efficiency * rate)
 
-(REFERENCES.md §3, nccl-tests' bus-bandwidth convention), where `rate` and `hop_latency` are the
+(docs/references.md §3, nccl-tests' bus-bandwidth convention), where `rate` and `hop_latency` are the
 cluster's datasheet figures for the ring those ranks get and `efficiency` is the per-link-kind
 coefficient. Given tables of (bytes, ranks, seconds), this fits the link kind's efficiency
 (bounded by 1: no link beats its rate), latency_scale and collective_latency_s by least squares

@@ -1,6 +1,6 @@
 """Accelerator specs: the datasheet figures the cost model divides work by.
 
-Figures are dense (no sparsity), per device, from the vendors' datasheets (REFERENCES.md §4).
+Figures are dense (no sparsity), per device, from the vendors' datasheets (docs/references.md §4).
 Bandwidths are bytes/s; FLOP/s are per dtype of the matmul inputs with fp32 accumulation.
 """
 

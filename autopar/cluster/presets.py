@@ -1,6 +1,6 @@
 """Common machines, written as cluster JSON documents (the format `load_cluster` reads).
 
-Rates are one-way datasheet figures (REFERENCES.md §4), not measured throughput: the cost
+Rates are one-way datasheet figures (docs/references.md §4), not measured throughput: the cost
 model's per-kind efficiency (fitted by calibration) turns them into what NCCL reaches.
   nvlink  per GPU to the NVSwitch: NVLink2 150 GB/s (6 x 25), NVLink3 300, NVLink4 450
   pcie    x16 link: Gen3 16 GB/s, Gen4 32, Gen5 64
@@ -18,7 +18,7 @@ over NVLink, 3 us under one PCIe switch, and NIC to NIC 5 us over IB plus the PC
 from __future__ import annotations
 
 # Measured on DGX A100 (docs/hardware.md): NVLink from nccl-tests all-reduce bus bandwidth on one
-# node, 4 GiB (233.9 of 300 GB/s, REFERENCES.md §3), a property of the node. The InfiniBand
+# node, 4 GiB (233.9 of 300 GB/s, docs/references.md §3), a property of the node. The InfiniBand
 # efficiency was fitted to Megatron-LM's multi-node rows (experiments/cost_vs_published.py --fit),
 # measured on NVIDIA's Selene: it belongs to the `selene` preset alone, never to another cluster.
 DGX_A100_NVLINK_EFFICIENCY = 0.78

@@ -1,4 +1,7 @@
-"""Published measurements the cost model is checked against (see REFERENCES.md).
+"""Published measurements the cost model is checked against (docs/references.md).
+
+The figures are read from the repository's copies in `data/published/` (each with a SOURCE.md
+naming the paper, table and URL), so a clone reproduces every comparison.
 
 Tests assert the errors; `experiments/cost_vs_published.py` prints them and refits the default
 coefficients. Each case restricts the plan space to what the paper states and lets the cost
@@ -8,6 +11,8 @@ authors tuned those too.
 
 from __future__ import annotations
 
+import csv
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +25,13 @@ GPIPE, ONE_F_ONE_B, INTERLEAVED = (SCHEDULES.index(s) for s in ("gpipe", "1f1b",
 FP32 = COMM_DTYPES.index("fp32")
 DEFAULT_ORDER = 0  # mesh order code of the default order (tp innermost; see cost.arrays.mesh_order_code)
 ZOO_GPT = Path(__file__).resolve().parent.parent / "zoo" / "gpt.py"
+DATA = Path(__file__).resolve().parents[2] / "data" / "published"
+
+
+def read_table(name: str) -> list[dict[str, str]]:
+    """The rows of `data/published/<name>` as dicts of strings."""
+    with open(DATA / name, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
 
 
 @dataclass(frozen=True)
@@ -35,18 +47,8 @@ class MegatronRow:
     tflops_per_gpu: float
 
 
-MEGATRON_TABLE1 = (
-    MegatronRow("1.7b", 1, 1, 32, 512, 137),
-    MegatronRow("3.6b", 2, 1, 64, 512, 138),
-    MegatronRow("7.5b", 4, 1, 128, 512, 142),
-    MegatronRow("18.4b", 8, 1, 256, 1024, 135),
-    MegatronRow("39.1b", 8, 2, 512, 1536, 138),
-    MegatronRow("76.1b", 8, 4, 1024, 1792, 140),
-    MegatronRow("145.6b", 8, 8, 1536, 2304, 148),
-    MegatronRow("310.1b", 8, 16, 1920, 2160, 155),
-    MegatronRow("529.6b", 8, 35, 2520, 2520, 163),
-    MegatronRow("1t", 8, 64, 3072, 3072, 163),
-)
+MEGATRON_TABLE1 = tuple(MegatronRow(r["model"], int(r["tp"]), int(r["pp"]), int(r["gpus"]), int(r["global_batch"]),
+                                    float(r["tflops_per_gpu"])) for r in read_table("megatron_sc21_table1.csv"))
 
 
 @dataclass(frozen=True)
@@ -64,12 +66,10 @@ class KorthikantiRow:
     selective_sp_s: float
 
 
-KORTHIKANTI_TABLE5 = (
-    KorthikantiRow("22b", 8, 1, 8, 4, 4, False, 1.42, 1.10),
-    KorthikantiRow("175b", 8, 8, 64, 64, 1, True, 18.13, 13.75),
-    KorthikantiRow("529.6b", 8, 35, 280, 280, 1, True, 49.05, 37.83),
-    KorthikantiRow("1t", 8, 64, 512, 512, 1, False, 94.42, 71.49),
-)
+KORTHIKANTI_TABLE5 = tuple(
+    KorthikantiRow(r["model"], int(r["tp"]), int(r["pp"]), int(r["gpus"]), int(r["global_batch"]), int(r["micro_batch"]),
+                   r["interleaved"] == "true", float(r["full_recompute_s"]), float(r["selective_sp_s"]))
+    for r in read_table("korthikanti_2022_table5.csv"))
 
 
 def _workload(size: str, gpus: int, global_batch: int, model=ZOO_GPT):
@@ -146,10 +146,15 @@ class Llama3Row:
         return self.dp * self.batch_per_dp
 
 
-LLAMA3_TABLE4 = (
-    Llama3Row(8192, 8, 16, 64, 32, 430),
-    Llama3Row(16384, 8, 16, 128, 16, 400),
-)
+def _llama3_row(r: dict[str, str]) -> Llama3Row:
+    """A Table 4 row of `other_h100.csv`: its `config` reads "TP8 CP1 PP16 DP64, batch per DP 32"."""
+    degree = {axis: int(n) for axis, n in re.findall(r"\b(TP|CP|PP|DP)(\d+)", r["config"])}
+    batch = int(re.search(r"batch per DP (\d+)", r["config"]).group(1))
+    return Llama3Row(int(r["gpus"]), degree["TP"], degree["PP"], degree["DP"], batch, float(r["value"]))
+
+
+LLAMA3_TABLE4 = tuple(_llama3_row(r) for r in read_table("other_h100.csv")
+                      if r["source"] == "Llama 3 paper Table 4" and "CP1 " in r["config"])
 ZOO_LLAMA = Path(__file__).resolve().parent.parent / "zoo" / "llama.py"
 
 

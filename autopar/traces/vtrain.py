@@ -1,4 +1,4 @@
-"""Import vTrain's measured iteration times (``shared/data/vtrain/ground_truth_*.csv``) as traces.
+"""Import vTrain's measured iteration times (``data/vtrain/ground_truth_*.csv``) as traces.
 
 vTrain (Bang et al., MICRO 2024; MIT licence) measured GPT-style models trained with
 Megatron-DeepSpeed on A100 GPUs: 1,440 runs on one node of 2, 4 or 8 GPUs and 109 runs on 64 to

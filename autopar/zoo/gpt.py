@@ -5,7 +5,7 @@ stages' parts removed: ``tok_embeddings`` (token + position embedding), ``layers
 of blocks taking and returning one tensor), ``norm`` and ``output`` (untied), any of which may be
 None. Attention is written out (q@kᵀ, scale, causal masked_fill, softmax, dropout, @v) instead of
 F.scaled_dot_product_attention so that the tensors saved for backward are the ones Korthikanti
-et al. count: s·b·h·(34 + 5·a·s/h) bytes per layer in 16-bit (REFERENCES.md §2).
+et al. count: s·b·h·(34 + 5·a·s/h) bytes per layer in 16-bit (docs/references.md §2).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _gpt(hidden, layers, heads, vocab=50257, seq_len=2048):
 
 
 def _megatron(heads, hidden, layers):
-    """A row of Megatron-LM SC'21 Table 1 / Korthikanti et al. Table 5 (REFERENCES.md §1, §2)."""
+    """A row of Megatron-LM SC'21 Table 1 / Korthikanti et al. Table 5 (docs/references.md §1, §2)."""
     return _gpt(hidden, layers, heads, vocab=51200, seq_len=2048)
 
 
