@@ -13,6 +13,7 @@ from pathlib import Path
 from hypothesis import settings
 
 ZOO = Path(__file__).resolve().parent.parent / "autopar" / "zoo"
+VTRAIN = Path(__file__).resolve().parent.parent / "data" / "vtrain"  # copied from vTrain (MIT), see SOURCE.md
 
 
 # The suite draws the same examples on every run, so CI cannot fail by chance on a clean clone;

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import workload
+from conftest import VTRAIN, workload
 
 from autopar.calibrate import metrics
 from autopar.calibrate.collectives import AllReduceTable, fit_allreduce, predict_allreduce, read_allreduce_table
@@ -25,9 +25,6 @@ from autopar.plan import Plan
 from autopar.traces.record import TraceRecord
 from autopar.traces.vtrain import write_records
 
-VTRAIN = Path(__file__).resolve().parents[1] / "data" / "vtrain"  # copied from vTrain (MIT), see SOURCE.md
-needs_vtrain = pytest.mark.skipif(not (VTRAIN / "ground_truth_single.csv").is_file(),
-                                  reason=f"vTrain data not found at {VTRAIN} (data/vtrain/ in the repository)")
 TRUE = Coefficients(gemm_half_flops=4e10, elementwise_traffic=0.5, block_host_s=3e-4, host_overlap=6.0,
                     step_overhead_s=2e-3)
 
@@ -162,7 +159,6 @@ def test_allreduce_fit_recovers_link_coefficients():
     assert fitted.collective_latency_s == pytest.approx(3e-5, rel=0.05)
 
 
-@needs_vtrain
 def test_allreduce_fit_on_vtrain_tables():
     tables = [read_allreduce_table(VTRAIN / f"a100_allreduce_{n}gpu.csv") for n in (2, 4, 8)]
     assert [int(t.ranks[0]) for t in tables] == [2, 4, 8] and all(len(t.seconds) == 1024 for t in tables)
@@ -236,7 +232,6 @@ def test_cli_unknown_schema_version_and_missing_file(trace_file, tmp_path, capsy
     assert "not found" in capsys.readouterr().err
 
 
-@needs_vtrain
 def test_cli_allreduce_only(tmp_path, capsys):
     out = tmp_path / "nvlink.json"
     tables = [str(VTRAIN / f"a100_allreduce_{n}gpu.csv") for n in (2, 4, 8)]
@@ -248,7 +243,6 @@ def test_cli_allreduce_only(tmp_path, capsys):
 
 
 # -- the vTrain figures (acceptance 1 and 2) ----------------------------------------------------------------
-@needs_vtrain
 def test_vtrain_single_node_cv_and_multi_node_transfer(tmp_path):
     """The full protocol of `autopar calibrate vtrain_single.jsonl --allreduce ... --folds 5
     --evaluate vtrain_multi.jsonl`: 5-fold CV by (hidden, layers) on 1,440 single-node runs

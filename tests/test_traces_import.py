@@ -12,10 +12,8 @@ from autopar.cli import main
 from autopar.errors import AutoparError
 from autopar.traces.record import TraceRecord, read_records
 from autopar.traces.vtrain import COLUMNS, import_vtrain, read_vtrain_csv, write_records
+from conftest import VTRAIN
 
-VTRAIN = Path(__file__).resolve().parents[1] / "data" / "vtrain"  # copied from vTrain (MIT), see SOURCE.md
-needs_vtrain = pytest.mark.skipif(not (VTRAIN / "ground_truth_single.csv").is_file(),
-                                  reason=f"vTrain data not found at {VTRAIN} (data/vtrain/ in the repository)")
 HEADER = ",".join(COLUMNS)
 
 
@@ -29,7 +27,6 @@ SMALL = ["2,8,2,256,4,4,128,1,1,2,50.5", "4,8,1,256,4,4,128,2,2,1,40.0", "8,16,2
          "2,4,4,256,4,4,128,1,1,2,30.0"]
 
 
-@needs_vtrain
 def test_reads_both_published_files():
     single = read_vtrain_csv(VTRAIN / "ground_truth_single.csv")
     multi = read_vtrain_csv(VTRAIN / "ground_truth_multi.csv")

@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 
 from autopar.cli import main
+from conftest import VTRAIN
 
-VTRAIN = Path(__file__).resolve().parents[1] / "data" / "vtrain"  # copied from vTrain (MIT), see SOURCE.md
-needs_vtrain = pytest.mark.skipif(not (VTRAIN / "ground_truth_single.csv").is_file(),
-                                  reason=f"vTrain data not found at {VTRAIN} (data/vtrain/ in the repository)")
 MEGATRON_GPT = Path(__file__).resolve().parents[1] / "autopar" / "traces" / "megatron_gpt.py"
 TINY = ["--timesteps", "64", "--n-steps", "32", "--imitation-epochs", "2", "--dagger-rounds", "1",
         "--eval-every", "64", "--checkpoint-every", "64", "--replay", "0"]
@@ -43,7 +41,6 @@ def _vtrain_subset(tmp_path: Path, picks: dict, per_pick: int = 6) -> Path:
     return traces
 
 
-@needs_vtrain
 def test_train_on_vtrain_rows(tmp_path, capsys):
     # three shapes: one at 4 GPUs and batch 8, one at 2 GPUs and batch 16, one at 4 GPUs and batch 8
     traces = _vtrain_subset(tmp_path, {(1024, 12): (4, 8), (1024, 16): (2, 16), (2048, 12): (4, 8)})
@@ -103,7 +100,6 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, capsys):
     _one_line_error(capsys, ["train", "--traces", str(empty), *base], "no readable trace records", out)
 
 
-@needs_vtrain
 def test_too_few_rows_and_one_shape(tmp_path, capsys):
     out = tmp_path / "policy.zip"
     few = _vtrain_subset(tmp_path / "few", {(1024, 12): (4, 8)}, per_pick=2)
