@@ -62,7 +62,7 @@ def test_deepspeed_batch_identity_and_documented_keys(plan):
         assert isinstance(value, DEEPSPEED_KEYS[key]), key
     assert set(cfg["zero_optimization"]) <= DEEPSPEED_ZERO_KEYS
     assert cfg["zero_optimization"]["stage"] == plan.zero
-    assert cfg["communication_data_type"] in ("fp32", "bf16", "fp16")
+    assert cfg["communication_data_type"] == plan.grad_comm_dtype
 
 
 class DataParallelGroup:
