@@ -10,6 +10,7 @@ import socket
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 ZOO = Path(__file__).resolve().parent.parent / "autopar" / "zoo"
@@ -25,16 +26,29 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 SCRATCH_ENV = {  # variable -> scratch subfolder; subprocesses (torchrun, the CLI) inherit them
     "AUTOPAR_CACHE_DIR": "autopar",  # profiles, oracle and measured-reward caches (else ~/.cache/autopar)
     "MPLCONFIGDIR": "matplotlib",  # matplotlib's config and font cache (else ~/.config, ~/.cache/matplotlib)
+    "HOME": "home",  # anything else that writes under ~ lands here, and the session fails (below)
 }
+SCRATCH: Path | None = None
 
 
 def pytest_configure(config):
     """Tests never read or write the user's home (set before collection, since test modules build
     workloads at import, and before anything imports matplotlib)."""
-    path = Path(tempfile.mkdtemp(prefix="autopar-test-"))
+    global SCRATCH
+    SCRATCH = Path(tempfile.mkdtemp(prefix="autopar-test-"))
     for variable, folder in SCRATCH_ENV.items():
-        os.environ[variable] = str(path / folder)
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
+        (SCRATCH / folder).mkdir()
+        os.environ[variable] = str(SCRATCH / folder)
+    atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session when a test (or a package it runs) wrote under HOME: name the caller's
+    variable to point it elsewhere, as SCRATCH_ENV does."""
+    written = sorted(str(p.relative_to(SCRATCH / "home")) for p in (SCRATCH / "home").rglob("*"))
+    if written:
+        print(f"\ntests wrote under HOME: {', '.join(written[:10])}; point them at a scratch folder (tests/conftest.py)")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @functools.lru_cache(maxsize=None)
