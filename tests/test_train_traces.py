@@ -54,7 +54,8 @@ def test_train_on_vtrain_rows(tmp_path, capsys):
     meta = json.loads(out.with_suffix(".json").read_text())
     t = meta["traces"]
     assert t["files"] == [{"path": str(traces), "sha256": hashlib.sha256(traces.read_bytes()).hexdigest()}]
-    assert t["calibration"]["rows"] == 18 and t["calibration"]["mape"] >= 0 and t["calibration"]["fitted"]
+    # in-sample on 18 rows: 6.5% today (was only checked to be >= 0)
+    assert t["calibration"]["rows"] == 18 and 0 < t["calibration"]["mape"] <= 0.12 and t["calibration"]["fitted"]
     split = t["split"]
     assert split["heldout_shapes"] and split["train_shapes"]
     assert not set(split["heldout_shapes"]) & set(split["train_shapes"])
