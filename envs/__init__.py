@@ -1,4 +1,4 @@
-"""The Gymnasium environment of autopar: plan a workload knob by knob (see DESIGN.md §6).
+"""The Gymnasium environment of autopar: plan a workload knob by knob (docs/plan-space.md).
 
 Importing this package registers `autopar/ParallelPlan-v0`."""
 

@@ -1,4 +1,4 @@
-"""The executor: applies a Plan with PyTorch's own distributed stack (DESIGN §8).
+"""The executor: applies a Plan with PyTorch's own distributed stack.
 
 Public API (imported lazily, so `import autopar.executor` costs nothing until used):
 

@@ -1,4 +1,4 @@
-"""The single-process reference that every plan's losses must reproduce (DESIGN §8).
+"""The single-process reference that every plan's losses must reproduce.
 
 Same seed, same initial weights, same global batches, one process, no parallelism, and the
 plan's own device and precision (autocast, and fp16's loss scaling): a parallel plan that is

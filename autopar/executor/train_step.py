@@ -4,7 +4,7 @@ pipeline schedule.
 The order is torchtitan's: mesh, pipeline cut, tensor parallel, activation checkpointing, data
 parallel (DDP / ZeRO-1 / FSDP2), optimizer. Every rank builds the whole model from the same
 seed on the CPU and keeps its part, so any plan starts from the same weights as a
-single-process run and its losses can be compared with one (DESIGN §8). The part is sharded
+single-process run and its losses can be compared with one (autopar/executor/parity.py). The part is sharded
 there and reaches the GPU piece by piece (tensor parallelism moves one weight at a time and
 keeps its shard, FSDP2 one block at a time), so a plan that fits sharded never holds a whole
 stage on the GPU.
