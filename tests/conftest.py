@@ -47,7 +47,8 @@ def pytest_sessionfinish(session, exitstatus):
     variable to point it elsewhere, as SCRATCH_ENV does."""
     written = sorted(str(p.relative_to(SCRATCH / "home")) for p in (SCRATCH / "home").rglob("*"))
     if written:
-        print(f"\ntests wrote under HOME: {', '.join(written[:10])}; point them at a scratch folder (tests/conftest.py)")
+        print(f"\ntests wrote under HOME: {', '.join(written[:10])}; point them at a scratch folder "
+              f"(tests/conftest.py)")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

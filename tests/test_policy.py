@@ -56,8 +56,8 @@ def test_smoke_training_writes_a_policy_with_metadata(trained, pool_file):
     meta = json.loads(trained.with_suffix(".json").read_text())
     assert meta["env_id"] == "autopar/ParallelPlan-v0" and meta["timesteps"] == 384
     assert {"torch", "stable-baselines3", "sb3-contrib", "gymnasium"} <= set(meta["versions"])
-    assert meta["command"] == f"autopar train --workloads {shlex.quote(str(pool_file))} -o {shlex.quote(str(trained))} " \
-        + " ".join(SMALL)
+    quoted = " ".join(shlex.quote(str(a)) for a in ["--workloads", pool_file, "-o", trained, *SMALL])
+    assert meta["command"] == f"autopar train {quoted}"
     assert load_policy(trained).meta["space_signature"] == meta["space_signature"]
     assert sorted(p.name for p in (trained.parent / "p.zip.ckpt").glob("step_*.zip")) == \
         ["step_128.zip", "step_256.zip", "step_384.zip"]

@@ -3,7 +3,6 @@ explain why no plan exists."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from autopar.cost import PlanArrays, estimate, evaluate
@@ -51,7 +50,8 @@ def test_default_planner_beats_megatrons_published_configurations(row):
     _, published_estimate = best(w, published)
     found = estimate(w, get_planner("rl").propose(w, 8)[0])
     assert found.fits and found.iteration_time_s <= published_estimate.iteration_time_s * (1 + TIE), (
-        f"{row.size}: found {found.iteration_time_s:.3f} s, published configuration {published_estimate.iteration_time_s:.3f} s")
+        f"{row.size}: found {found.iteration_time_s:.3f} s, "
+        f"published configuration {published_estimate.iteration_time_s:.3f} s")
 
 
 def test_rules_planner_gives_a_valid_plan_that_fits():

@@ -7,7 +7,6 @@ import hashlib
 import json
 from pathlib import Path
 
-import pytest
 
 from autopar.cli import main
 from conftest import VTRAIN

@@ -67,8 +67,9 @@ class KorthikantiRow:
 
 
 KORTHIKANTI_TABLE5 = tuple(
-    KorthikantiRow(r["model"], int(r["tp"]), int(r["pp"]), int(r["gpus"]), int(r["global_batch"]), int(r["micro_batch"]),
-                   r["interleaved"] == "true", float(r["full_recompute_s"]), float(r["selective_sp_s"]))
+    KorthikantiRow(r["model"], int(r["tp"]), int(r["pp"]), int(r["gpus"]), int(r["global_batch"]),
+                   int(r["micro_batch"]), r["interleaved"] == "true", float(r["full_recompute_s"]),
+                   float(r["selective_sp_s"]))
     for r in read_table("korthikanti_2022_table5.csv"))
 
 
