@@ -13,6 +13,7 @@ import sys
 from dataclasses import replace
 
 from autopar.cli.common import add_profile_timeout_flag, parse_model_args
+from autopar.cli.elastic import add_elastic_flags, at_world, elastic_spec, final_plan, show_replans
 from autopar.executor.launch import DEFAULT_TIMEOUT_S
 
 
@@ -49,6 +50,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-dropout", action="store_true",
                    help="turn every dropout of the model off (for --check-parity: dropout masks differ by rank)")
     add_profile_timeout_flag(p)
+    add_elastic_flags(p)
     p.set_defaults(func=run)
 
 
@@ -72,7 +74,7 @@ def _spec(args):
                       master_addr=args.master_addr, master_port=args.master_port, backend=args.backend,
                       timeout_s=args.timeout, steps=args.steps, warmup=args.warmup, seed=args.seed,
                       optimizer=args.optimizer, lr=args.lr, check_parity=args.check_parity,
-                      no_dropout=args.no_dropout)
+                      no_dropout=args.no_dropout, elastic=elastic_spec(args))
 
 
 def _cluster(args, spec):
@@ -176,7 +178,7 @@ def run(args) -> int:
 
     plan = Plan.load(args.plan)
     spec = _spec(args)
-    check_world_size(plan, spec)  # the flags and the plan, before torch is imported (seconds)
+    check_world_size(plan, at_world(spec, plan))  # the flags and the plan, before torch is imported (seconds)
     from rich.console import Console
 
     from autopar.executor.mesh import resolve_backend
@@ -190,18 +192,23 @@ def run(args) -> int:
     check_supported(plan, spec.backend)
     model_args = parse_model_args(args.model_arg, None)
     console = Console()
-    cluster = _cluster(args, spec)
+    cluster = _cluster(args, at_world(spec, plan))
     predicted, profile, note = _prediction(args.model, model_args, plan, cluster, args.profile_timeout)
     model_file = load_model_file(args.model)
     preflight(plan, model_file, model_args)  # what apply() would refuse on every rank, refused now
     model = _model_info(model_file, model_args, profile)
     launched = launch(args.plan, args.model, model_args, spec)
+    if spec.elastic and launched.result:  # recorded and predicted: the plan and world the job ended under
+        plan = final_plan(launched.result, plan)
+        cluster = _cluster(args, at_world(spec, plan))
+        predicted, profile, note = _prediction(args.model, model_args, plan, cluster, args.profile_timeout)
     record = None
     if args.node_rank == 0:  # rank 0, its measurement and the trace live on node 0
-        record = _record(plan, spec, cluster, model, predicted, launched)
+        record = _record(plan, at_world(spec, plan), cluster, model, predicted, launched)
         if args.trace:
             append_record(args.trace, record)
         _show(console, record, launched, note)
+        show_replans(console, record.measured)
     else:
         console.print(f"node {args.node_rank}: {launched.outcome}")
     if launched.outcome != "ok":  # the last line: the failing rank and its own error

@@ -32,6 +32,37 @@ POLL_S = 0.2  # how often the launcher looks at the heartbeats
 
 
 @dataclass(frozen=True)
+class ElasticSpec:
+    """An elastic job (`autopar.executor.elastic`): `nnodes` is the most nodes, `min_nodes` the
+    fewest; all nodes meet at `rdzv_endpoint` (its host's agent holds the rendezvous store)."""
+
+    checkpoint_dir: str
+    rdzv_endpoint: str
+    min_nodes: int = 1
+    checkpoint_every: int = 10
+    max_restarts: int = 3  # failures (a node lost) the survivors restart from; growth spends none
+    replanner: str | None = None  # module:function, see worker --replanner
+    cluster: str | None = None
+    replan_tolerance: float = 0.05
+    # torch's c10d rendezvous settings: seconds to wait for more nodes once MIN are there, and
+    # how fast a dead node is dropped from the rendezvous (interval x attempts)
+    rdzv_conf: str = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+    def torchrun_flags(self, nnodes: int) -> list[str]:
+        from autopar.executor import rendezvous  # torch: imported when a job starts, not with the CLI
+
+        return ["--nnodes", f"{self.min_nodes}:{nnodes}", "--rdzv-backend", rendezvous.BACKEND,
+                "--rdzv-endpoint", self.rdzv_endpoint, "--rdzv-conf", self.rdzv_conf,
+                "--max-restarts", str(self.max_restarts)]
+
+    def worker_flags(self) -> list[str]:
+        flags = ["--checkpoint-dir", self.checkpoint_dir, "--checkpoint-every", str(self.checkpoint_every),
+                 "--rdzv-endpoint", self.rdzv_endpoint, "--replan-tolerance", str(self.replan_tolerance)]
+        flags += ["--replanner", self.replanner] if self.replanner else []
+        return flags + (["--cluster", self.cluster] if self.cluster else [])
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     """Where and how to run: torchrun's node flags plus the worker's options."""
 
@@ -49,6 +80,7 @@ class LaunchSpec:
     lr: float = 1e-3
     check_parity: bool = False
     no_dropout: bool = False
+    elastic: ElasticSpec | None = None  # `autopar run --elastic`: torchrun elastic membership
 
     @property
     def world_size(self) -> int:
@@ -79,7 +111,9 @@ def check_world_size(plan: Plan, spec: LaunchSpec) -> None:
 
 def torchrun_argv(plan_path, model, model_args: dict, spec: LaunchSpec, result_path) -> list[str]:
     """The torchrun command line (without `torchrun`) that runs the worker on this node."""
-    if spec.nnodes == 1:
+    if spec.elastic:
+        nodes = spec.elastic.torchrun_flags(spec.nnodes)
+    elif spec.nnodes == 1:
         nodes = ["--standalone", "--nnodes", "1"]  # a free local port, no clash between jobs
     else:
         nodes = ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
@@ -94,8 +128,11 @@ def torchrun_argv(plan_path, model, model_args: dict, spec: LaunchSpec, result_p
         worker.append("--check-parity")
     if spec.no_dropout:
         worker.append("--no-dropout")
-    return [*nodes, "--nproc-per-node", str(spec.nproc_per_node), "--max-restarts", "0",
-            "--module", "autopar.executor.worker", *worker]
+    if spec.elastic:
+        worker += spec.elastic.worker_flags()
+    else:
+        nodes += ["--max-restarts", "0"]
+    return [*nodes, "--nproc-per-node", str(spec.nproc_per_node), "--module", "autopar.executor.worker", *worker]
 
 
 @contextmanager
@@ -255,6 +292,20 @@ def _failure(err, result_path: Path, watch: _Watch, oom_kills_before: int | None
     return ("oom" if is_oom(message) else "rank_failed"), f"rank {rank} failed: {message}"
 
 
+def _result_path(spec: LaunchSpec, tmp: str) -> Path:
+    """Rank 0 writes the measurement here: in a temporary folder, or for an elastic job (whose
+    rank 0 may be on any node) in the job folder, which all nodes share."""
+    if not spec.elastic:
+        return Path(tmp) / "result.json"
+    from autopar.executor import rendezvous
+
+    rendezvous.register()
+    path = Path(spec.elastic.checkpoint_dir) / "run" / "result.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    return path
+
+
 def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult:
     """Run the plan's workers on this node and wait for them (a collective of all nodes).
 
@@ -265,10 +316,11 @@ def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    check_world_size(Plan.load(plan_path), spec)
+    if not spec.elastic:  # an elastic job re-plans for whatever world it gets
+        check_world_size(Plan.load(plan_path), spec)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
-        result_path = Path(tmp) / "result.json"
+        result_path = _result_path(spec, tmp)
         args = get_args_parser().parse_args(torchrun_argv(plan_path, model, model_args, spec, result_path))
         os.environ[LAUNCHER_PID] = str(os.getpid())  # workers inherit it: see worker._die_with_launcher
         first = spec.node_rank * spec.nproc_per_node

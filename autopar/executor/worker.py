@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import importlib
 import json
 import os
 import signal
@@ -37,6 +38,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--check-parity", action="store_true")
     p.add_argument("--no-dropout", action="store_true", help="turn every dropout off")
     p.add_argument("--result", required=True, help="where rank 0 writes the measurement JSON")
+    # elastic runs (autopar.executor.elastic): train to step warmup + steps, resuming and re-planning
+    p.add_argument("--checkpoint-dir", help="the elastic job's folder: checkpoints, losses, re-plans")
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--rdzv-endpoint", help="the rendezvous store, host:port (growth waits for a boundary)")
+    p.add_argument("--replanner", help="module:function that makes the run's replan function from these "
+                                       "arguments (the launcher names the planner side's: the executor imports none)")
+    p.add_argument("--cluster", help="the cluster the planner re-plans for (scaled to the new world)")
+    p.add_argument("--replan-tolerance", type=float, default=0.05)
     return p.parse_args(argv)
 
 
@@ -141,14 +150,17 @@ def _train(args: argparse.Namespace) -> None:
     optimizer = partial(getattr(torch.optim, OPTIMIZERS[args.optimizer]), lr=args.lr)
     if args.check_parity:  # the run and its reference alike
         deterministic()
-    par = apply(plan, build, optimizer, model_file.loss_fn,
-                tp_plan=model_file.tp_plan if model_file.has_tp_plan else None, blocks=model_file.blocks,
-                seed=args.seed, backend=args.backend, timeout_s=args.timeout)
+    kwargs = {"tp_plan": model_file.tp_plan if model_file.has_tp_plan else None, "blocks": model_file.blocks,
+              "seed": args.seed, "backend": args.backend, "timeout_s": args.timeout}
+    elastic = _elastic(args, model_file, model_args, build, optimizer, **kwargs) \
+        if args.checkpoint_dir else None  # trains all its steps itself
+    par = elastic.par if elastic else apply(plan, build, optimizer, model_file.loss_fn, **kwargs)
+    plan = par.plan
     torch.manual_seed(args.seed)
     inputs, targets = model_file.example_batch(plan.global_batch, device="cpu", **model_args)
     local_inputs, local_targets = par.local_batch(inputs, targets)
-    times, losses = [], []
-    for step in range(args.warmup + args.steps):
+    times, losses = (elastic.step_times if elastic else []), []
+    for step in range(0 if elastic else args.warmup + args.steps):
         _progress["step"] = step
         _stepped.set()
         synchronize(par.device)
@@ -158,7 +170,7 @@ def _train(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
     global_losses = par.global_losses(losses)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (times[args.warmup:], peak_memory_bytes(par.device)))
+    dist.all_gather_object(gathered, (times[args.warmup:] or times[-1:], peak_memory_bytes(par.device)))
     rank, backend, device = dist.get_rank(), dist.get_backend(), par.device
     dist.barrier()  # no rank closes its connections while a peer still uses them
     # free the model (the reference needs the device's memory) while its groups still exist: the
@@ -172,6 +184,8 @@ def _train(args: argparse.Namespace) -> None:
     measured = summarize([t for t, _ in gathered], [m for _, m in gathered], plan.global_batch,
                          tokens_per_sample(inputs))
     measured["losses"] = global_losses
+    if args.checkpoint_dir:  # the whole run's losses and re-plans, from the job folder
+        measured.update(_elastic_measured(args.checkpoint_dir))
     if args.check_parity:  # on the plan's device and precision, now that no peer waits on this rank
         reference = reference_losses(build, optimizer, model_file.loss_fn, [(inputs, targets)] * len(global_losses),
                                      seed=args.seed, precision=plan.precision, device=device)
@@ -182,6 +196,41 @@ def _train(args: argparse.Namespace) -> None:
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     with open(args.result, "w", encoding="utf-8") as f:
         json.dump(result, f)
+
+
+def _elastic(args: argparse.Namespace, model_file, model_args: dict, build, optimizer, **kwargs):
+    """An elastic run (`autopar.executor.elastic`) to step warmup + steps. Step s trains on the
+    model's example batch drawn with a seed of its own, so every plan and every resume sees the
+    same data for the same step."""
+    import torch
+
+    from autopar.executor.elastic import train_elastic
+    from autopar.executor.rendezvous import WorkerSide
+    from autopar.plan import Plan
+
+    def batch(step: int, global_batch: int):
+        with torch.random.fork_rng(devices=[]):  # leaves dropout's random stream alone
+            torch.manual_seed(args.seed + 1_000_003 * (step + 1))
+            return model_file.example_batch(global_batch, device="cpu", **model_args)
+
+    replan = None
+    if args.replanner:
+        module, _, name = args.replanner.partition(":")
+        replan = getattr(importlib.import_module(module), name)(args)
+    growth = WorkerSide(args.rdzv_endpoint) if args.rdzv_endpoint else None
+    return train_elastic(Plan.load(args.plan), build, optimizer, model_file.loss_fn, batch,
+                         checkpoint_dir=args.checkpoint_dir, steps=args.warmup + args.steps,
+                         checkpoint_every=args.checkpoint_every, replan=replan, growth=growth, **kwargs)
+
+
+def _elastic_measured(checkpoint_dir) -> dict:
+    from autopar.executor.elastic import JobDir
+
+    job = JobDir(checkpoint_dir)
+    losses = job.losses()
+    return {"losses": [loss for loss, _ in losses.values()], "loss_steps": list(losses),
+            "loss_world_sizes": [world for _, world in losses.values()], "replans": [r.to_dict() for r in job.replans()],
+            "plan": job.latest()["plan"]}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,92 @@
+"""`autopar run --elastic`: its flags, their checks, and what the run shows and records.
+
+The job (`autopar.executor.elastic`) checkpoints every N steps into the job folder and re-plans
+through `autopar.search.replan` whenever torchrun restarts it with another world size; the
+trace record holds the final plan, the whole loss curve and one re-plan record per change.
+"""
+
+from __future__ import annotations
+
+import math
+import stat
+from dataclasses import replace
+from pathlib import Path
+
+from autopar.errors import AutoparError
+from autopar.search.replan import DEFAULT_TOLERANCE
+
+REPLANNER = "autopar.search.replan:from_worker_args"  # what the workers call to re-plan (worker --replanner)
+
+
+def add_elastic_flags(p) -> None:
+    g = p.add_argument_group("elastic training (torchrun elastic membership; see docs/elastic.md)")
+    g.add_argument("--elastic", action="store_true",
+                   help="train to step warmup+steps across node losses and joins: checkpoint every "
+                        "--checkpoint-every steps, re-plan when the world size changes, resume")
+    g.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="the job folder (shared by all nodes): checkpoints, losses, re-plans; an existing one resumes")
+    g.add_argument("--checkpoint-every", type=int, default=10, metavar="N", help="steps between checkpoints (default 10)")
+    g.add_argument("--min-nodes", type=int, default=1, help="fewest nodes the job runs on (--nnodes: the most; default 1)")
+    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                   help="where the nodes meet (default --master-addr:--master-port); its host must stay up")
+    g.add_argument("--max-restarts", type=int, default=3, help="node losses to survive (default 3; joins cost none)")
+    g.add_argument("--replan-tolerance", type=float, default=DEFAULT_TOLERANCE, metavar="F",
+                   help=f"keep the old plan (dp rescaled) when it is predicted at most F slower than the new best "
+                        f"(default {DEFAULT_TOLERANCE})")
+
+
+def elastic_spec(args):
+    """The ElasticSpec of the flags, or None without --elastic; a wrong combination: one line."""
+    from autopar.executor.launch import ElasticSpec
+
+    if not args.elastic:
+        if args.checkpoint_dir:
+            raise AutoparError("--checkpoint-dir needs --elastic (only elastic runs checkpoint); add --elastic")
+        return None
+    if not args.checkpoint_dir:
+        raise AutoparError("--elastic needs --checkpoint-dir DIR: the folder its checkpoints and re-plans go to "
+                           "(shared by all nodes)")
+    if args.check_parity:
+        raise AutoparError("--check-parity cannot be combined with --elastic (the plan changes during the run); "
+                           "drop one of them")
+    for flag in ("checkpoint_every", "min_nodes"):
+        if getattr(args, flag) < 1:
+            raise AutoparError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.min_nodes > args.nnodes or args.max_restarts < 0:
+        raise AutoparError(f"need 1 <= --min-nodes <= --nnodes and --max-restarts >= 0, got {args.min_nodes}, "
+                           f"{args.nnodes}, {args.max_restarts}")
+    if not 0 <= args.replan_tolerance < 1 or math.isnan(args.replan_tolerance):
+        raise AutoparError(f"--replan-tolerance must be in [0, 1), got {args.replan_tolerance}")
+    folder = Path(args.checkpoint_dir)
+    if folder.exists() and not stat.S_ISDIR(folder.stat().st_mode):
+        raise AutoparError(f"--checkpoint-dir {folder} exists and is not a folder; give a folder path")
+    endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise AutoparError(f"--rdzv-endpoint must be HOST:PORT with a port in [1, 65535], got {endpoint!r}")
+    return ElasticSpec(checkpoint_dir=str(folder.absolute()), rdzv_endpoint=endpoint, min_nodes=args.min_nodes,
+                       checkpoint_every=args.checkpoint_every, max_restarts=args.max_restarts, replanner=REPLANNER,
+                       cluster=args.cluster, replan_tolerance=args.replan_tolerance)
+
+
+def at_world(spec, plan):
+    """The launch spec as the plan sees it: an elastic job's node count is the plan's world
+    (it re-plans for any other); any other job's is its own."""
+    if not spec.elastic:
+        return spec
+    return replace(spec, nnodes=max(1, plan.world_size // spec.nproc_per_node), node_rank=0)
+
+
+def final_plan(result: dict | None, plan):
+    """The plan the job ended under (rank 0's result), else the one it started with."""
+    from autopar.plan import Plan
+
+    final = (result or {}).get("measured", {}).get("plan")
+    return Plan.from_dict(final) if final else plan
+
+
+def show_replans(console, measured: dict) -> None:
+    from autopar.traces.replan import ReplanRecord
+
+    for d in measured.get("replans", []):
+        console.print("re-plan: " + ReplanRecord.from_dict(d).describe(), markup=False, highlight=False)

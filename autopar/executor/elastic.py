@@ -1,0 +1,229 @@
+"""Elastic training: periodic DCP checkpoints, and a re-plan whenever the world size changes.
+
+torchrun's elastic agent (`--nnodes MIN:MAX`) restarts the worker group with a new WORLD_SIZE
+when a node leaves (the survivors' collectives fail) or joins (at the next checkpoint boundary:
+`autopar.executor.rendezvous`). Each worker-group start reads the job folder: if the last
+checkpoint was saved under a plan for another world size, rank 0 asks `replan(old_plan,
+world_size)` for the plan to continue under (the planner side injects it: the executor imports
+no planner), every rank applies that plan, DCP reshards the checkpoint into it, and training
+continues from the checkpoint's step. Rank 0 records the re-plan (`ReplanRecord`).
+
+The job folder (`checkpoint_dir`, shared by all nodes, as DCP needs) holds:
+  step-NNNNNNNN/   the DCP checkpoint after step N (every one is kept);
+  latest.json      the last complete checkpoint: its step, plan and world size (written after DCP);
+  history.jsonl    the global-batch losses of each checkpointed interval, with its world size;
+  progress.json    the step the running group has reached (for the steps a re-plan redoes);
+  replans.jsonl    one `ReplanRecord` per re-plan.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from autopar.atomic import write_text_atomic
+from autopar.errors import PlanError
+from autopar.executor.measure import synchronize
+from autopar.executor.mesh import init_distributed
+from autopar.executor.state import load_checkpoint, save_checkpoint
+from autopar.executor.train_step import ParallelModel, apply
+from autopar.plan import Plan
+from autopar.traces.replan import ReplanDecision, ReplanRecord
+
+PARK_S = 120.0  # how long workers wait at a boundary for the agent to restart them for a joining node
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _json_lines(path: Path) -> list[dict]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line torn by a kill mid-write
+            continue
+    return out
+
+
+class JobDir:
+    """The files of an elastic job (module docstring). Only rank 0 writes."""
+
+    def __init__(self, root):
+        self.root = Path(root)
+
+    def checkpoint(self, step: int) -> Path:
+        return self.root / f"step-{step:08d}"
+
+    def latest(self) -> dict | None:
+        return _read_json(self.root / "latest.json")
+
+    def progress(self) -> dict | None:
+        return _read_json(self.root / "progress.json")
+
+    def set_progress(self, step: int, world: int) -> None:
+        write_text_atomic(self.root / "progress.json", json.dumps({"step": step, "world_size": world,
+                                                                   "time": time.time()}))
+
+    def commit(self, step: int, plan: Plan, world: int, losses: list[float]) -> None:
+        """After DCP saved `step`: its losses, then the pointer a restart resumes from."""
+        self._append("history.jsonl", {"first_step": step - len(losses), "losses": losses, "world_size": world})
+        write_text_atomic(self.root / "latest.json", json.dumps({"step": step, "world_size": world,
+                                                                 "plan": plan.to_dict()}))
+
+    def append_replan(self, record: ReplanRecord) -> None:
+        self._append("replans.jsonl", record.to_dict())
+
+    def replans(self) -> list[ReplanRecord]:
+        return [ReplanRecord.from_dict(d) for d in _json_lines(self.root / "replans.jsonl")]
+
+    def losses(self) -> dict[int, tuple[float, int]]:
+        """{step: (loss, world size)} of every committed step, in step order (a redone interval: its last run)."""
+        by_step: dict[int, tuple[float, int]] = {}
+        for line in _json_lines(self.root / "history.jsonl"):
+            for i, loss in enumerate(line["losses"]):
+                by_step[line["first_step"] + i] = (loss, line["world_size"])
+        return dict(sorted(by_step.items()))
+
+    def _append(self, name: str, entry: dict) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / name, "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+@dataclass
+class ElasticRun:
+    """What this worker group did: the plan it ran, from which step, its step times, its re-plan."""
+
+    par: ParallelModel
+    plan: Plan
+    first_step: int
+    step_times: list[float]
+    replan: ReplanRecord | None
+
+
+def _from_rank0(fn: Callable[[], ReplanDecision], what: str) -> ReplanDecision:
+    """Rank 0 decides, every rank learns the answer (or the one-line error, raised everywhere)."""
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 - every rank must raise it, not wait for rank 0
+            box[0] = ("error", f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise PlanError(f"{what} failed: {value}")
+    return value
+
+
+def _agreed(flag: bool, device) -> bool:
+    """Rank 0's flag, on every rank."""
+    t = torch.tensor([int(flag) if dist.get_rank() == 0 else 0], device=device)
+    dist.all_reduce(t)
+    return bool(t.item())
+
+
+def train_elastic(plan: Plan, build_model, optimizer, loss_fn, batch: Callable[[int, int], tuple], *,
+                  checkpoint_dir, steps: int, checkpoint_every: int = 10,
+                  replan: Callable[[Plan, int], ReplanDecision] | None = None, growth=None,
+                  tp_plan=None, blocks=None, seed: int = 0, backend: str = "auto",
+                  timeout_s: float | None = None) -> ElasticRun:
+    """Train to step `steps` under `plan` (or the checkpoint's plan, or a re-plan), resuming from
+    `checkpoint_dir` and checkpointing every `checkpoint_every` steps and at the end.
+
+    batch(step, global_batch) -> (inputs, targets): the step's global batch, the same under any
+        plan (a re-plan may change the global batch: see `autopar.search.replan`);
+    replan(old_plan, world_size) -> ReplanDecision: called on rank 0 when the world size is not
+        the last plan's; without it such a start fails with one line;
+    growth: `autopar.executor.rendezvous.WorkerSide` under `autopar run --elastic` (joins wait
+        for a boundary), or None.
+    The other arguments are `apply`'s. Call it on every rank, under torchrun."""
+    device = init_distributed(backend, timeout_s)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    job = JobDir(checkpoint_dir)
+    latest, progress = job.latest(), job.progress()
+    previous = Plan.from_dict(latest["plan"]) if latest else plan
+    decision = None
+    if previous.world_size != world:
+        if replan is None:
+            raise PlanError(f"the last plan is for {previous.world_size} ranks but {world} are running and no "
+                            f"replan function was given; pass replan=... (autopar run --elastic does)")
+        decision = _from_rank0(lambda: replan(previous, world), f"re-planning for {world} ranks")
+        plan = decision.plan
+    else:
+        plan = previous
+    par = apply(plan, build_model, optimizer, loss_fn, tp_plan=tp_plan, blocks=blocks, seed=seed,
+                backend=backend, timeout_s=timeout_s)
+    step, load_s = 0, 0.0
+    if latest:
+        started = time.perf_counter()
+        step = load_checkpoint(par, job.checkpoint(latest["step"]))
+        load_s = time.perf_counter() - started
+    record = None
+    if decision is not None:
+        reached = progress["step"] if progress and progress["step"] >= step else step
+        record = ReplanRecord(
+            world_before=previous.world_size, world_after=world, old_plan=previous.to_dict(),
+            new_plan=plan.to_dict(), decision=decision.decision, reason=decision.reason, resumed_step=step,
+            steps_lost=reached - step, global_batch_before=previous.global_batch,
+            global_batch_after=plan.global_batch, planning_s=decision.planning_s, checkpoint_load_s=load_s,
+            downtime_s=time.time() - progress["time"] if progress else None,
+            predicted_old_s=decision.predicted_old_s, predicted_new_s=decision.predicted_new_s)
+    if rank == 0:
+        if growth is not None:
+            growth.clear_growth()
+        if record is not None:
+            job.append_replan(record)
+    return ElasticRun(par, plan, step, _train(par, job, batch, step, steps, checkpoint_every, growth), record)
+
+
+def _train(par: ParallelModel, job: JobDir, batch, step: int, steps: int, every: int, growth) -> list[float]:
+    """Steps from `step` to `steps`, checkpointing; returns each step's time on this rank."""
+    plan, world, rank = par.plan, dist.get_world_size(), dist.get_rank()
+    times, interval = [], []
+    while step < steps:
+        inputs, targets = par.local_batch(*batch(step, plan.global_batch))
+        synchronize(par.device)
+        started = time.perf_counter()
+        interval.append(par.train_step(inputs, targets))
+        synchronize(par.device)
+        times.append(time.perf_counter() - started)
+        step += 1
+        if rank == 0:
+            job.set_progress(step, world)
+        if step % every and step < steps:
+            continue
+        save_checkpoint(par, job.checkpoint(step), step)
+        losses = par.global_losses(interval)
+        interval = []
+        if rank == 0:
+            job.commit(step, plan, world, losses)
+        if step < steps and growth is not None and _agreed(rank == 0 and growth.growth_requested(), par.device):
+            _park(growth, step)
+    return times
+
+
+def _park(growth, step: int) -> None:
+    """A node waits to join: say so to the agents and wait, state saved, to be restarted. If no
+    restart comes (the node left again), go on training."""
+    if dist.get_rank() == 0:
+        growth.at_boundary(step)
+    time.sleep(PARK_S)
+    if dist.get_rank() == 0:
+        growth.clear_growth()
+    dist.barrier()

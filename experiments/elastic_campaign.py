@@ -1,0 +1,198 @@
+"""Elastic re-planning on localhost: two torchrun agents (`autopar run --elastic`) of 2 gloo ranks
+each on a tiny GPT, meeting at one rendezvous endpoint with `--nnodes 1:2`.
+
+* shrink: both agents run the 4-rank plan; once a checkpoint under 4 ranks exists and the job is
+  mid-interval, the agent that does NOT host the rendezvous store is killed (SIGKILL; its workers
+  die with it). The survivor's workers fail, torchrun restarts them with 2 ranks, rank 0
+  re-plans, DCP reshards the last checkpoint, training continues.
+* grow: one agent runs alone (2 ranks); after its first checkpoint the second agent starts. Its
+  rendezvous join waits for the next checkpoint boundary (autopar.executor.rendezvous), then
+  the group restarts with 4 ranks and re-plans.
+
+Each scenario then runs the reference: the same checkpoint loaded directly under the new plan
+(a copy of it in a fresh job folder whose latest.json names the new plan), and compares the
+losses of every step after the resume. Prints one JSON object per scenario.
+
+    python experiments/elastic_campaign.py [--scenario shrink grow] [--steps 40] [--every 4] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from autopar.executor.elastic import JobDir  # noqa: E402
+from autopar.plan import Plan  # noqa: E402
+
+PLAN4 = Plan(dp=4, micro_batch_size=2, num_micro_batches=1, precision="fp32")
+PLAN2 = Plan(dp=2, micro_batch_size=4, num_micro_batches=1, precision="fp32")
+WAIT_S = 240.0  # the most any phase of a scenario may take
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agent(plan: Plan, job: Path, port: int, steps: int, every: int, log: Path, nnodes: int = 2, nproc: int = 2,
+           trace: Path | None = None) -> subprocess.Popen:
+    """One `autopar run --elastic` of `nproc` ranks (a torchrun agent in its own process)."""
+    plan_path = log.with_suffix(".plan.json")
+    plan.save(plan_path)
+    cmd = [sys.executable, "-m", "autopar", "run", str(plan_path), "gpt", "--model-arg", "size=tiny",
+           "--nproc-per-node", str(nproc), "--nnodes", str(nnodes), "--backend", "gloo", "--elastic",
+           "--checkpoint-dir", str(job), "--checkpoint-every", str(every), "--steps", str(steps), "--warmup", "0",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--cluster", "cpu", "--timeout", str(WAIT_S)]
+    cmd += ["--trace", str(trace)] if trace else []
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _until(what: str, check, procs=()) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {WAIT_S:g} s for {what}")
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"an agent ended (exit {p.returncode}) while waiting for {what}")
+        time.sleep(0.05)
+
+
+def _listener(port: int, procs: list[subprocess.Popen]) -> subprocess.Popen | None:
+    """The process among `procs` that listens on `port` (the agent hosting the rendezvous store)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    for proc in procs:
+        fds = Path(f"/proc/{proc.pid}/fd")
+        try:
+            if any(os.readlink(fd) in inodes for fd in fds.iterdir()):
+                return proc
+        except OSError:
+            continue
+    return None
+
+
+def _finish(proc: subprocess.Popen, log: Path) -> str:
+    try:
+        proc.wait(WAIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    text = log.read_text()
+    if proc.returncode != 0:
+        raise RuntimeError(f"agent exited {proc.returncode}:\n{text[-3000:]}")
+    return text
+
+
+def reference(job: Path, out: Path, record: dict, steps: int, every: int, port: int) -> list[float]:
+    """The job's resumed checkpoint loaded directly under the new plan, trained to `steps`."""
+    step, plan = record["resumed_step"], Plan.from_dict(record["new_plan"])
+    ref = out / "reference"
+    shutil.rmtree(ref, ignore_errors=True)
+    shutil.copytree(JobDir(job).checkpoint(step), JobDir(ref).checkpoint(step))
+    (ref / "latest.json").write_text(json.dumps({"step": step, "world_size": plan.world_size,
+                                                 "plan": plan.to_dict()}))
+    log = out / "reference.log"
+    _finish(_agent(plan, ref, port, steps, every, log, nnodes=1, nproc=plan.world_size), log)
+    return [loss for s, (loss, _) in JobDir(ref).losses().items() if s >= step]
+
+
+def _compare(job: Path, out: Path, record: dict, steps: int, every: int, started: float) -> dict:
+    losses = JobDir(job).losses()
+    after = [loss for s, (loss, _) in losses.items() if s >= record["resumed_step"]]
+    worlds = [world for _, world in losses.values()]
+    ref = reference(job, out, record, steps, every, free_port())
+    diff = max(abs(a - b) for a, b in zip(after, ref, strict=True))
+    return {"replan": {k: record[k] for k in ("world_before", "world_after", "decision", "reason", "resumed_step",
+                                              "steps_lost", "global_batch_before", "global_batch_after",
+                                              "planning_s", "checkpoint_load_s", "downtime_s")},
+            "old_plan": Plan.from_dict(record["old_plan"]).describe(),
+            "new_plan": Plan.from_dict(record["new_plan"]).describe(),
+            "world_size_per_step": worlds, "losses_after_resume": after, "reference_losses": ref,
+            "max_abs_loss_diff": diff, "within_1e-5": diff <= 1e-5, "wall_s": round(time.monotonic() - started, 1)}
+
+
+def shrink(out: Path, steps: int = 30, every: int = 4) -> dict:
+    """4 ranks on two agents; the agent that does not host the store is killed mid-interval."""
+    started, job, port = time.monotonic(), out / "job", free_port()
+    agents = [_agent(PLAN4, job, port, steps, every, out / f"agent{i}.log", trace=out / f"trace{i}.jsonl")
+              for i in range(2)]  # started together: both make the first rendezvous round
+    _until("the rendezvous store", lambda: _listener(port, agents) is not None, agents)
+    host = _listener(port, agents)
+    (other,) = [a for a in agents if a is not host]
+    d = JobDir(job)
+
+    def mid_interval_at_4() -> bool:
+        latest, progress = d.latest(), d.progress()
+        return bool(latest and progress and latest["world_size"] == 4 and latest["step"] >= every
+                    and progress["world_size"] == 4 and latest["step"] < progress["step"] < steps)
+
+    _until("a checkpoint under 4 ranks, then a step past it", mid_interval_at_4, [host, other])
+    killed_at = d.progress()["step"]
+    os.kill(other.pid, signal.SIGKILL)  # the agent only: its workers die with it (parent-death signal)
+    other.wait()
+    i = agents.index(host)
+    _finish(host, out / f"agent{i}.log")
+    record = JobDir(job).replans()[-1]
+    result = _compare(job, out, record.to_dict(), steps, every, started)
+    trace = [json.loads(line) for line in (out / f"trace{i}.jsonl").read_text().splitlines()]
+    result.update(killed_at_step=killed_at, trace_outcome=trace[-1]["outcome"],
+                  trace_plan=Plan.from_dict(trace[-1]["plan"]).describe(),
+                  trace_replans=[(r["world_before"], r["world_after"], Plan.from_dict(r["old_plan"]).describe(),
+                                  Plan.from_dict(r["new_plan"]).describe()) for r in trace[-1]["measured"]["replans"]])
+    return result
+
+
+def grow(out: Path, steps: int = 40, every: int = 4) -> dict:
+    """2 ranks on one agent; a second agent joins after the first checkpoint."""
+    started, job, port = time.monotonic(), out / "job", free_port()
+    first = _agent(PLAN2, job, port, steps, every, out / "first.log", trace=out / "trace.jsonl")
+    d = JobDir(job)
+    _until("a checkpoint under 2 ranks", lambda: bool((latest := d.latest()) and latest["step"] >= every), [first])
+    joined_at = d.progress()["step"]
+    second = _agent(PLAN2, job, port, steps, every, out / "second.log")
+    _finish(first, out / "first.log")
+    _finish(second, out / "second.log")
+    record = JobDir(job).replans()[-1]
+    result = _compare(job, out, record.to_dict(), steps, every, started)
+    result.update(joined_at_step=joined_at, at_boundary=record.resumed_step % every == 0 and record.steps_lost == 0)
+    return result
+
+
+SCENARIOS = {"shrink": shrink, "grow": grow}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=None, help="keep the job folders and logs here")
+    args = ap.parse_args()
+    base = args.out or Path(tempfile.mkdtemp(prefix="autopar-elastic-"))
+    for name in args.scenario:
+        out = base / name
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        print(json.dumps({"scenario": name, **SCENARIOS[name](out, args.steps, args.every)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
