@@ -1,13 +1,14 @@
 """autopar: pick, explain and apply a parallel training plan for a PyTorch model.
 
-`autopar.apply` (the executor) loads on first use, so `import autopar` stays light."""
+`autopar.apply` and its elastic loop `autopar.train_elastic` (the executor) load on first use, so
+`import autopar` stays light."""
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    if name == "apply":
-        from autopar.executor import apply
+    if name in ("apply", "train_elastic"):
+        import autopar.executor
 
-        return apply
+        return getattr(autopar.executor, name)
     raise AttributeError(f"module 'autopar' has no attribute {name!r}")

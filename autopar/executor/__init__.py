@@ -5,6 +5,8 @@ Public API (imported lazily, so `import autopar.executor` costs nothing until us
 * `apply(plan, build_model, optimizer, loss_fn, *, tp_plan, blocks, seed)` -> `ParallelModel`
   with `train_step(inputs, targets)`, `local_batch(...)`, `global_losses(...)`;
 * `make_loader(dataset, plan, topo)`: a DistributedSampler loader of this rank's batches;
+* `train_elastic(plan, build_model, optimizer, loss_fn, batch, *, checkpoint_dir, steps, replan)`:
+  the training loop of elastic runs (checkpoints, re-plans on a new world size, resumes);
 * `save_checkpoint(par, path, step)` / `load_checkpoint(par, path)`: DCP checkpoints that
   resume under another plan;
 * `autopar.executor.launch.launch(plan_path, model, model_args, LaunchSpec(...))`: torchrun a
@@ -17,7 +19,7 @@ from importlib import import_module
 _EXPORTS = {
     "apply": "train_step", "ParallelModel": "train_step", "make_loader": "data",
     "save_checkpoint": "state", "load_checkpoint": "state", "MeasuredReward": "reward",
-    "reference_losses": "parity",
+    "reference_losses": "parity", "train_elastic": "elastic",
 }
 
 __all__ = list(_EXPORTS)

@@ -100,9 +100,11 @@ class JobDir:
         return dict(sorted(by_step.items()))
 
     def _append(self, name: str, entry: dict) -> None:
+        """One JSON line; after a line torn by a kill, on a line of its own."""
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / name, "a", encoding="utf-8") as f:
-            f.write(json.dumps(entry) + "\n")
+        with open(self.root / name, "a+b") as f:
+            torn = f.tell() > 0 and f.seek(-1, 2) is not None and f.read(1) != b"\n"
+            f.write(("\n" if torn else "").encode() + json.dumps(entry).encode() + b"\n")
 
 
 @dataclass

@@ -19,6 +19,7 @@ this: the survivors' collectives fail, and torchrun restarts them from the last 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 from torch.distributed import Store, TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -101,14 +102,16 @@ def register() -> None:
 
 
 class WorkerSide:
-    """The workers' end of the protocol, through a client of the rendezvous store."""
+    """The workers' end of the protocol, on the rendezvous store (`connect`: a client of it)."""
 
-    def __init__(self, endpoint: str, run_id: str | None = None, timeout_s: float = 60.0):
-        from datetime import timedelta
+    def __init__(self, store: Store, run_id: str):
+        self.store, self.run_id = store, run_id
 
+    @classmethod
+    def connect(cls, endpoint: str, timeout_s: float = 60.0) -> WorkerSide:
         host, _, port = endpoint.rpartition(":")
-        self.run_id = run_id or os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        self.store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        return cls(store, os.environ.get("TORCHELASTIC_RUN_ID", "none"))
 
     def growth_requested(self) -> bool:
         return self.store.check([growth_key(self.run_id)])

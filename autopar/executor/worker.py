@@ -217,7 +217,7 @@ def _elastic(args: argparse.Namespace, model_file, model_args: dict, build, opti
     if args.replanner:
         module, _, name = args.replanner.partition(":")
         replan = getattr(importlib.import_module(module), name)(args)
-    growth = WorkerSide(args.rdzv_endpoint) if args.rdzv_endpoint else None
+    growth = WorkerSide.connect(args.rdzv_endpoint) if args.rdzv_endpoint else None
     return train_elastic(Plan.load(args.plan), build, optimizer, model_file.loss_fn, batch,
                          checkpoint_dir=args.checkpoint_dir, steps=args.warmup + args.steps,
                          checkpoint_every=args.checkpoint_every, replan=replan, growth=growth, **kwargs)
