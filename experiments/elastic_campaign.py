@@ -13,7 +13,7 @@ Each scenario then runs the reference: the same checkpoint loaded directly under
 (a copy of it in a fresh job folder whose latest.json names the new plan), and compares the
 losses of every step after the resume. Prints one JSON object per scenario.
 
-    python experiments/elastic_campaign.py [--scenario shrink grow] [--steps 40] [--every 4] [--out DIR]
+    python experiments/elastic_campaign.py [--scenario shrink grow] [--steps N] [--every N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -160,8 +160,9 @@ def shrink(out: Path, steps: int = 30, every: int = 4) -> dict:
     return result
 
 
-def grow(out: Path, steps: int = 40, every: int = 4) -> dict:
-    """2 ranks on one agent; a second agent joins after the first checkpoint."""
+def grow(out: Path, steps: int = 200, every: int = 10) -> dict:
+    """2 ranks on one agent; a second agent starts after the first checkpoint (its launcher takes
+    seconds to reach the rendezvous: enough steps for it to join mid-run)."""
     started, job, port = time.monotonic(), out / "job", free_port()
     first = _agent(PLAN2, job, port, steps, every, out / "first.log", trace=out / "trace.jsonl")
     d = JobDir(job)
@@ -182,8 +183,8 @@ SCENARIOS = {"shrink": shrink, "grow": grow}
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--steps", type=int, help="steps of each job (default: shrink 30, grow 200)")
+    ap.add_argument("--every", type=int, help="steps between checkpoints (default: shrink 4, grow 10)")
     ap.add_argument("--out", type=Path, default=None, help="keep the job folders and logs here")
     args = ap.parse_args()
     base = args.out or Path(tempfile.mkdtemp(prefix="autopar-elastic-"))
@@ -191,7 +192,8 @@ def main() -> None:
         out = base / name
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        print(json.dumps({"scenario": name, **SCENARIOS[name](out, args.steps, args.every)}), flush=True)
+        options = {k: v for k, v in (("steps", args.steps), ("every", args.every)) if v is not None}
+        print(json.dumps({"scenario": name, **SCENARIOS[name](out, **options)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -240,3 +240,15 @@ def test_killing_the_agent_without_the_store_replans_for_2_ranks_and_continues_l
     assert result["trace_outcome"] == "ok" and result["trace_plan"] == result["new_plan"]
     assert [tuple(r[:2]) for r in result["trace_replans"]][-1] == (4, 2)
     assert result["world_size_per_step"][-1] == 2
+
+
+def test_a_job_folder_of_another_model_is_refused_before_anything_starts(tmp_path, capsys):
+    Plan(dp=1, micro_batch_size=2, num_micro_batches=1, precision="fp32").save(tmp_path / "plan.json")
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "job.json").write_text('{"model": "llama", "digest": "0", "args": {}}')
+    code = main(["run", str(tmp_path / "plan.json"), GPT, "--model-arg", "size=tiny", "--backend", "gloo",
+                 "--elastic", "--checkpoint-dir", str(job)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and "another model" in err[0], err
+    assert sorted(os.listdir(job)) == ["job.json"]

@@ -69,6 +69,29 @@ def elastic_spec(args):
                        cluster=args.cluster, replan_tolerance=args.replan_tolerance)
 
 
+def claim_job_folder(spec, model: dict) -> None:
+    """A job folder belongs to one model: resuming another model's checkpoints would fail on
+    every rank, so refuse it now, in one line. The first run of a folder writes `job.json`."""
+    import json
+
+    from autopar.atomic import write_text_atomic
+
+    if not spec.elastic:
+        return
+    path = Path(spec.elastic.checkpoint_dir) / "job.json"
+    mine = {"model": model["name"], "digest": model["digest"], "args": model["args"]}
+    try:
+        theirs = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        write_text_atomic(path, json.dumps(mine))
+        return
+    except (OSError, ValueError) as e:
+        raise AutoparError(f"cannot read {path}: {e}; give a fresh --checkpoint-dir") from None
+    if not isinstance(theirs, dict) or theirs.get("digest") != mine["digest"]:
+        raise AutoparError(f"--checkpoint-dir {path.parent} holds a job of another model or model arguments "
+                           f"({theirs.get('model') if isinstance(theirs, dict) else '?'}); give a fresh folder")
+
+
 def at_world(spec, plan):
     """The launch spec as the plan sees it: an elastic job's node count is the plan's world
     (it re-plans for any other); any other job's is its own."""

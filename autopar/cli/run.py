@@ -13,7 +13,8 @@ import sys
 from dataclasses import replace
 
 from autopar.cli.common import add_profile_timeout_flag, parse_model_args
-from autopar.cli.elastic import add_elastic_flags, at_world, elastic_spec, final_plan, show_replans
+from autopar.cli.elastic import (add_elastic_flags, at_world, claim_job_folder, elastic_spec, final_plan,
+                                 show_replans)
 from autopar.executor.launch import DEFAULT_TIMEOUT_S
 
 
@@ -197,6 +198,7 @@ def run(args) -> int:
     model_file = load_model_file(args.model)
     preflight(plan, model_file, model_args)  # what apply() would refuse on every rank, refused now
     model = _model_info(model_file, model_args, profile)
+    claim_job_folder(spec, model)
     launched = launch(args.plan, args.model, model_args, spec)
     if spec.elastic and launched.result:  # recorded and predicted: the plan and world the job ended under
         plan = final_plan(launched.result, plan)
