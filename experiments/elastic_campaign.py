@@ -30,11 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from autopar.executor.elastic import JobDir  # noqa: E402
-from autopar.plan import Plan  # noqa: E402
+from autopar.executor.elastic import JobDir
+from autopar.plan import Plan
 
 PLAN4 = Plan(dp=4, micro_batch_size=2, num_micro_batches=1, precision="fp32")
 PLAN2 = Plan(dp=2, micro_batch_size=4, num_micro_batches=1, precision="fp32")

@@ -21,10 +21,10 @@ from autopar.cli import main
 from autopar.errors import AutoparError, PlanError
 from autopar.executor.elastic import JobDir, train_elastic
 from autopar.executor.rendezvous import BACKEND, DeferredGrowth, WorkerSide
+from autopar.modelfile import load_model_file
 from autopar.plan import Plan
 from autopar.search.replan import Replanner, batches_near, rescaled
 from autopar.traces.replan import ReplanDecision, ReplanRecord
-from autopar.modelfile import load_model_file
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "autopar" / "zoo" / "gpt.py")
@@ -145,9 +145,9 @@ def test_a_redone_interval_replaces_the_lost_one_and_a_torn_line_is_skipped(tmp_
 
 
 def test_a_replan_record_round_trips_and_refuses_an_unknown_decision():
-    fields = dict(world_before=4, world_after=2, old_plan={}, new_plan={}, decision="kept", reason="r",
-                  resumed_step=8, steps_lost=1, global_batch_before=8, global_batch_after=8, planning_s=0.5,
-                  checkpoint_load_s=0.2)
+    fields = {"world_before": 4, "world_after": 2, "old_plan": {}, "new_plan": {}, "decision": "kept",
+              "reason": "r", "resumed_step": 8, "steps_lost": 1, "global_batch_before": 8, "global_batch_after": 8,
+              "planning_s": 0.5, "checkpoint_load_s": 0.2}
     record = ReplanRecord(**fields)
     assert ReplanRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
     assert "4 -> 2 ranks at step 8: kept" in record.describe()

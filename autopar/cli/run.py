@@ -13,8 +13,7 @@ import sys
 from dataclasses import replace
 
 from autopar.cli.common import add_profile_timeout_flag, parse_model_args
-from autopar.cli.elastic import (add_elastic_flags, at_world, claim_job_folder, elastic_spec, final_plan,
-                                 show_replans)
+from autopar.cli.elastic import add_elastic_flags, at_world, claim_job_folder, elastic_spec, final_plan, show_replans
 from autopar.executor.launch import DEFAULT_TIMEOUT_S
 
 

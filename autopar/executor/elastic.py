@@ -143,8 +143,8 @@ def _agreed(flag: bool, device) -> bool:
 def train_elastic(plan: Plan, build_model, optimizer, loss_fn, batch: Callable[[int, int], tuple], *,
                   checkpoint_dir, steps: int, checkpoint_every: int = 10,
                   replan: Callable[[Plan, int], ReplanDecision] | None = None, growth=None,
-                  tp_plan=None, blocks=None, seed: int = 0, backend: str = "auto",
-                  timeout_s: float | None = None) -> ElasticRun:
+                  on_step: Callable[[int], None] | None = None, tp_plan=None, blocks=None, seed: int = 0,
+                  backend: str = "auto", timeout_s: float | None = None) -> ElasticRun:
     """Train to step `steps` under `plan` (or the checkpoint's plan, or a re-plan), resuming from
     `checkpoint_dir` and checkpointing every `checkpoint_every` steps and at the end.
 
@@ -153,9 +153,10 @@ def train_elastic(plan: Plan, build_model, optimizer, loss_fn, batch: Callable[[
     replan(old_plan, world_size) -> ReplanDecision: called on rank 0 when the world size is not
         the last plan's; without it such a start fails with one line;
     growth: `autopar.executor.rendezvous.WorkerSide` under `autopar run --elastic` (joins wait
-        for a boundary), or None.
+        for a boundary), or None;
+    on_step(step): called before each step (the worker's heartbeat says where a rank is).
     The other arguments are `apply`'s. Call it on every rank, under torchrun."""
-    device = init_distributed(backend, timeout_s)
+    init_distributed(backend, timeout_s)  # the world size decides the plan, before apply
     world, rank = dist.get_world_size(), dist.get_rank()
     job = JobDir(checkpoint_dir)
     latest, progress = job.latest(), job.progress()
@@ -191,14 +192,16 @@ def train_elastic(plan: Plan, build_model, optimizer, loss_fn, batch: Callable[[
             growth.clear_growth()
         if record is not None:
             job.append_replan(record)
-    return ElasticRun(par, plan, step, _train(par, job, batch, step, steps, checkpoint_every, growth), record)
+    times = _train(par, job, batch, step, steps, checkpoint_every, growth, on_step or (lambda s: None))
+    return ElasticRun(par, plan, step, times, record)
 
 
-def _train(par: ParallelModel, job: JobDir, batch, step: int, steps: int, every: int, growth) -> list[float]:
+def _train(par: ParallelModel, job: JobDir, batch, step: int, steps: int, every: int, growth, on_step) -> list[float]:
     """Steps from `step` to `steps`, checkpointing; returns each step's time on this rank."""
     plan, world, rank = par.plan, dist.get_world_size(), dist.get_rank()
     times, interval = [], []
     while step < steps:
+        on_step(step)
         inputs, targets = par.local_batch(*batch(step, plan.global_batch))
         synchronize(par.device)
         started = time.perf_counter()

@@ -135,8 +135,7 @@ def _train(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from autopar.executor.measure import peak_memory_bytes, summarize, synchronize, tokens_per_sample
-    from autopar.executor.parity import (deterministic, mismatch_causes, parity_report, parity_verdict,
-                                         reference_losses)
+    from autopar.executor.parity import deterministic, mismatch_causes, parity_report, parity_verdict, reference_losses
     from autopar.executor.train_step import apply
     from autopar.modelfile import load_model_file
     from autopar.plan import Plan
@@ -220,7 +219,13 @@ def _elastic(args: argparse.Namespace, model_file, model_args: dict, build, opti
     growth = WorkerSide.connect(args.rdzv_endpoint) if args.rdzv_endpoint else None
     return train_elastic(Plan.load(args.plan), build, optimizer, model_file.loss_fn, batch,
                          checkpoint_dir=args.checkpoint_dir, steps=args.warmup + args.steps,
-                         checkpoint_every=args.checkpoint_every, replan=replan, growth=growth, **kwargs)
+                         checkpoint_every=args.checkpoint_every, replan=replan, growth=growth, on_step=_at_step,
+                         **kwargs)
+
+
+def _at_step(step: int) -> None:
+    _progress["step"] = step
+    _stepped.set()
 
 
 def _elastic_measured(checkpoint_dir) -> dict:
