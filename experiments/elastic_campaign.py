@@ -13,7 +13,8 @@ Each scenario then runs the reference: the same checkpoint loaded directly under
 (a copy of it in a fresh job folder whose latest.json names the new plan), and compares the
 losses of every step after the resume. Prints one JSON object per scenario.
 
-    python experiments/elastic_campaign.py [--scenario shrink grow] [--steps N] [--every N] [--out DIR]
+    python experiments/elastic_campaign.py [--scenario shrink grow] [--steps N] [--every N] [--tolerance F]
+                                           [--out DIR]
 """
 
 from __future__ import annotations
@@ -45,14 +46,15 @@ def free_port() -> int:
 
 
 def _agent(plan: Plan, job: Path, port: int, steps: int, every: int, log: Path, nnodes: int = 2, nproc: int = 2,
-           trace: Path | None = None) -> subprocess.Popen:
+           trace: Path | None = None, tolerance: float = 0.05) -> subprocess.Popen:
     """One `autopar run --elastic` of `nproc` ranks (a torchrun agent in its own process)."""
     plan_path = log.with_suffix(".plan.json")
     plan.save(plan_path)
     cmd = [sys.executable, "-m", "autopar", "run", str(plan_path), "gpt", "--model-arg", "size=tiny",
            "--nproc-per-node", str(nproc), "--nnodes", str(nnodes), "--backend", "gloo", "--elastic",
            "--checkpoint-dir", str(job), "--checkpoint-every", str(every), "--steps", str(steps), "--warmup", "0",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--cluster", "cpu", "--timeout", str(WAIT_S)]
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--cluster", "cpu", "--timeout", str(WAIT_S),
+           "--replan-tolerance", str(tolerance)]
     cmd += ["--trace", str(trace)] if trace else []
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -126,11 +128,12 @@ def _compare(job: Path, out: Path, record: dict, steps: int, every: int, started
             "max_abs_loss_diff": diff, "within_1e-5": diff <= 1e-5, "wall_s": round(time.monotonic() - started, 1)}
 
 
-def shrink(out: Path, steps: int = 30, every: int = 4) -> dict:
-    """4 ranks on two agents; the agent that does not host the store is killed mid-interval."""
+def shrink(out: Path, steps: int = 30, every: int = 4, tolerance: float = 0.05) -> dict:
+    """4 ranks on two agents; the agent that does not host the store is killed mid-interval.
+    With a large `tolerance` the old plan, dp rescaled, is kept (decision "kept")."""
     started, job, port = time.monotonic(), out / "job", free_port()
-    agents = [_agent(PLAN4, job, port, steps, every, out / f"agent{i}.log", trace=out / f"trace{i}.jsonl")
-              for i in range(2)]  # started together: both make the first rendezvous round
+    agents = [_agent(PLAN4, job, port, steps, every, out / f"agent{i}.log", trace=out / f"trace{i}.jsonl",
+                     tolerance=tolerance) for i in range(2)]  # started together: both make the first rendezvous round
     _until("the rendezvous store", lambda: _listener(port, agents) is not None, agents)
     host = _listener(port, agents)
     (other,) = [a for a in agents if a is not host]
@@ -182,6 +185,7 @@ def main() -> None:
     ap.add_argument("--scenario", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     ap.add_argument("--steps", type=int, help="steps of each job (default: shrink 30, grow 200)")
     ap.add_argument("--every", type=int, help="steps between checkpoints (default: shrink 4, grow 10)")
+    ap.add_argument("--tolerance", type=float, help="shrink: --replan-tolerance (default 0.05; 0.9 keeps the plan)")
     ap.add_argument("--out", type=Path, default=None, help="keep the job folders and logs here")
     args = ap.parse_args()
     base = args.out or Path(tempfile.mkdtemp(prefix="autopar-elastic-"))
@@ -190,6 +194,8 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         options = {k: v for k, v in (("steps", args.steps), ("every", args.every)) if v is not None}
+        if args.tolerance is not None and name == "shrink":
+            options["tolerance"] = args.tolerance
         print(json.dumps({"scenario": name, **SCENARIOS[name](out, **options)}), flush=True)
 
 
