@@ -101,8 +101,9 @@ class Replanner:
             if batch != old.global_batch else ""
         if old_s is not None and old_s <= new_s * (1 + self.tolerance):
             plan, decision = rescaled(old, world, batch), "kept"
-            reason = (f"the old plan with dp={plan.dp} is predicted {old_s * 1e3:.2f} ms/step, within "
-                      f"{self.tolerance:.0%} of the new best {best.describe()} ({new_s * 1e3:.2f} ms){moved}")
+            reason = (f"the old plan with dp={plan.dp} is predicted {old_s * 1e3:.2f} ms/step, {old_s / new_s - 1:+.0%} "
+                      f"against the new best {best.describe()} ({new_s * 1e3:.2f} ms): within the "
+                      f"{self.tolerance:.0%} tolerance{moved}")
         else:
             plan, decision = best, "replanned"
             why = ("the old plan does not fit when only dp changes" if old_s is None else
