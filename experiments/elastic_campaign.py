@@ -113,11 +113,11 @@ def reference(job: Path, out: Path, record: dict, steps: int, every: int, port: 
     return [loss for s, (loss, _) in JobDir(ref).losses().items() if s >= step]
 
 
-def _compare(job: Path, out: Path, record: dict, steps: int, every: int, started: float) -> dict:
+def _compare(job: Path, out: Path, record: dict, steps: int, every: int, started: float, port: int) -> dict:
     losses = JobDir(job).losses()
     after = [loss for s, (loss, _) in losses.items() if s >= record["resumed_step"]]
     worlds = [world for _, world in losses.values()]
-    ref = reference(job, out, record, steps, every, free_port())
+    ref = reference(job, out, record, steps, every, port)
     diff = max(abs(a - b) for a, b in zip(after, ref, strict=True))
     return {"replan": {k: record[k] for k in ("world_before", "world_after", "decision", "reason", "resumed_step",
                                               "steps_lost", "global_batch_before", "global_batch_after",
@@ -128,10 +128,10 @@ def _compare(job: Path, out: Path, record: dict, steps: int, every: int, started
             "max_abs_loss_diff": diff, "within_1e-5": diff <= 1e-5, "wall_s": round(time.monotonic() - started, 1)}
 
 
-def shrink(out: Path, steps: int = 30, every: int = 4, tolerance: float = 0.05) -> dict:
+def shrink(out: Path, steps: int = 30, every: int = 4, tolerance: float = 0.05, ports=free_port) -> dict:
     """4 ranks on two agents; the agent that does not host the store is killed mid-interval.
-    With a large `tolerance` the old plan, dp rescaled, is kept (decision "kept")."""
-    started, job, port = time.monotonic(), out / "job", free_port()
+    With a large `tolerance` the old plan, dp rescaled, is kept (decision "kept"). `ports()`: a free port."""
+    started, job, port = time.monotonic(), out / "job", ports()
     agents = [_agent(PLAN4, job, port, steps, every, out / f"agent{i}.log", trace=out / f"trace{i}.jsonl",
                      tolerance=tolerance) for i in range(2)]  # started together: both make the first rendezvous round
     _until("the rendezvous store", lambda: _listener(port, agents) is not None, agents)
@@ -151,7 +151,7 @@ def shrink(out: Path, steps: int = 30, every: int = 4, tolerance: float = 0.05) 
     i = agents.index(host)
     _finish(host, out / f"agent{i}.log")
     record = JobDir(job).replans()[-1]
-    result = _compare(job, out, record.to_dict(), steps, every, started)
+    result = _compare(job, out, record.to_dict(), steps, every, started, ports())
     trace = [json.loads(line) for line in (out / f"trace{i}.jsonl").read_text().splitlines()]
     result.update(killed_at_step=killed_at, trace_outcome=trace[-1]["outcome"],
                   trace_plan=Plan.from_dict(trace[-1]["plan"]).describe(),
@@ -160,10 +160,10 @@ def shrink(out: Path, steps: int = 30, every: int = 4, tolerance: float = 0.05) 
     return result
 
 
-def grow(out: Path, steps: int = 200, every: int = 10) -> dict:
+def grow(out: Path, steps: int = 200, every: int = 10, ports=free_port) -> dict:
     """2 ranks on one agent; a second agent starts after the first checkpoint (its launcher takes
     seconds to reach the rendezvous: enough steps for it to join mid-run)."""
-    started, job, port = time.monotonic(), out / "job", free_port()
+    started, job, port = time.monotonic(), out / "job", ports()
     first = _agent(PLAN2, job, port, steps, every, out / "first.log", trace=out / "trace.jsonl")
     d = JobDir(job)
     _until("a checkpoint under 2 ranks", lambda: bool((latest := d.latest()) and latest["step"] >= every), [first])
@@ -172,7 +172,7 @@ def grow(out: Path, steps: int = 200, every: int = 10) -> dict:
     _finish(first, out / "first.log")
     _finish(second, out / "second.log")
     record = JobDir(job).replans()[-1]
-    result = _compare(job, out, record.to_dict(), steps, every, started)
+    result = _compare(job, out, record.to_dict(), steps, every, started, ports())
     result.update(joined_at_step=joined_at, at_boundary=record.resumed_step % every == 0 and record.steps_lost == 0)
     return result
 

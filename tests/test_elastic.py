@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -231,7 +232,7 @@ def test_bad_elastic_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, mess
 
 # -- the real thing: two torchrun agents, one killed --------------------------------------------------
 def test_killing_the_agent_without_the_store_replans_for_2_ranks_and_continues_like_a_direct_resume(tmp_path):
-    result = campaign.shrink(tmp_path, steps=12, every=4)
+    result = campaign.shrink(tmp_path, steps=12, every=4, ports=free_port)
     assert result["replan"]["world_before"] == 4 and result["replan"]["world_after"] == 2
     assert result["killed_at_step"] > result["replan"]["resumed_step"]  # killed mid-interval
     assert result["replan"]["steps_lost"] >= result["killed_at_step"] - result["replan"]["resumed_step"]
