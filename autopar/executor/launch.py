@@ -3,7 +3,8 @@
 `launch` builds a torchrun command line (`python -m autopar.executor.worker` per rank) and runs
 it in this process with `torch.distributed.run.run`, the function behind the `torchrun`
 command: same rendezvous, same elastic agent, same error files. No restarts: a failed rank
-ends the job, and its own error is the job's error. Each rank beats a heartbeat file; the
+ends the job, and its own error is the job's error (except an elastic job, `ElasticSpec`: torchrun
+restarts its workers on another world size, `autopar.executor.elastic`). Each rank beats a heartbeat file; the
 launcher watches them to order the ranks' ends and to find a stopped rank, which torchrun
 would blame on the survivors' collective timeouts. A timeout raises in the agent's thread,
 whose shutdown path then terminates every worker; whatever is left is killed.
