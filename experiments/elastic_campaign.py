@@ -5,6 +5,7 @@ each on a tiny GPT, meeting at one rendezvous endpoint with `--nnodes 1:2`.
   mid-interval, the agent that does NOT host the rendezvous store is killed (SIGKILL; its workers
   die with it). The survivor's workers fail, torchrun restarts them with 2 ranks, rank 0
   re-plans, DCP reshards the last checkpoint, training continues.
+* store-host-lost: the same, but the agent hosting the store is killed: the job ends.
 * grow: one agent runs alone (2 ranks); after its first checkpoint the second agent starts. Its
   rendezvous join waits for the next checkpoint boundary (autopar.executor.rendezvous), then
   the group restarts with 4 ranks and re-plans.
@@ -13,7 +14,7 @@ Each scenario then runs the reference: the same checkpoint loaded directly under
 (a copy of it in a fresh job folder whose latest.json names the new plan), and compares the
 losses of every step after the resume. Prints one JSON object per scenario.
 
-    python experiments/elastic_campaign.py [--scenario shrink grow] [--steps N] [--every N] [--tolerance F]
+    python experiments/elastic_campaign.py [--scenario shrink grow store-host-lost] [--steps N] [--every N] [--tolerance F]
                                            [--out DIR]
 """
 
@@ -177,12 +178,36 @@ def grow(out: Path, steps: int = 200, every: int = 10, ports=free_port) -> dict:
     return result
 
 
-SCENARIOS = {"shrink": shrink, "grow": grow}
+def store_host_lost(out: Path, steps: int = 30, every: int = 4, ports=free_port) -> dict:
+    """The same two agents; this time the agent that hosts the rendezvous store is killed: the
+    other cannot meet anyone again, and the job ends (docs/elastic.md, the store-host caveat)."""
+    started, job, port = time.monotonic(), out / "job", ports()
+    agents = [_agent(PLAN4, job, port, steps, every, out / f"agent{i}.log") for i in range(2)]
+    _until("the rendezvous store", lambda: _listener(port, agents) is not None, agents)
+    host = _listener(port, agents)
+    (other,) = [a for a in agents if a is not host]
+    d = JobDir(job)
+    _until("a checkpoint", lambda: bool((latest := d.latest()) and latest["step"] >= every), agents)
+    killed = time.monotonic()
+    os.kill(host.pid, signal.SIGKILL)
+    host.wait()
+    try:
+        other.wait(WAIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(other.pid, signal.SIGKILL)
+        other.wait()
+    last = [line for line in (out / f"agent{agents.index(other)}.log").read_text().splitlines() if line.strip()]
+    return {"survivor_exit": other.returncode, "survivor_ended_after_s": round(time.monotonic() - killed, 1),
+            "survivor_last_line": last[-1][:300] if last else "", "steps_done": d.progress()["step"],
+            "replans": len(d.replans()), "wall_s": round(time.monotonic() - started, 1)}
+
+
+SCENARIOS = {"shrink": shrink, "grow": grow, "store-host-lost": store_host_lost}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    ap.add_argument("--scenario", nargs="+", choices=list(SCENARIOS), default=["shrink", "grow"])
     ap.add_argument("--steps", type=int, help="steps of each job (default: shrink 30, grow 200)")
     ap.add_argument("--every", type=int, help="steps between checkpoints (default: shrink 4, grow 10)")
     ap.add_argument("--tolerance", type=float, help="shrink: --replan-tolerance (default 0.05; 0.9 keeps the plan)")

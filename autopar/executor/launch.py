@@ -315,6 +315,7 @@ def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult
     workers and raise KeyboardInterrupt. No worker outlives this call."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     if not spec.elastic:  # an elastic job re-plans for whatever world it gets
@@ -344,6 +345,10 @@ def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult
             return ended(*_failure(err, result_path, watch, kills))
         except SignalException:
             raise KeyboardInterrupt from None
+        except RendezvousError as e:  # an elastic job whose store host is gone cannot meet again
+            return ended("error", f"the rendezvous at {spec.elastic.rdzv_endpoint if spec.elastic else '?'} failed "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the agent "
+                                  f"hosting its store is gone, which ends any torchrun job (docs/elastic.md)")
         finally:
             watch.done.set()
             watch.join()
