@@ -234,3 +234,16 @@ def test_the_skeleton_holds_no_weights_even_from_a_builder_that_makes_them():
     skeleton = build_skeleton(lambda: GPT.module.build_model(**ARGS))
     assert all(t.is_meta for t in [*skeleton.parameters(), *skeleton.buffers()])
     assert set(unsaved_buffers(skeleton)) == {f"layers.{i}.attention.mask" for i in range(len(skeleton.layers))}
+
+
+class _ReadsValues(nn.Module):
+    """A constructor that reads a tensor's value: it cannot run on the meta device."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, int(torch.ones(()).item()) + 1)
+
+
+def test_a_model_that_cannot_be_built_on_meta_is_built_whole_for_its_skeleton():
+    skeleton = build_skeleton(_ReadsValues)
+    assert skeleton.lin.out_features == 2 and not skeleton.lin.weight.is_meta
