@@ -97,8 +97,8 @@ def test_every_multi_rank_test_pins_gloo():
     'cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py"]',
     'def work(rank):\n    apply(plan, build, opt, loss)\n\ndef test():\n    mp.spawn(work, nprocs=4)',
     'def go(r):\n    dist.init_process_group("nccl")\n\ndef test():\n    mp.spawn(go, args=(1,), nprocs=2)',
-    'class Z:\n    def apply(self):\n        return apply(p, b, o, l, backend="auto")\n'
-    'def work(rank):\n    Z().apply()\n\ndef test():\n    mp.spawn(work, nprocs=2)',
+    ('class Z:\n    def apply(self):\n        return apply(p, b, o, l, backend="auto")\n'
+     'def work(rank):\n    Z().apply()\n\ndef test():\n    mp.spawn(work, nprocs=2)'),
     'reward = MeasuredReward("gpt", {}, nproc=2)',
 ])
 def test_an_unpinned_launch_is_caught(source):
@@ -108,8 +108,8 @@ def test_an_unpinned_launch_is_caught(source):
 @pytest.mark.parametrize("source", [
     'autopar("run", "p.json", "gpt", "--nproc-per-node", 2, "--backend", "gloo", cwd=tmp_path)',
     'autopar("run", "p.json", "gpt", "--nproc-per-node", "1", cwd=tmp_path)',
-    'class Z:\n    def apply(self):\n        return apply(p, b, o, l, backend="gloo")\n'
-    'def work(rank):\n    Z().apply()\n\ndef test():\n    mp.spawn(work, nprocs=2)',
+    ('class Z:\n    def apply(self):\n        return apply(p, b, o, l, backend="gloo")\n'
+     'def work(rank):\n    Z().apply()\n\ndef test():\n    mp.spawn(work, nprocs=2)'),
     'reward = MeasuredReward("gpt", {}, nproc=1)',
 ])
 def test_a_pinned_or_single_rank_launch_passes(source):
