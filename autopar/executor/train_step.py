@@ -222,8 +222,7 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
         if plan.pp > 1:  # the schedule runs forward and backward in one call: autocast the forward only
             autocast_forward(part, plan, device)
     apply_ac([held for container in containers for held in _real_blocks(container)], plan)
-    make_view = (lambda: rank_view(inner, name)) if plan.pp > 1 else (lambda: inner[0])
-    weights = (inner, make_view, source, unsaved, device, plan.offload_optimizer and plan.zero >= 2)
+    weights = (inner, source, unsaved, device, plan.offload_optimizer and plan.zero >= 2)
     if plan.zero < 2:  # DDP needs real parameters; FSDP2 shards the skeleton first
         materialise(*weights)
     parts = [apply_dp(part, [c[i] for c, i in _real_blocks(container)], plan, topo)
@@ -231,7 +230,7 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
     if plan.zero >= 2:
         materialise(*weights)
     del source, weights
-    view = make_view()
+    view = rank_view(inner, name) if plan.pp > 1 else inner[0]
     opt = build_optimizer(list(view.parameters()), optimizer, plan, topo)
     scaler = grad_scaler(plan, device)
     result = ParallelModel(plan, topo, view, parts, opt, loss_fn, scaler=scaler, tp_leaves=localised_tp_leaves(view),

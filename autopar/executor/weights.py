@@ -65,15 +65,15 @@ def _unwrapped(name: str) -> str:
     return name
 
 
-def _fill(view: nn.Module, source: nn.Module | None, unsaved: dict[str, torch.Tensor],
+def _fill(part: nn.Module, source: nn.Module | None, unsaved: dict[str, torch.Tensor],
           device: torch.device) -> None:
-    """Copy the source rank's weights into this rank's allocated `view` (every part it holds,
-    under the whole model's names). `unsaved`: the skeleton's non-persistent buffers."""
+    """Copy the source rank's weights into `part`, an allocated part under the whole model's
+    names. `unsaved`: the skeleton's non-persistent buffers."""
     full = source.state_dict() if source is not None else {}
     # strict=False: a pipeline stage holds only some of the whole model's entries
-    set_model_state_dict(view, dict(full), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+    set_model_state_dict(part, dict(full), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                                                      strict=False))
-    local = {_unwrapped(name): b for name, b in view.named_buffers(remove_duplicate=False)}
+    local = {_unwrapped(name): b for name, b in part.named_buffers(remove_duplicate=False)}
     with torch.no_grad():
         for name, like in unsaved.items():  # the same names, in the same order, on every rank
             value = (source.get_buffer(name).to(device) if source is not None
@@ -83,18 +83,19 @@ def _fill(view: nn.Module, source: nn.Module | None, unsaved: dict[str, torch.Te
                 local[name].copy_(value)
 
 
-def materialise(parts: list[nn.Module], view: Callable[[], nn.Module], source: nn.Module | None,
-                unsaved: dict[str, torch.Tensor], device: torch.device, offload: bool) -> None:
+def materialise(parts: list[nn.Module], source: nn.Module | None, unsaved: dict[str, torch.Tensor],
+                device: torch.device, offload: bool) -> None:
     """Give this rank's skeleton parts (laid out already: only shards get storage) their storage
-    and rank 0's weights. A collective: every rank calls it once, at the same point of `apply`.
+    and rank 0's weights. A collective: every rank calls it at the same point of `apply`, and
+    every rank holds as many parts (one per virtual pipeline stage).
 
-    `view()`: every part under the whole model's names (`pipeline.rank_view`), made after the
-    storage exists (it holds the parts' parameters). With FSDP2's CPU offload the sharded
-    parameters live on the host, buffers on the device (moved after the weights arrive: DCP
-    loads a state dict on one device)."""
+    Each part is filled on its own (under the whole model's names): parts of an interleaved
+    pipeline each hold their own copy of buffer-only modules (rotary tables), which a merged
+    view would show once. With FSDP2's CPU offload the sharded parameters live on the host,
+    buffers on the device (moved after the weights arrive: DCP loads a state dict on one device)."""
     for part in parts:
         part.to_empty(device="cpu" if offload else device)
-    _fill(view(), source, unsaved, device)
+        _fill(part, source, unsaved, device)
     if offload:
         for module in (m for part in parts for m in part.modules()):
             for name, buf in module._buffers.items():
