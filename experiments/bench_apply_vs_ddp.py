@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from autopar.executor import apply
-from autopar.executor.train_step import build_full_model
+from autopar.executor.weights import build_full_model
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
 

@@ -31,12 +31,14 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--save", metavar="DIR", help="save a checkpoint here at the end")
     parser.add_argument("--resume", metavar="DIR", help="resume from this checkpoint")
+    parser.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                        help="auto: NCCL when every rank on the node has a GPU, else gloo")
     args = parser.parse_args()
 
     plan = Plan.load(args.plan)
     gpt = load_model_file("gpt")  # any model.py works the same way
     par = autopar.apply(plan, lambda: gpt.build(**MODEL_ARGS), lambda params: torch.optim.AdamW(params, lr=args.lr),
-                gpt.loss_fn, tp_plan=gpt.tp_plan, blocks=gpt.blocks, seed=0)
+                gpt.loss_fn, tp_plan=gpt.tp_plan, blocks=gpt.blocks, seed=0, backend=args.backend)
 
     # a small dataset the model can memorise, so the loss visibly falls
     torch.manual_seed(0)

@@ -264,7 +264,7 @@ def test_the_example_trains_saves_and_resumes_under_another_plan(tmp_path):
 
     def torchrun(*args):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example),
-               *map(str, args)]
+               "--backend", "gloo", *map(str, args)]
         return subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=240, check=False)
 
     first = torchrun("dp2.json", "--steps", 4, "--save", tmp_path / "ckpt")

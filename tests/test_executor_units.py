@@ -23,7 +23,8 @@ from autopar.executor.support import check_supported
 from autopar.executor.parity import reference_losses
 from autopar.executor.pipeline import cut_stages, rank_view, stage_ids
 from autopar.executor.tensor_parallel import GatherSequence, tp_styles
-from autopar.executor.train_step import apply, build_full_model
+from autopar.executor.train_step import apply
+from autopar.executor.weights import build_full_model, build_skeleton, unsaved_buffers
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
 
@@ -224,3 +225,25 @@ def test_selective_recompute_keeps_the_same_tensors_with_cuda_kernels(monkeypatc
     cuda_ops, cuda_flops, cuda_kept = _selective_run(block, x)
     assert cuda_ops.count("native_dropout") == 3 and "bernoulli_" not in cuda_ops  # attention + 2 residual
     assert cuda_flops == cpu_flops and cuda_kept == cpu_kept > 0
+
+
+def test_the_skeleton_holds_no_weights_even_from_a_builder_that_makes_them():
+    """apply lays plans out on this skeleton on every rank; only rank 0 builds the real model."""
+    real = GPT.module.build_model(**ARGS)  # the model.py's own function: CPU weights
+    assert not any(p.is_meta for p in real.parameters())
+    skeleton = build_skeleton(lambda: GPT.module.build_model(**ARGS))
+    assert all(t.is_meta for t in [*skeleton.parameters(), *skeleton.buffers()])
+    assert set(unsaved_buffers(skeleton)) == {f"layers.{i}.attention.mask" for i in range(len(skeleton.layers))}
+
+
+class _ReadsValues(nn.Module):
+    """A constructor that reads a tensor's value: it cannot run on the meta device."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, int(torch.ones(()).item()) + 1)
+
+
+def test_a_model_that_cannot_be_built_on_meta_is_built_whole_for_its_skeleton():
+    skeleton = build_skeleton(_ReadsValues)
+    assert skeleton.lin.out_features == 2 and not skeleton.lin.weight.is_meta

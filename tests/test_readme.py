@@ -13,6 +13,14 @@ from pathlib import Path
 from autopar.plan import Plan
 
 ROOT = Path(__file__).resolve().parent.parent
+# runs a script inside a process group of the backend argv[1] names: `apply` joins a group that
+# exists, so the README's example (backend "auto") trains on gloo here even beside a GPU
+IN_GROUP = """import runpy, sys
+import torch.distributed as dist
+dist.init_process_group(sys.argv[1])
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 def readme_example() -> str:
@@ -25,6 +33,7 @@ def readme_example() -> str:
 
 def test_readme_apply_example_trains_and_resumes_across_world_sizes(tmp_path):
     (tmp_path / "train.py").write_text(readme_example())
+    (tmp_path / "in_group.py").write_text(IN_GROUP)
     base = dict(tp=1, pp=1, precision="fp32")
     Plan(dp=2, micro_batch_size=8, num_micro_batches=1, **base).save(tmp_path / "dp2.json")
     Plan(dp=1, micro_batch_size=4, num_micro_batches=4, **base).save(tmp_path / "one_rank.json")
@@ -36,7 +45,8 @@ def test_readme_apply_example_trains_and_resumes_across_world_sizes(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         return [line.split() for line in done.stdout.splitlines() if line.startswith("step")]
 
-    first = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py", "dp2.json")
+    first = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "in_group.py", "gloo", "train.py",
+                "dp2.json")
     assert (tmp_path / "ckpt").is_dir()
     resumed = run("train.py", "one_rank.json")  # one rank, no torchrun
     steps = first + resumed

@@ -87,3 +87,30 @@ def test_search_cli_uses_the_policy(capsys):
                  "--method", "rl", "--top-k", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["method"] == "rl" and out["estimate"]["fits"] and out["cost_model_evaluations"] > 0
+
+
+def stale_policy(path):
+    """The shipped policy, its metadata saying it was trained against another cost model."""
+    import zipfile
+
+    from autopar.policies.load import META_ENTRY
+
+    with zipfile.ZipFile(default_policy_path()) as src, zipfile.ZipFile(path, "w") as dst:
+        for name in src.namelist():
+            data = src.read(name)
+            if name == META_ENTRY:
+                meta = json.loads(data)
+                meta["fingerprint"]["cost"] = "an older cost model"
+                data = json.dumps(meta)
+            dst.writestr(name, data)
+    return path
+
+
+def test_a_stale_policy_notes_it_after_the_search_and_bad_input_stays_one_line(tmp_path, capsys):
+    policy = str(stale_policy(tmp_path / "old.zip"))
+    flags = ["--cluster", "cpu", "--method", "rl", "--policy", policy]
+    assert main(["search", "gpt", "--model-arg", "size=gpt2-xl", *flags]) == 2  # fits no plan: found in the search
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "fits no plan" in err[0], err
+    assert main(["search", "gpt", "--model-arg", "size=tiny", *flags]) == 0
+    assert "note: old.zip was trained against an older cost model" in capsys.readouterr().err

@@ -114,7 +114,7 @@ def test_autopar_run_refuses_before_launch_in_one_line(tmp_path, capsys, plan, m
     Plan(**{"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 2, "num_micro_batches": 1, "precision": "fp32",
             **plan}).save(tmp_path / "p.json")
     code = main(["run", str(tmp_path / "p.json"), str(tmp_path / "net.py"), "--nproc-per-node", "4",
-                 "--cluster", "cpu", "--trace", str(tmp_path / "t.jsonl")])
+                 "--backend", "gloo", "--cluster", "cpu", "--trace", str(tmp_path / "t.jsonl")])
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "t.jsonl").exists()
@@ -144,7 +144,7 @@ def test_parity_names_what_explains_a_mismatch():
 
 
 def test_identical_initial_weights_on_every_build():
-    from autopar.executor.train_step import build_full_model
+    from autopar.executor.weights import build_full_model
 
     def build():
         return load_model_file("llama").build(size="tiny")

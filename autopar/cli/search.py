@@ -59,9 +59,6 @@ def run(args) -> int:
     planner = get_planner(args.method, **planner_options(args))  # a bad method or option fails before profiling
     with console.status("profiling the model"):
         workload = load_workload(args)
-    note = getattr(planner, "stale_note", None)  # a policy trained against an older cost model
-    if note:
-        print(note, file=sys.stderr)
     # optuna shows its own progress bar; a spinner beside it would flicker
     status = contextlib.nullcontext() if args.method == "optuna" else console.status(f"searching ({args.method})")
     with status:
@@ -74,6 +71,9 @@ def run(args) -> int:
         best.save(args.output)
     written = draw(args, workload, best, best_est)
     wall = time.perf_counter() - started
+    note = getattr(planner, "stale_note", None)  # a policy trained against an older cost model: said once
+    if note:  # the search succeeded (bad input is one line, without it)
+        print(note, file=sys.stderr)
     if args.json:
         print_json({
             "plan": best.to_dict(), "estimate": best_est.to_dict(),

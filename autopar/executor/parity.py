@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from autopar.executor.precision import autocast, loss_scaler
-from autopar.executor.train_step import build_full_model, move_targets
+from autopar.executor.train_step import move_targets
+from autopar.executor.weights import build_full_model
 from autopar.plan import Plan
 
 TOLERANCES = {"fp32": 1e-5, "bf16": 3e-4, "fp16": 4e-5}

@@ -2,12 +2,11 @@
 pipeline schedule.
 
 The order is torchtitan's: mesh, pipeline cut, tensor parallel, activation checkpointing, data
-parallel (DDP / ZeRO-1 / FSDP2), optimizer. Every rank builds the whole model from the same
-seed on the CPU and keeps its part, so any plan starts from the same weights as a
-single-process run and its losses can be compared with one (autopar/executor/parity.py). The part is sharded
-there and reaches the GPU piece by piece (tensor parallelism moves one weight at a time and
-keeps its shard, FSDP2 one block at a time), so a plan that fits sharded never holds a whole
-stage on the GPU.
+parallel (DDP / ZeRO-1 / FSDP2), optimizer. The plan is laid out on a meta-device skeleton of
+the model; each rank then allocates only its shard and receives rank 0's weights, built from
+the seed as a single-process run builds them (`autopar.executor.weights`), so any plan starts
+from the same weights as one process and its losses can be compared with one (autopar/executor/parity.py). The
+whole model exists once, in rank 0's host RAM, and no stage reaches a device unsharded.
 """
 
 from __future__ import annotations
@@ -32,7 +31,8 @@ from autopar.executor.precision import autocast, autocast_calls, autocast_forwar
 from autopar.executor.support import check_supported
 from autopar.executor.tensor_parallel import apply_tp
 from autopar.executor.tied import TiedGrads, tied_grads, tied_names
-from autopar.modelfile import materialize, resolve_tp_plan
+from autopar.executor.weights import build_skeleton, build_source, materialise, unsaved_buffers
+from autopar.modelfile import resolve_tp_plan
 from autopar.plan import Plan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -167,16 +167,6 @@ def move_targets(targets, device):
     return type(targets)(t.to(device) for t in targets)
 
 
-def build_full_model(build_model: Callable[[], nn.Module], seed: int) -> nn.Module:
-    """The whole model on the CPU with the weights `seed` gives: the same on every rank and in the
-    single-process reference."""
-    torch.manual_seed(seed)
-    model = build_model()
-    if any(p.is_meta for p in model.parameters()):
-        materialize(model, "cpu")
-    return model
-
-
 def apply(plan: Plan, build_model: Callable[[], nn.Module],
           optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], loss_fn: LossFn, *,
           tp_plan: dict[str, str] | Callable[[nn.Module], dict[str, str]] | None = None,
@@ -185,7 +175,8 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
     """Apply `plan` on this rank (launched by torchrun, or alone for a one-rank plan).
 
     build_model: returns the whole model, on the meta device (then initialised with its
-        `init_weights()` / `reset_parameters()`) or on the CPU. Called after seeding, on every rank.
+        `init_weights()` / `reset_parameters()`) or on the CPU. Called after seeding on rank 0,
+        and under `torch.device("meta")` on every rank for the skeleton the plan is laid out on.
     optimizer: makes the optimizer from a list of parameters, e.g.
         `lambda params: torch.optim.AdamW(params, lr=3e-4)`.
     loss_fn: `loss_fn(output, target)`, a mean over the micro-batch.
@@ -200,7 +191,9 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
     check_supported(plan, current_backend(backend))  # before any process group or model exists
     device = init_distributed(backend, timeout_s)
     topo = build_mesh(plan, device)
-    model = build_full_model(build_model, seed)
+    source = build_source(build_model, seed)  # the whole model, on rank 0 only
+    model = build_skeleton(build_model)
+    unsaved = unsaved_buffers(model)
     find_blocks = blocks or _default_blocks
     block_list = find_blocks(model)
     tied = tied_names(model)
@@ -224,15 +217,19 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
     del model
     torch.manual_seed(seed + 1 + pp_rank + plan.pp * topo.rank("dp"))  # dropout: same on tp peers
     for part, container in zip(inner, containers):
-        if plan.tp > 1:  # sharded where it was built: each weight moves to the device as its shard
+        if plan.tp > 1:  # on the skeleton: only this rank's shards will get storage
             apply_tp(part, topo.mesh["tp"], tp_map, container, plan.sequence_parallel)
-        if plan.zero < 2:  # FSDP2 moves each block to the device and shards it, one block at a time
-            part.to(device)
         if plan.pp > 1:  # the schedule runs forward and backward in one call: autocast the forward only
             autocast_forward(part, plan, device)
     apply_ac([held for container in containers for held in _real_blocks(container)], plan)
+    weights = (inner, source, unsaved, device, plan.offload_optimizer and plan.zero >= 2)
+    if plan.zero < 2:  # DDP needs real parameters; FSDP2 shards the skeleton first
+        materialise(*weights)
     parts = [apply_dp(part, [c[i] for c, i in _real_blocks(container)], plan, topo)
              for part, container in zip(inner, containers)]
+    if plan.zero >= 2:
+        materialise(*weights)
+    del source, weights
     view = rank_view(inner, name) if plan.pp > 1 else inner[0]
     opt = build_optimizer(list(view.parameters()), optimizer, plan, topo)
     scaler = grad_scaler(plan, device)
