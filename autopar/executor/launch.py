@@ -22,37 +22,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from autopar.executor.options import RunOptions, worker_argv
 from autopar.executor.outcome import is_oom, killed_by, oom_kills
 from autopar.executor.worker import LAUNCHER_PID, failure_note, heartbeat_file
 from autopar.plan import Plan
 
-DEFAULT_TIMEOUT_S = 900.0  # `autopar run --timeout` default: the job's bound, and its collectives'
 STALE_S = 20.0  # a rank whose heartbeat is this old is stopped (it beats every worker.HEARTBEAT_S)
 POLL_S = 0.2  # how often the launcher looks at the heartbeats
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """Where and how to run: torchrun's node flags plus the worker's options."""
-
-    nproc_per_node: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    backend: str = "auto"
-    timeout_s: float | None = DEFAULT_TIMEOUT_S
-    steps: int = 10
-    warmup: int = 3
-    seed: int = 0
-    optimizer: str = "adamw"
-    lr: float = 1e-3
-    check_parity: bool = False
-    no_dropout: bool = False
-
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
 
 
 @dataclass(frozen=True)
@@ -70,31 +46,23 @@ class _JobTimeout(Exception):
 
 
 
-def check_world_size(plan: Plan, spec: LaunchSpec) -> None:
+def check_world_size(plan: Plan, options: RunOptions) -> None:
     """Refuse, before starting anything, a plan made for another number of ranks."""
-    plan.dims.check_world(spec.world_size, f"--nnodes {spec.nnodes} x --nproc-per-node {spec.nproc_per_node} = "
-                          f"{spec.world_size}", f"launch {plan.world_size} processes or use a plan for "
-                          f"{spec.world_size}", needs="the plan needs ")
+    plan.dims.check_world(options.world_size, f"--nnodes {options.nnodes} x --nproc-per-node {options.nproc_per_node} = "
+                          f"{options.world_size}", f"launch {plan.world_size} processes or use a plan for "
+                          f"{options.world_size}", needs="the plan needs ")
 
 
-def torchrun_argv(plan_path, model, model_args: dict, spec: LaunchSpec, result_path) -> list[str]:
+def torchrun_argv(plan_path, model, model_args: dict, options: RunOptions, result_path) -> list[str]:
     """The torchrun command line (without `torchrun`) that runs the worker on this node."""
-    if spec.nnodes == 1:
+    if options.nnodes == 1:
         nodes = ["--standalone", "--nnodes", "1"]  # a free local port, no clash between jobs
     else:
-        nodes = ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
-                 "--master-addr", spec.master_addr, "--master-port", str(spec.master_port)]
+        nodes = ["--nnodes", str(options.nnodes), "--node-rank", str(options.node_rank),
+                 "--master-addr", options.master_addr, "--master-port", str(options.master_port)]
     worker = ["--plan", str(plan_path), "--model", str(model), "--model-args", json.dumps(model_args),
-              "--steps", str(spec.steps), "--warmup", str(spec.warmup), "--seed", str(spec.seed),
-              "--optimizer", spec.optimizer, "--lr", str(spec.lr), "--backend", spec.backend,
-              "--result", str(result_path)]
-    if spec.timeout_s:
-        worker += ["--timeout", str(spec.timeout_s)]
-    if spec.check_parity:
-        worker.append("--check-parity")
-    if spec.no_dropout:
-        worker.append("--no-dropout")
-    return [*nodes, "--nproc-per-node", str(spec.nproc_per_node), "--max-restarts", "0",
+              "--result", str(result_path), *worker_argv(options)]
+    return [*nodes, "--nproc-per-node", str(options.nproc_per_node), "--max-restarts", "0",
             "--module", "autopar.executor.worker", *worker]
 
 
@@ -255,24 +223,24 @@ def _failure(err, result_path: Path, watch: _Watch, oom_kills_before: int | None
     return ("oom" if is_oom(message) else "rank_failed"), f"rank {rank} failed: {message}"
 
 
-def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult:
+def launch(plan_path, model, model_args: dict, options: RunOptions) -> LaunchResult:
     """Run the plan's workers on this node and wait for them (a collective of all nodes).
 
-    Ends within spec.timeout_s: on a rank that stops beating for STALE_S (killed, then named), or at
+    Ends within options.timeout_s: on a rank that stops beating for STALE_S (killed, then named), or at
     the deadline (naming the rank the others waited for). SIGINT/SIGTERM to the launcher end the
     workers and raise KeyboardInterrupt. No worker outlives this call."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    check_world_size(Plan.load(plan_path), spec)
+    check_world_size(Plan.load(plan_path), options)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
         result_path = Path(tmp) / "result.json"
-        args = get_args_parser().parse_args(torchrun_argv(plan_path, model, model_args, spec, result_path))
+        args = get_args_parser().parse_args(torchrun_argv(plan_path, model, model_args, options, result_path))
         os.environ[LAUNCHER_PID] = str(os.getpid())  # workers inherit it: see worker._die_with_launcher
-        first = spec.node_rank * spec.nproc_per_node
-        watch = _Watch(result_path, range(first, first + spec.nproc_per_node), STALE_S)
+        first = options.node_rank * options.nproc_per_node
+        watch = _Watch(result_path, range(first, first + options.nproc_per_node), STALE_S)
         watch.start()
 
         def ended(outcome: str, error: str | None = None, result=None) -> LaunchResult:
@@ -280,10 +248,10 @@ def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult
 
         kills = oom_kills()  # a SIGKILL while this count rises is the kernel's OOM killer
         try:
-            with _deadline(spec.timeout_s):
+            with _deadline(options.timeout_s):
                 run(args)
         except _JobTimeout:
-            return ended("timeout", f"the job did not finish within --timeout {spec.timeout_s:g} s; "
+            return ended("timeout", f"the job did not finish within --timeout {options.timeout_s:g} s; "
                                     f"{watch.slowest()}")
         except ChildFailedError as err:
             if watch.stopped:

@@ -19,25 +19,20 @@ import threading
 import time
 from functools import partial
 
-OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}  # --optimizer: torch.optim class
+from autopar.executor.options import OPTIMIZERS, WORKER, RunOptions, add_run_flags
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The worker's files, and its run options as `autopar.executor.options` declares them."""
     p = argparse.ArgumentParser(prog="python -m autopar.executor.worker")
     p.add_argument("--plan", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--model-args", default="{}", help="JSON object of model arguments")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--timeout", type=float, default=None, help="process-group timeout in seconds")
-    p.add_argument("--check-parity", action="store_true")
-    p.add_argument("--no-dropout", action="store_true", help="turn every dropout off")
     p.add_argument("--result", required=True, help="where rank 0 writes the measurement JSON")
-    return p.parse_args(argv)
+    add_run_flags(p, WORKER)
+    args = p.parse_args(argv)
+    args.options = RunOptions.from_args(args)
+    return args
 
 
 LAUNCHER_PID = "AUTOPAR_LAUNCHER_PID"  # set by `launch` for its workers
@@ -135,20 +130,21 @@ def _train(args: argparse.Namespace) -> None:
     plan = Plan.load(args.plan)
     model_file = load_model_file(args.model)
     model_args = json.loads(args.model_args)
+    options = args.options
     build = partial(model_file.build, **model_args)
-    if args.no_dropout:
+    if options.no_dropout:
         build = partial(_no_dropout, build)
-    optimizer = partial(getattr(torch.optim, OPTIMIZERS[args.optimizer]), lr=args.lr)
-    if args.check_parity:  # the run and its reference alike
+    optimizer = partial(getattr(torch.optim, OPTIMIZERS[options.optimizer]), lr=options.lr)
+    if options.check_parity:  # the run and its reference alike
         deterministic()
     par = apply(plan, build, optimizer, model_file.loss_fn,
                 tp_plan=model_file.tp_plan if model_file.has_tp_plan else None, blocks=model_file.blocks,
-                seed=args.seed, backend=args.backend, timeout_s=args.timeout)
-    torch.manual_seed(args.seed)
+                seed=options.seed, backend=options.backend, timeout_s=options.timeout_s)
+    torch.manual_seed(options.seed)
     inputs, targets = model_file.example_batch(plan.global_batch, device="cpu", **model_args)
     local_inputs, local_targets = par.local_batch(inputs, targets)
     times, losses = [], []
-    for step in range(args.warmup + args.steps):
+    for step in range(options.warmup + options.steps):
         _progress["step"] = step
         _stepped.set()
         synchronize(par.device)
@@ -158,7 +154,7 @@ def _train(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
     global_losses = par.global_losses(losses)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (times[args.warmup:], peak_memory_bytes(par.device)))
+    dist.all_gather_object(gathered, (times[options.warmup:], peak_memory_bytes(par.device)))
     rank, backend, device = dist.get_rank(), dist.get_backend(), par.device
     dist.barrier()  # no rank closes its connections while a peer still uses them
     # free the model (the reference needs the device's memory) while its groups still exist: the
@@ -172,9 +168,9 @@ def _train(args: argparse.Namespace) -> None:
     measured = summarize([t for t, _ in gathered], [m for _, m in gathered], plan.global_batch,
                          tokens_per_sample(inputs))
     measured["losses"] = global_losses
-    if args.check_parity:  # on the plan's device and precision, now that no peer waits on this rank
+    if options.check_parity:  # on the plan's device and precision, now that no peer waits on this rank
         reference = reference_losses(build, optimizer, model_file.loss_fn, [(inputs, targets)] * len(global_losses),
-                                     seed=args.seed, precision=plan.precision, device=device)
+                                     seed=options.seed, precision=plan.precision, device=device)
         measured.update(parity_report(global_losses, reference, plan.precision, device))
         measured["parity_verdict"] = parity_verdict(measured["parity_max_rel_diff"], mismatch_causes(build(), plan),
                                                     plan.precision)
