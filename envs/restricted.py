@@ -9,9 +9,9 @@ construction, so the masks are exact at every decision. Measured-reward fine-tun
 from __future__ import annotations
 
 import numpy as np
+from autopar.envs.knobs import PlanSpace, StepInfo
 
 from autopar import axes
-from autopar.envs.knobs import PlanSpace, StepInfo
 from autopar.errors import AutoparError
 from autopar.knobs import decisions
 

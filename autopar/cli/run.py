@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from autopar.cli.common import add_profile_timeout_flag, parse_model_args
+from autopar.cli.common import add_model_flags, add_profile_timeout_flag, parse_model_args
 from autopar.executor.options import add_run_flags
 
 
@@ -20,9 +20,7 @@ def add_parser(sub) -> None:
                                    "and print measured step time, throughput, peak memory and losses beside "
                                    "the cost model's prediction.")
     p.add_argument("plan", metavar="plan.json", help="a plan file, as `autopar search -o` writes")
-    p.add_argument("model", metavar="MODEL", help="path to a model.py, or a zoo model name (gpt, llama, ...)")
-    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="keyword argument for build_model/example_batch, e.g. size=tiny (repeatable)")
+    add_model_flags(p)
     p.add_argument("--trace", metavar="traces.jsonl", help="append the run's trace record here")
     p.add_argument("--cluster", metavar="PRESET|FILE.json",
                    help="the cluster to record and predict for (default: detected from this machine)")

@@ -3,7 +3,7 @@ collect traces by running plans with the executor."""
 
 from __future__ import annotations
 
-from autopar.cli.common import DEFAULT_CLUSTER, print_json
+from autopar.cli.common import DEFAULT_CLUSTER, add_model_flags, print_json
 from autopar.executor.options import add_run_flags
 
 COLLECT_RUN_FLAGS = ("steps", "warmup", "timeout_s", "backend")  # the run options `traces collect` takes
@@ -42,9 +42,7 @@ def add_parser(sub) -> None:
                                       "distinct structures at random), run each for a few steps through "
                                       "`autopar run` (torchrun; gloo on CPU, NCCL on GPUs) and append every "
                                       "record, failures included, to the trace file.")
-    col.add_argument("model", metavar="MODEL", help="path to a model.py, or a zoo model name (gpt, llama, ...)")
-    col.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
-                     help="keyword argument for build_model/example_batch (repeatable)")
+    add_model_flags(col)
     col.add_argument("--plans", type=int, required=True, metavar="K", help="number of plans to run")
     col.add_argument("--global-batch", type=int, default=16, metavar="B", help="samples per step (default 16)")
     col.add_argument("--nproc", default="2,4", metavar="N,...",

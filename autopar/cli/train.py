@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from autopar.cli.common import add_trace_model_flags
+from autopar.cli.common import add_model_flags, add_trace_model_flags
 from autopar.errors import AutoparError
 from autopar.executor.options import add_run_flags
 
@@ -66,9 +66,7 @@ def add_parser(sub) -> None:
                                      "(as `autopar run` makes them, on gloo) over a restricted plan space (at most "
                                      "100 plans), each distinct plan measured once and cached "
                                      "(autopar/policies/measured.py).")
-    m.add_argument("model", nargs="?", metavar="MODEL", help="a model.py or zoo name")
-    m.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="keyword argument for build_model/example_batch (repeatable)")
+    add_model_flags(m, optional=True)
     m.add_argument("--cluster", default="cpu", metavar="PRESET|FILE.json",
                    help="the cluster the plans are made for and recorded on (default cpu)")
     m.add_argument("--gpus-per-node", type=int, default=None, metavar="N",

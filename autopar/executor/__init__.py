@@ -7,7 +7,9 @@ Public API (imported lazily, so `import autopar.executor` costs nothing until us
 * `make_loader(dataset, plan, topo)`: a DistributedSampler loader of this rank's batches;
 * `save_checkpoint(par, path, step)` / `load_checkpoint(par, path)`: DCP checkpoints that
   resume under another plan;
-* `autopar.executor.launch.launch(plan_path, model, model_args, LaunchSpec(...))`: torchrun a
+* `autopar.executor.run_plan.run_plan(plan_path, model, model_args, RunOptions(...))`: check,
+  predict, launch and record one run in this process (what `autopar run` and `MeasuredReward` do);
+* `autopar.executor.launch.launch(plan_path, model, model_args, RunOptions(...))`: torchrun a
   plan's workers (what `autopar run` does);
 * `MeasuredReward`: the measured reward backend of the RL environment.
 """
