@@ -259,11 +259,13 @@ def test_measured_reward_runs_in_process_and_is_cached_by_workload_and_plan(tmp_
     monkeypatch.setattr(subprocess, "Popen", popen)
     monkeypatch.setattr(run_plan_module, "launch", launch)
     cache = tmp_path / "cache.json"
+    handler = signal.getsignal(signal.SIGINT)
     options = RunOptions(steps=2, warmup=1, timeout_s=120)
     reward = MeasuredReward("gpt", {"size": "tiny"}, options, cache_path=cache, trace_path=tmp_path / "t.jsonl")
     plan = Plan(dp=1, tp=1, pp=1, micro_batch_size=4, num_micro_batches=1, precision="fp32")
     first = reward(plan)
     assert len(launches) == 1 and launches[0][3].steps == 2  # the launcher, as a library, with these options
+    assert signal.getsignal(signal.SIGINT) is handler  # torchrun's agent left no handler of its own behind
     assert not first["cached"] and first["record"]["outcome"] == "ok"
     assert first["reward"] == -first["record"]["measured"]["median_step_s"] < 0
     assert len(first["record"]["measured"]["step_times_s"]) == 2 and len(first["record"]["measured"]["losses"]) == 3

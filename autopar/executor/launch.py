@@ -27,6 +27,7 @@ from autopar.executor.outcome import is_oom, killed_by, oom_kills
 from autopar.executor.worker import LAUNCHER_PID, failure_note, heartbeat_file
 from autopar.plan import Plan
 
+AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's agent handles these (PContext.start)
 STALE_S = 20.0  # a rank whose heartbeat is this old is stopped (it beats every worker.HEARTBEAT_S)
 POLL_S = 0.2  # how often the launcher looks at the heartbeats
 
@@ -83,6 +84,23 @@ def _deadline(seconds: float | None):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@contextmanager
+def _own_signal_handlers():
+    """torchrun's agent replaces this process's handlers of AGENT_SIGNALS with its own (which raise
+    SignalException) and leaves them there: put the caller's back, so that a caller launching many
+    runs (the measured reward) still gets KeyboardInterrupt from Ctrl-C between them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for name in AGENT_SIGNALS if (sig := getattr(signal, name, None))}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:  # None: a handler not set from Python, which cannot be put back
+                signal.signal(sig, handler)
 
 
 class _Watch(threading.Thread):
@@ -248,7 +266,7 @@ def launch(plan_path, model, model_args: dict, options: RunOptions) -> LaunchRes
 
         kills = oom_kills()  # a SIGKILL while this count rises is the kernel's OOM killer
         try:
-            with _deadline(options.timeout_s):
+            with _own_signal_handlers(), _deadline(options.timeout_s):
                 run(args)
         except _JobTimeout:
             return ended("timeout", f"the job did not finish within --timeout {options.timeout_s:g} s; "
