@@ -12,5 +12,12 @@ rounds on the policy's own decisions) and fine-tunes with MaskablePPO on the cos
 `autopar.policies.load.load_policy` reads a policy for planning (NumPy only, no torch).
 
 `autopar train traces TRACES --cluster ...` (`traces.py`) fine-tunes it for one cluster and the job
-mix of its traces, on the calibrated cost model (docs/traces-and-calibration.md).
+mix of its traces, on the calibrated cost model (docs/traces-and-calibration.md); `autopar train
+measured MODEL` (`measured.py`) on real runs of this machine.
+
+By role: the network (`extractor.py`), policy files (`files.py` writes, `load.py` reads without
+torch, `fingerprint.py` what a policy depends on), decoding (`decode.py`: greedy, beam, sampled),
+behaviour cloning (`imitation.py`), and the trainers (`train.py` on the cost model, `traces.py`,
+`measured.py`). The restricted plan space of `measured.py` lives beside the space, in
+`autopar/envs/restricted.py`; the command line in `autopar/cli/train.py`.
 """

@@ -12,10 +12,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from autopar.cluster import detect, load_cluster
+from autopar.cost import estimate
+from autopar.errors import AutoparError, ModelFileError
 from autopar.executor.launch import LaunchResult, check_world_size, launch
+from autopar.executor.mesh import resolve_backend
 from autopar.executor.options import RunOptions
+from autopar.executor.preflight import preflight
+from autopar.executor.support import check_supported
+from autopar.modelfile import load_model_file
 from autopar.plan import Plan
+from autopar.profile import profile_model
+from autopar.profile.isolated import DEFAULT_PROFILE_TIMEOUT
 from autopar.traces.record import TraceRecord, append_record, model_entry, run_record
+from autopar.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -30,11 +40,8 @@ class PlanRun:
 
 def prepare(plan: Plan, options: RunOptions) -> RunOptions:
     """Refuse what cannot start, and choose the backend once for every worker (NCCL only with a GPU
-    for every local rank). The world-size check comes before torch is imported (seconds)."""
+    for every local rank)."""
     check_world_size(plan, options)
-    from autopar.executor.mesh import resolve_backend
-    from autopar.executor.support import check_supported
-
     options = replace(options, backend=resolve_backend(options.backend, options.nproc_per_node))
     check_supported(plan, options.backend)
     return options
@@ -42,8 +49,6 @@ def prepare(plan: Plan, options: RunOptions) -> RunOptions:
 
 def resolve_cluster(cluster: str | None, options: RunOptions):
     """The cluster records and predictions name: a preset or cluster JSON, else this machine's."""
-    from autopar.cluster import detect, load_cluster
-
     if cluster:
         return load_cluster(cluster, nodes=options.nnodes, gpus_per_node=options.nproc_per_node)
     return detect().with_nodes(options.nnodes, options.nproc_per_node)
@@ -76,9 +81,6 @@ def run_plan(plan_path, model, model_args: dict, options: RunOptions, *, cluster
              profile_timeout: float | None = None, trace=None) -> PlanRun:
     """Run the plan file on this node with these options, and build (and append to `trace`, on
     node 0) its trace record with the cost model's prediction beside the measurement."""
-    from autopar.executor.preflight import preflight
-    from autopar.modelfile import load_model_file
-    from autopar.profile.isolated import DEFAULT_PROFILE_TIMEOUT
 
     plan = Plan.load(plan_path)
     options = prepare(plan, options)

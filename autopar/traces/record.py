@@ -47,6 +47,7 @@ from typing import Any
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.schema import TRACE_SCHEMA, check, loads, read_file
+from autopar.traces.vtrain import model_digest
 
 TRACE_SCHEMA_VERSION = 1
 OUTCOMES = ("ok", "oom", "timeout", "rank_failed", "error")
@@ -132,8 +133,6 @@ class TraceProblem:
 def model_entry(model_file, model_args: dict, profile) -> dict[str, Any]:
     """A record's `model`: what identifies the model, and its profile (calibration reads the
     profile and runs no code). `model_file`: a loaded `autopar.modelfile.ModelFile`."""
-    from autopar.traces.vtrain import model_digest
-
     params = sum(p.numel() for p in model_file.build(**model_args).parameters())  # meta: free
     return {"name": model_file.name, "path": str(model_file.path), "digest": model_digest(model_file.path, model_args),
             "args": model_args, "dims": dict(profile.dims) if profile else {}, "params": params,
