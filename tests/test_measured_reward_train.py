@@ -138,3 +138,13 @@ def test_the_old_flag_form_runs_the_sub_command_with_a_note(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == ("autopar: error: --reward takes cost or measured, got 'best'; use "
                                                "`autopar train cost|measured ...`")
     assert not out.exists()
+    from autopar.cli.train import modernize
+
+    assert modernize(["train", "--traces", "a.jsonl", "b.jsonl", "--cluster", "c"]) == \
+        ["train", "traces", "a.jsonl", "b.jsonl", "--cluster", "c"]
+    assert modernize(["train", "--workloads", "8", "-o", "p.zip"]) == ["train", "cost", "--workloads", "8", "-o", "p.zip"]
+    assert modernize(["train", "--reward", "cost"]) == ["train", "cost"]
+    assert len(capsys.readouterr().err.strip().splitlines()) == 3  # one note each
+    for new in (["train", "cost", "--workloads", "8"], ["train", "measured", "gpt"], ["train", "--help"], ["train"]):
+        assert modernize(new) == new
+    assert capsys.readouterr().err == ""
