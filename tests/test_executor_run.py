@@ -266,6 +266,7 @@ def test_measured_reward_runs_in_process_and_is_cached_by_workload_and_plan(tmp_
     first = reward(plan)
     assert len(launches) == 1 and launches[0][3].steps == 2  # the launcher, as a library, with these options
     assert signal.getsignal(signal.SIGINT) is handler  # torchrun's agent left no handler of its own behind
+    assert "AUTOPAR_LAUNCHER_PID" not in os.environ  # nor the launcher its workers' variable
     assert not first["cached"] and first["record"]["outcome"] == "ok"
     assert first["reward"] == -first["record"]["measured"]["median_step_s"] < 0
     assert len(first["record"]["measured"]["step_times_s"]) == 2 and len(first["record"]["measured"]["losses"]) == 3

@@ -256,6 +256,7 @@ def launch(plan_path, model, model_args: dict, options: RunOptions) -> LaunchRes
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
         result_path = Path(tmp) / "result.json"
         args = get_args_parser().parse_args(torchrun_argv(plan_path, model, model_args, options, result_path))
+        caller_pid = os.environ.get(LAUNCHER_PID)  # put back after the run: an in-process caller keeps its env
         os.environ[LAUNCHER_PID] = str(os.getpid())  # workers inherit it: see worker._die_with_launcher
         first = options.node_rank * options.nproc_per_node
         watch = _Watch(result_path, range(first, first + options.nproc_per_node), STALE_S)
@@ -281,5 +282,9 @@ def launch(plan_path, model, model_args: dict, options: RunOptions) -> LaunchRes
             watch.done.set()
             watch.join()
             watch.kill_workers()
+            if caller_pid is None:
+                os.environ.pop(LAUNCHER_PID, None)
+            else:
+                os.environ[LAUNCHER_PID] = caller_pid
         result = _read_json(result_path)
         return ended("ok", result=result)
