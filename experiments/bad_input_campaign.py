@@ -183,15 +183,16 @@ def output_cases() -> list[Case]:
         "traces_import": ("traces", "import", "vtrain", "{d}/v.csv", "-o"),
         "traces_collect": ("traces", "collect", "gpt", *TINY, "--cluster", "cpu", "--plans", "2", "-o"),
         "profile_cluster": ("profile-cluster", "-o"),
-        "train": ("train", "--timesteps", "64", "-o"),
+        "train": ("train", "cost", "--timesteps", "64", "-o"),
     }
     cases = []
     for cname, argv in commands.items():
         for tname, (target, files) in targets.items():
             cases.append(Case(f"output/{cname}/{tname}", (*argv, target), {**files, "t.jsonl": "", "v.csv": "a,b\n"},
                               output=None))
-    cases.append(Case("output/train/policy_json", ("train", "--timesteps", "64", "-o", "{d}/pol.json"), {}, None))
-    cases.append(Case("output/train/resume_nothing", ("train", "--timesteps", "64", "--resume", "-o",
+    cases.append(Case("output/train/policy_json", ("train", "cost", "--timesteps", "64", "-o", "{d}/pol.json"), {},
+                      None))
+    cases.append(Case("output/train/resume_nothing", ("train", "cost", "--timesteps", "64", "--resume", "-o",
                                                       "{d}/pol.zip"), {}, None))
     return cases
 
@@ -242,7 +243,7 @@ def trace_cases() -> list[Case]:
         Case("trust/calibrate", ("calibrate", "{d}/t.jsonl", "--cluster", "cpu", "-o", "{d}/out.json"), files),
         Case("trust/calibrate_relative", ("calibrate", "{d}/t.jsonl", "--cluster", "cpu", "-o", "{d}/out.json"),
              {**files, "t.jsonl": ("<records>", [relative] * 4)}),
-        Case("trust/train", ("train", "--traces", "{d}/t.jsonl", "--cluster", "cpu", "-o", "{d}/pol.zip"), files,
+        Case("trust/train", ("train", "traces", "{d}/t.jsonl", "--cluster", "cpu", "-o", "{d}/pol.zip"), files,
              output=None),
     ]
 
@@ -297,15 +298,16 @@ def table_cases() -> list[Case]:
 
 
 def workload_spec_cases() -> list[Case]:
-    """`autopar train --workloads FILE.json`: a list of workload specs."""
+    """`autopar train cost --workloads FILE.json`: a list of workload specs."""
     spec = {"model": "gpt", "model_args": {"size": "tiny"}, "cluster": "cpu", "global_batch": 8}
     docs = {"not_a_list": spec, "nodes_string": [{**spec, "nodes": "many"}], "batch_huge": [{**spec,
             "global_batch": 10**18}], "gpn_zero": [{**spec, "gpus_per_node": 0}], "precision_bad": [{**spec,
             "precision": "fp8"}], "unknown_key": [{**spec, "colour": 1}], "no_model": [{"cluster": "cpu"}],
             "nested_deep": (RAW, "[" + _nested(100_000) + "]"), "count_huge": None}
-    cases = [Case(f"workloads/{k}", ("train", "--workloads", "{d}/w.json", "--timesteps", "64", "-o", "{d}/pol.zip"),
+    train = ("train", "cost", "--workloads")
+    cases = [Case(f"workloads/{k}", (*train, "{d}/w.json", "--timesteps", "64", "-o", "{d}/pol.zip"),
                   {"w.json": v}, output=None) for k, v in docs.items() if v is not None]
-    cases.append(Case("workloads/count_huge", ("train", "--workloads", "10000000000", "-o", "{d}/pol.zip"), {}, None))
+    cases.append(Case("workloads/count_huge", (*train, "10000000000", "-o", "{d}/pol.zip"), {}, None))
     return cases
 
 

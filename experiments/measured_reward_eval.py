@@ -2,14 +2,14 @@
 
 On this machine (gloo processes), for a small GPT on one node of --gpus-per-node ranks:
 
-1. the restricted plan space (`autopar.policies.measured.RestrictedSpace`, the defaults of
-   `autopar train --reward measured` unless --restrict says otherwise; at most 100 plans);
-2. the reference: every plan of it run once through `autopar run` (`MeasuredReward`, with an
+1. the restricted plan space (`autopar.envs.restricted.RestrictedSpace`, the defaults of
+   `autopar train measured` unless --restrict says otherwise; at most 100 plans);
+2. the reference: every plan of it run once as `autopar run` runs it (`MeasuredReward`, with an
    on-disk cache, so a rerun or the fine-tuning below repeats no run);
 3. the cost model's view: its best plan of the space, and the shipped policy's greedy plan
    (the cost-model-only policy's pick), each with its measured time;
 4. measured-reward fine-tuning from the shipped policy with --budget distinct measured plans
-   (`autopar.policies.measured.finetune`, what `autopar train --reward measured` runs), its pick
+   (`autopar.policies.measured.finetune`, what `autopar train measured` runs), its pick
    and measured time. The fine-tuning measures with its own cache (OUT/loop_cache.json), so every
    plan it uses is run again inside the loop, not read from the reference; its pick is compared
    with the reference's best by the reference's measurement of it (one campaign, one noise).
@@ -20,7 +20,9 @@ On this machine (gloo processes), for a small GPT on one node of --gpus-per-node
 
 Writes --out/reference.json and --out/summary.json and prints the table.
 
-    python experiments/measured_reward_eval.py [--budget 40] [--reference-only] [--out DIR]
+    python experiments/measured_reward_eval.py [--budget 40] [--steps 10] [--reference-only] [--out DIR]
+
+(--steps, --warmup and --timeout: the run options of `autopar run`, autopar/executor/options.py.)
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+
+from autopar.executor.options import RunOptions, add_run_flags
 
 ROOT = Path(__file__).resolve().parent
 MODEL_ARGS = ["size=tiny", "hidden=128", "seq_len=64"]
@@ -46,8 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--cluster", default="cpu")
     p.add_argument("--gpus-per-node", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    add_run_flags(p, ("steps", "warmup", "timeout_s"))
     p.add_argument("--budget", type=int, default=40)
     p.add_argument("--restrict", action="append", default=[], metavar="KNOB=VALUES")
     p.add_argument("--seed", type=int, default=0)
@@ -64,16 +68,11 @@ def main(argv=None) -> int:
                    help="the fine-tuning reads the reference's measurements instead of running its own")
     args = p.parse_args(argv)
 
-    from autopar.policies.measured import (
-        MeasuredConfig,
-        RestrictedSpace,
-        finetune,
-        measure_all,
-        measured_workload,
-        parse_restrictions,
-    )
+    from autopar.envs.restricted import RestrictedSpace
+    from autopar.policies.measured import MeasuredConfig, finetune, measured_workload
 
     from autopar.cli.common import parse_model_args
+    from autopar.cli.train import parse_restrictions
     from autopar.cost import estimate
     from autopar.executor.reward import MeasuredReward
 
@@ -85,8 +84,9 @@ def main(argv=None) -> int:
     space = RestrictedSpace(workload, parse_restrictions(args.restrict))
     console.print(f"{workload.describe()}: restricted space of {len(space.prefixes)} plans; varying "
                   f"{space.varying()}; fixed {space.fixed()}", soft_wrap=True)
-    backend = MeasuredReward(args.model, model_args, steps=args.steps, warmup=args.warmup, nproc=workload.world_size,
-                             cache_path=args.cache or out / "cache.json", backend="gloo", cluster=args.cluster)
+    options = replace(RunOptions.from_args(args), backend="gloo", nproc_per_node=workload.world_size)
+    backend = MeasuredReward(args.model, model_args, options, cache_path=args.cache or out / "cache.json",
+                             cluster=args.cluster)
 
     started = time.perf_counter()
     reference = measure_all(space, backend, say=lambda m: console.print(m, soft_wrap=True))
@@ -105,8 +105,7 @@ def main(argv=None) -> int:
     from sb3_contrib import MaskablePPO
 
     loop = backend if args.loop_from_reference else MeasuredReward(
-        args.model, model_args, steps=args.steps, warmup=args.warmup, nproc=workload.world_size,
-        cache_path=out / "loop_cache.json", backend="gloo", cluster=args.cluster)
+        args.model, model_args, options, cache_path=out / "loop_cache.json", cluster=args.cluster)
     model = MaskablePPO.load(default_policy_path(), device="cpu")
     summary = finetune(model, space, loop, MeasuredConfig(budget=args.budget, seed=args.seed),
                        say=lambda m: console.print(m, soft_wrap=True))
@@ -168,6 +167,22 @@ def main(argv=None) -> int:
                   f"{summary['pick']['loop_measured_s']} s inside the loop; fixed knobs: {space.fixed()}",
                   soft_wrap=True)
     return 0
+
+
+def measure_all(space, backend, say=lambda msg: None) -> list[dict]:
+    """Every plan of the space measured once (the reference; the backend's cache keeps them)."""
+    out = []
+    for i, (prefix, plan) in enumerate(zip(space.prefixes, space.plans), start=1):
+        started = time.perf_counter()
+        res = backend(plan)
+        record = res.get("record") or {}
+        out.append({"plan": plan.to_dict(), "describe": plan.describe(), "reward": float(res["reward"]),
+                    "measured_s": -float(res["reward"]) if record.get("outcome", "ok") == "ok" and res["reward"] > -1e3
+                    else None, "outcome": record.get("outcome", "ok"), "cached": bool(res.get("cached"))})
+        say(f"reference {i}/{len(space.prefixes)}: {plan.describe()}: "
+            f"{out[-1]['measured_s'] if out[-1]['measured_s'] is not None else out[-1]['outcome']}"
+            f"{' (cached)' if res.get('cached') else ''} [{time.perf_counter() - started:.1f} s]")
+    return out
 
 
 def _confirm(space, backend, top: list[str], pick: str, repeats: int) -> dict:

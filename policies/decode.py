@@ -64,3 +64,8 @@ def sample(actor, space: PlanSpace, workload_vector, k: int, rng: np.random.Gene
         if len(found) == k:
             break
     return sorted(found.values(), key=lambda d: -d.probability)
+
+
+def greedy(actor, space: PlanSpace, features) -> tuple:
+    """The plan (as a prefix) the policy ranks first: a beam of width 1."""
+    return beam_search(actor, space, features, 1)[0].prefix

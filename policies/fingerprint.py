@@ -23,7 +23,7 @@ from autopar import cost
 from autopar.envs.workloads import WorkloadSpec
 from autopar.search.space import enumerate_plans
 
-RETRAIN_COMMAND = "autopar train --workloads 1024 --timesteps 100000 -o policies/default_policy.zip"
+RETRAIN_COMMAND = "autopar train cost --workloads 1024 --timesteps 100000 -o policies/default_policy.zip"
 PROBES = (  # the runtime is the trainer's (torch); models, precisions and sizes spread over the pool's
     WorkloadSpec("gpt", (("size", "gpt2-medium"),), "dgx-a100-80g", nodes=2, global_batch=64),
     WorkloadSpec("llama", (("seq_len", 2048), ("size", "small")), "dgx-h100", global_batch=32),

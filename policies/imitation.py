@@ -5,7 +5,7 @@ the best completion (found exhaustively) labels the states the policy's own deci
 from __future__ import annotations
 
 import numpy as np
-
+from autopar.envs.features import observation
 from autopar.policies.files import numpy_actor
 
 MINIBATCH = 64  # a few thousand demonstrations: small batches, many steps
@@ -16,7 +16,7 @@ def demonstrations(pool: list, oracle, actor=None) -> tuple[np.ndarray, np.ndarr
     Without an actor the way is the expert's own (the oracle's plan); with one it is the actor's
     greedy choices, so the expert (the best completion, found exhaustively) also labels the
     states a policy drifts into, as DAgger does (Ross et al. 2011)."""
-    from autopar.envs.features import observation, workload_features
+    from autopar.envs.features import workload_features
     from autopar.envs.knobs import PlanSpace
 
     obs, masks, actions = [], [], []
@@ -35,6 +35,23 @@ def demonstrations(pool: list, oracle, actor=None) -> tuple[np.ndarray, np.ndarr
             if actor is not None:
                 slot = int(np.argmax(actor.probabilities(o[None], masks[-1][None])[0]))
                 value = info.value_at(slot)
+            prefix = space.advance(prefix + (value,))
+    return np.array(obs), np.array(masks), np.array(actions)
+
+
+def plan_demonstrations(space, features, targets: list[tuple], weights: list[int]):
+    """(observations, masks, actions) of the decisions on the way to each target plan, repeated
+    by its weight: what `imitate` fits (measured-reward fine-tuning clones its best plans)."""
+    obs, masks, actions = [], [], []
+    for target, weight in zip(targets, weights):
+        prefix = space.advance(())
+        while len(prefix) < len(space.knobs):
+            info = space.step(prefix)
+            value = target[len(prefix)]
+            for _ in range(weight):
+                obs.append(observation(space, prefix, features))
+                masks.append(info.mask())
+                actions.append(int(info.slots[info.values.index(value)]))
             prefix = space.advance(prefix + (value,))
     return np.array(obs), np.array(masks), np.array(actions)
 

@@ -74,7 +74,7 @@ def read_meta(path) -> dict:
     """The metadata of a policy file, with the checks that it is one."""
     path = Path(path)
     if not path.is_file():
-        raise PolicyError(f"policy file {path} not found; train one with `autopar train -o {path.name}` "
+        raise PolicyError(f"policy file {path} not found; train one with `autopar train cost -o {path.name}` "
                           f"or leave --policy out to use the shipped policy")
     try:
         with zipfile.ZipFile(path) as archive:
@@ -98,7 +98,7 @@ def check_signature(meta: dict, path) -> None:
     expected = space_signature()
     if meta.get("space_signature") != expected:
         raise PolicyError(f"{path} was trained for plan-space signature {meta.get('space_signature')!r}, but this "
-                          f"autopar's space has signature {expected!r}; retrain with `autopar train` (or use the "
+                          f"autopar's space has signature {expected!r}; retrain with `autopar train cost` (or use the "
                           f"autopar version it was trained with)")
 
 

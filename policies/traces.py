@@ -1,4 +1,4 @@
-"""`autopar train --traces`: a policy specialised for one cluster and the job mix its traces describe.
+"""`autopar train traces`: a policy specialised for one cluster and the job mix its traces describe.
 
     1. calibrate the cluster's cost model on the traces (`autopar.calibrate.calibrate`, as
        `autopar calibrate` does; all rows are fitted);

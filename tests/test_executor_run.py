@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import free_port
 
+from autopar.executor.options import RunOptions
 from autopar.executor.reward import MeasuredReward
 from autopar.plan import Plan
 from autopar.traces import read_records
@@ -237,24 +238,49 @@ def test_cuda_oom_is_an_outcome_not_a_crash(tmp_path):
     assert only_record(tmp_path / "t.jsonl").outcome == "oom"
 
 
-def test_measured_reward_is_cached_by_workload_and_plan(tmp_path, monkeypatch):
+def test_measured_reward_runs_in_process_and_is_cached_by_workload_and_plan(tmp_path, monkeypatch):
+    """The reward calls the executor's launcher in this process (no `python -m autopar run` child:
+    only torchrun's workers are started), and caches by workload and plan."""
+    import autopar.executor.run_plan as run_plan_module
+
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    real_popen, launches = subprocess.Popen, []
+
+    def popen(*a, **kw):
+        argv = list(map(str, kw.get("args", a[0] if a else [])))
+        assert "autopar" not in argv[:4], f"the reward shelled out: {argv}"
+        return real_popen(*a, **kw)
+
+    def launch(*a, **kw):
+        launches.append(a)
+        return real_launch(*a, **kw)
+
+    real_launch = run_plan_module.launch
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setattr(run_plan_module, "launch", launch)
     cache = tmp_path / "cache.json"
-    reward = MeasuredReward("gpt", {"size": "tiny"}, steps=2, warmup=1, nproc=1, cache_path=cache, timeout_s=120,
-                            trace_path=tmp_path / "t.jsonl")
+    handler = signal.getsignal(signal.SIGINT)
+    options = RunOptions(steps=2, warmup=1, timeout_s=120)
+    reward = MeasuredReward("gpt", {"size": "tiny"}, options, cache_path=cache, trace_path=tmp_path / "t.jsonl")
     plan = Plan(dp=1, tp=1, pp=1, micro_batch_size=4, num_micro_batches=1, precision="fp32")
     first = reward(plan)
+    assert len(launches) == 1 and launches[0][3].steps == 2  # the launcher, as a library, with these options
+    assert signal.getsignal(signal.SIGINT) is handler  # torchrun's agent left no handler of its own behind
+    assert "AUTOPAR_LAUNCHER_PID" not in os.environ  # nor the launcher its workers' variable
     assert not first["cached"] and first["record"]["outcome"] == "ok"
     assert first["reward"] == -first["record"]["measured"]["median_step_s"] < 0
-    again = MeasuredReward("gpt", {"size": "tiny"}, steps=2, warmup=1, nproc=1, cache_path=cache)(plan)
-    assert again["cached"] and again["reward"] == first["reward"]
+    assert len(first["record"]["measured"]["step_times_s"]) == 2 and len(first["record"]["measured"]["losses"]) == 3
+    again = MeasuredReward("gpt", {"size": "tiny"}, options, cache_path=cache)(plan)
+    assert again["cached"] and again["reward"] == first["reward"] and len(launches) == 1
     assert reward.key(plan) != reward.key(plan.with_(zero=1))
     assert len(read_records(tmp_path / "t.jsonl")[0]) == 1
     repeated = reward.run(plan)  # a repeated run (traces collect --repeats) measures again
-    assert not repeated["cached"] and len(read_records(tmp_path / "t.jsonl")[0]) == 2
+    assert not repeated["cached"] and len(read_records(tmp_path / "t.jsonl")[0]) == 2 and len(launches) == 2
     for call in (reward, reward.run):
         with pytest.raises(Exception, match="= 2 ranks but this reward backend runs 1"):
             call(plan.with_(dp=2))
+    refused = reward(plan.with_(grad_comm_dtype="bf16"))  # gloo has no bf16 reduction: refused, nothing ran
+    assert refused["reward"] == reward.failure_reward and refused["record"] is None and len(launches) == 2
 
 
 def test_the_example_trains_saves_and_resumes_under_another_plan(tmp_path):

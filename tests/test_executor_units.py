@@ -16,8 +16,9 @@ from torch.utils.data import DistributedSampler
 
 from autopar.errors import PlanError
 from autopar.executor.data import local_share
-from autopar.executor.launch import LaunchSpec, check_world_size, torchrun_argv
+from autopar.executor.launch import check_world_size, torchrun_argv
 from autopar.executor.measure import summarize, tokens_per_sample
+from autopar.executor.options import RunOptions
 from autopar.executor.mesh import resolve_backend
 from autopar.executor.support import check_supported
 from autopar.executor.parity import reference_losses
@@ -121,7 +122,7 @@ def test_summary_takes_the_slowest_rank_per_step():
 def test_refusals_before_launch():
     with pytest.raises(PlanError, match=r"needs dp x tp x pp = 2 x 1 x 1 = 2 ranks but --nnodes 1 x "
                                         r"--nproc-per-node 4 = 4"):
-        check_world_size(plan(dp=2), LaunchSpec(nproc_per_node=4))
+        check_world_size(plan(dp=2), RunOptions(nproc_per_node=4))
     with pytest.raises(PlanError, match="needs NCCL"):
         check_supported(plan(dp=2, grad_comm_dtype="bf16"), "gloo")
     check_supported(plan(dp=2, grad_comm_dtype="fp16"), "gloo")
@@ -132,10 +133,10 @@ def test_refusals_before_launch():
 
 
 def test_torchrun_command_lines():
-    single = torchrun_argv("p.json", "gpt", {"size": "tiny"}, LaunchSpec(nproc_per_node=2), "r.json")
+    single = torchrun_argv("p.json", "gpt", {"size": "tiny"}, RunOptions(nproc_per_node=2), "r.json")
     assert single[:3] == ["--standalone", "--nnodes", "1"] and "--max-restarts" in single
     assert single[single.index("--module") + 1] == "autopar.executor.worker"
-    multi = torchrun_argv("p.json", "gpt", {}, LaunchSpec(nproc_per_node=2, nnodes=2, node_rank=1,
+    multi = torchrun_argv("p.json", "gpt", {}, RunOptions(nproc_per_node=2, nnodes=2, node_rank=1,
                                                           master_port=1234, timeout_s=5), "r.json")
     assert "--standalone" not in multi and multi[multi.index("--node-rank") + 1] == "1"
     assert multi[multi.index("--master-port") + 1] == "1234" and multi[multi.index("--timeout") + 1] == "5"

@@ -1,4 +1,4 @@
-"""Measured-reward fine-tuning (`autopar train --reward measured`) with a fake measured backend:
+"""Measured-reward fine-tuning (`autopar train measured`) with a fake measured backend:
 no real run. The loop, the budget accounting, the restricted space and the CLI's bad input."""
 
 from __future__ import annotations
@@ -11,18 +11,12 @@ import zipfile
 import numpy as np
 import pytest
 from autopar.envs.features import workload_features
+from autopar.envs.restricted import DEFAULT_RESTRICT, RestrictedSpace
 from autopar.policies.decode import beam_search, sample
 from autopar.policies.load import load_policy
-from autopar.policies.measured import (
-    DEFAULT_RESTRICT,
-    MeasuredConfig,
-    RestrictedSpace,
-    finetune,
-    measured_workload,
-    parse_restrictions,
-    train_measured,
-)
+from autopar.policies.measured import MeasuredConfig, finetune, measured_workload, train_measured
 
+from autopar.cli.train import RESTRICT_HELP, parse_restrictions
 from autopar.errors import AutoparError
 
 ARGS = {"size": "tiny", "hidden": 128, "seq_len": 64}
@@ -103,6 +97,12 @@ def test_bad_budget_and_restrictions(space, model):
         RestrictedSpace(space.workload, parse_restrictions([]), max_plans=3)
 
 
+def test_the_restrict_help_shows_the_default_restriction():
+    """`--help` cannot import the plan space (seconds): its text must still say what DEFAULT_RESTRICT is."""
+    shown = dict(item.split("=") for item in RESTRICT_HELP.split(";")[0].split())
+    assert {k: tuple(v.split(",")) for k, v in shown.items()} == DEFAULT_RESTRICT
+
+
 def test_train_measured_writes_a_policy(tmp_path):
     out = tmp_path / "policy.zip"
     meta = train_measured("gpt", ARGS, cluster="cpu", gpus_per_node=4, global_batch=8,
@@ -118,10 +118,33 @@ def test_train_measured_writes_a_policy(tmp_path):
 @pytest.mark.parametrize("extra,message", [(["--budget", "0"], "--budget"), (["--restrict", "zeros=1"], "unknown knob"),
                                            ([], "needs a MODEL")])
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, extra, message):
-    argv = [sys.executable, "-m", "autopar", "train", "--reward", "measured", *(["gpt"] if extra else []), *extra,
+    argv = [sys.executable, "-m", "autopar", "train", "measured", *(["gpt"] if extra else []), *extra,
             "-o", str(tmp_path / "p.zip")]
     res = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2, res.stderr
     lines = [line for line in (res.stderr + res.stdout).splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0]
     assert not (tmp_path / "p.zip").exists()
+
+
+def test_the_old_flag_form_runs_the_sub_command_with_a_note(tmp_path, capsys):
+    from autopar.cli import main
+
+    out = tmp_path / "p.zip"
+    assert main(["train", "--reward", "measured", "gpt", "--budget", "0", "-o", str(out)]) == 2
+    note, error = capsys.readouterr().err.strip().splitlines()
+    assert "deprecated" in note and "`autopar train measured ...`" in note and "--budget" in error
+    assert main(["train", "--reward", "best", "-o", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == ("autopar: error: --reward takes cost or measured, got 'best'; use "
+                                               "`autopar train cost|measured ...`")
+    assert not out.exists()
+    from autopar.cli.train import modernize
+
+    assert modernize(["train", "--traces", "a.jsonl", "b.jsonl", "--cluster", "c"]) == \
+        ["train", "traces", "a.jsonl", "b.jsonl", "--cluster", "c"]
+    assert modernize(["train", "--workloads", "8", "-o", "p.zip"]) == ["train", "cost", "--workloads", "8", "-o", "p.zip"]
+    assert modernize(["train", "--reward", "cost"]) == ["train", "cost"]
+    assert len(capsys.readouterr().err.strip().splitlines()) == 3  # one note each
+    for new in (["train", "cost", "--workloads", "8"], ["train", "measured", "gpt"], ["train", "--help"], ["train"]):
+        assert modernize(new) == new
+    assert capsys.readouterr().err == ""

@@ -39,7 +39,7 @@ def trained(pool_file, tmp_path_factory, monkeypatch_module):
     out = tmp_path_factory.mktemp("policy") / "p.zip"
     scratch = tmp_path_factory.mktemp("tmp")  # no SB3 log folder left in the temporary directory
     monkeypatch_module.setattr(tempfile, "tempdir", str(scratch))
-    args = ["train", "--workloads", str(pool_file), "-o", str(out), *SMALL]
+    args = ["train", "cost", "--workloads", str(pool_file), "-o", str(out), *SMALL]
     monkeypatch_module.setattr(sys, "argv", ["/usr/bin/autopar", *args])  # as the console script sees it
     assert main(args) == 0
     assert list(scratch.glob("SB3-*")) == []
@@ -56,7 +56,7 @@ def test_smoke_training_writes_a_policy_with_metadata(trained, pool_file):
     meta = json.loads(trained.with_suffix(".json").read_text())
     assert meta["env_id"] == "autopar/ParallelPlan-v0" and meta["timesteps"] == 384
     assert {"torch", "stable-baselines3", "sb3-contrib", "gymnasium"} <= set(meta["versions"])
-    quoted = " ".join(shlex.quote(str(a)) for a in ["--workloads", pool_file, "-o", trained, *SMALL])
+    quoted = " ".join(shlex.quote(str(a)) for a in ["cost", "--workloads", pool_file, "-o", trained, *SMALL])
     assert meta["command"] == f"autopar train {quoted}"
     assert load_policy(trained).meta["space_signature"] == meta["space_signature"]
     assert sorted(p.name for p in (trained.parent / "p.zip.ckpt").glob("step_*.zip")) == \
@@ -86,8 +86,8 @@ def test_numpy_actor_matches_the_torch_policy(trained, pool_file):
 
 def test_resume_after_a_kill_continues_from_the_last_checkpoint(pool_file, tmp_path, capsys):
     out = tmp_path / "r.zip"
-    base = ["train", "--workloads", str(pool_file), "-o", str(out), "--n-steps", "128", "--checkpoint-every", "128",
-            "--eval-workloads", "0"]
+    base = ["train", "cost", "--workloads", str(pool_file), "-o", str(out), "--n-steps", "128",
+            "--checkpoint-every", "128", "--eval-workloads", "0"]
     proc = subprocess.Popen([sys.executable, "-m", "autopar", *base, "--timesteps", "100000"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 90
@@ -154,15 +154,15 @@ def test_resume_never_unpickles_a_checkpoint(trained, pool_file, tmp_path):
                 data = json.dumps(doc).encode()
             dst.writestr(item, data)
     (ckpt / ".step_512.zip.abc.tmp").write_bytes(b"half a save")
-    assert main(["train", "--workloads", str(pool_file), "-o", str(out), "--n-steps", "128", "--eval-workloads", "0",
-                 "--timesteps", "512", "--resume"]) == 0
+    assert main(["train", "cost", "--workloads", str(pool_file), "-o", str(out), "--n-steps", "128",
+                 "--eval-workloads", "0", "--timesteps", "512", "--resume"]) == 0
     assert not marker.exists() and not list(ckpt.glob(".*.tmp"))
     assert json.loads(out.with_suffix(".json").read_text())["timesteps"] == 512
 
 
 def test_resume_without_a_checkpoint_and_a_json_output_are_refused(pool_file, tmp_path, capsys):
-    assert main(["train", "--workloads", str(pool_file), "-o", str(tmp_path / "r.zip"), "--resume"]) == 2
-    assert main(["train", "--workloads", str(pool_file), "-o", str(tmp_path / "pol.json")]) == 2
+    assert main(["train", "cost", "--workloads", str(pool_file), "-o", str(tmp_path / "r.zip"), "--resume"]) == 2
+    assert main(["train", "cost", "--workloads", str(pool_file), "-o", str(tmp_path / "pol.json")]) == 2
     err = capsys.readouterr().err.splitlines()
     assert "no checkpoint (step_N.zip)" in err[0] and "must not end in .json" in err[1] and len(err) == 2
     assert list(tmp_path.iterdir()) == []

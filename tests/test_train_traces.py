@@ -1,4 +1,4 @@
-"""`autopar train --traces`: calibrate on traces, train on their job mix, evaluate on held-out shapes."""
+"""`autopar train traces`: calibrate on traces, train on their job mix, evaluate on held-out shapes."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_train_on_vtrain_rows(tmp_path, capsys):
     # three shapes: one at 4 GPUs and batch 8, one at 2 GPUs and batch 16, one at 4 GPUs and batch 8
     traces = _vtrain_subset(tmp_path, {(1024, 12): (4, 8), (1024, 16): (2, 16), (2048, 12): (4, 8)})
     out = tmp_path / "pol" / "policy.zip"
-    assert main(["train", "--traces", str(traces), "--cluster", "dgx-a100-80g", "--holdout", "0.3", *TINY,
+    assert main(["train", "traces", str(traces), "--cluster", "dgx-a100-80g", "--holdout", "0.3", *TINY,
                  "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "held-out trace workloads" in printed and "median" in printed
@@ -91,22 +91,23 @@ def _one_line_error(capsys, argv, match: str, output: Path) -> None:
 def test_bad_input_is_one_line_and_status_2(tmp_path, capsys):
     out = tmp_path / "policy.zip"
     base = ["--cluster", "dgx-a100-80g", "-o", str(out)]
-    _one_line_error(capsys, ["train", "--traces", *base], "at least one trace file", out)
-    _one_line_error(capsys, ["train", "--traces", str(tmp_path / "missing.jsonl"), *base], "not found", out)
-    _one_line_error(capsys, ["train", "--traces", str(tmp_path / "missing.jsonl"), "-o", str(out)], "--cluster", out)
-    _one_line_error(capsys, ["train", "--replay", "8", "-o", str(out)], "go with --traces", out)
+    _one_line_error(capsys, ["train", "traces", *base], "at least one trace file", out)
+    _one_line_error(capsys, ["train", "traces", str(tmp_path / "missing.jsonl"), *base], "not found", out)
+    _one_line_error(capsys, ["train", "traces", str(tmp_path / "missing.jsonl"), "-o", str(out)], "--cluster", out)
+    _one_line_error(capsys, ["train", "traces", str(tmp_path / "missing.jsonl"), "--replay", "-1", *base],
+                    "--replay must be 0 or more", out)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    _one_line_error(capsys, ["train", "--traces", str(empty), *base], "no readable trace records", out)
+    _one_line_error(capsys, ["train", "traces", str(empty), *base], "no readable trace records", out)
 
 
 def test_too_few_rows_and_one_shape(tmp_path, capsys):
     out = tmp_path / "policy.zip"
     few = _vtrain_subset(tmp_path / "few", {(1024, 12): (4, 8)}, per_pick=2)
-    _one_line_error(capsys, ["train", "--traces", str(few), "--cluster", "dgx-a100-80g", "-o", str(out)],
+    _one_line_error(capsys, ["train", "traces", str(few), "--cluster", "dgx-a100-80g", "-o", str(out)],
                     "too few measured rows", out)
     one = _vtrain_subset(tmp_path / "one", {(1024, 12): (4, 8)}, per_pick=10)
-    _one_line_error(capsys, ["train", "--traces", str(one), "--cluster", "dgx-a100-80g", "-o", str(out)],
+    _one_line_error(capsys, ["train", "traces", str(one), "--cluster", "dgx-a100-80g", "-o", str(out)],
                     "at least 2", out)
 
 

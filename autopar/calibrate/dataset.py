@@ -216,7 +216,7 @@ def _read_with_lines(path, read_records):
 def job_mix(paths, cluster, models=None) -> list[tuple[object, int]]:
     """(Workload, runs) for each distinct workload (model profile, cluster size, global batch) the
     trace files describe: the job mix a policy trained for this cluster should cover (for
-    `autopar train --traces`). `cluster` is usually the calibrated cluster JSON."""
+    `autopar train traces`). `cluster` is usually the calibrated cluster JSON."""
     from autopar.workload import Workload
 
     records, sources, _ = load_traces(paths)

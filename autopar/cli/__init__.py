@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 
+from autopar.cli.train import modernize
 from autopar.errors import AutoparError
 
 # subcommands in the order `autopar --help` lists them; each lives in the module autopar.cli.<name>
@@ -44,10 +45,12 @@ def _check_outputs(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if threading.current_thread() is threading.main_thread():  # SIGTERM ends a command as Ctrl-C does
-        signal.signal(signal.SIGTERM, _interrupt)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        # `autopar train --traces ...` and the like: the old form of a sub-command
+        args = parser.parse_args(modernize(argv) if argv[:1] == ["train"] else argv)
+        if threading.current_thread() is threading.main_thread():  # SIGTERM ends a command as Ctrl-C does
+            signal.signal(signal.SIGTERM, _interrupt)
         _check_outputs(args)
         return args.func(args) or 0
     except AutoparError as e:

@@ -41,6 +41,15 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
     add_profile_timeout_flag(parser)
 
 
+def add_model_flags(parser, optional: bool = False) -> None:
+    """MODEL and --model-arg, for the commands that run a model (optional: checked by the command,
+    so that a missing MODEL is one line)."""
+    parser.add_argument("model", metavar="MODEL", nargs="?" if optional else None,
+                        help="path to a model.py, or a zoo model name (gpt, llama, ...)")
+    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="keyword argument for build_model/example_batch, e.g. size=tiny (repeatable)")
+
+
 def add_profile_timeout_flag(parser) -> None:
     from autopar.profile.isolated import DEFAULT_PROFILE_TIMEOUT
 

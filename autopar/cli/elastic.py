@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 import stat
-from dataclasses import replace
 from pathlib import Path
 
 from autopar.errors import AutoparError
+from autopar.executor.options import ElasticSpec
 from autopar.search.replan import DEFAULT_TOLERANCE
 
 REPLANNER = "autopar.search.replan:from_worker_args"  # what the workers call to re-plan (worker --replanner)
@@ -37,8 +37,6 @@ def add_elastic_flags(p) -> None:
 
 def elastic_spec(args):
     """The ElasticSpec of the flags, or None without --elastic; a wrong combination: one line."""
-    from autopar.executor.launch import ElasticSpec
-
     if not args.elastic:
         if args.checkpoint_dir:
             raise AutoparError("--checkpoint-dir needs --elastic (only elastic runs checkpoint); add --elastic")
@@ -67,45 +65,6 @@ def elastic_spec(args):
     return ElasticSpec(checkpoint_dir=str(folder.absolute()), rdzv_endpoint=endpoint, min_nodes=args.min_nodes,
                        checkpoint_every=args.checkpoint_every, max_restarts=args.max_restarts, replanner=REPLANNER,
                        cluster=args.cluster, replan_tolerance=args.replan_tolerance)
-
-
-def claim_job_folder(spec, model: dict) -> None:
-    """A job folder belongs to one model: resuming another model's checkpoints would fail on
-    every rank, so refuse it now, in one line. The first run of a folder writes `job.json`."""
-    import json
-
-    from autopar.atomic import write_text_atomic
-
-    if not spec.elastic:
-        return
-    path = Path(spec.elastic.checkpoint_dir) / "job.json"
-    mine = {"model": model["name"], "digest": model["digest"], "args": model["args"]}
-    try:
-        theirs = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        write_text_atomic(path, json.dumps(mine))
-        return
-    except (OSError, ValueError) as e:
-        raise AutoparError(f"cannot read {path}: {e}; give a fresh --checkpoint-dir") from None
-    if not isinstance(theirs, dict) or theirs.get("digest") != mine["digest"]:
-        raise AutoparError(f"--checkpoint-dir {path.parent} holds a job of another model or model arguments "
-                           f"({theirs.get('model') if isinstance(theirs, dict) else '?'}); give a fresh folder")
-
-
-def at_world(spec, plan):
-    """The launch spec as the plan sees it: an elastic job's node count is the plan's world
-    (it re-plans for any other); any other job's is its own."""
-    if not spec.elastic:
-        return spec
-    return replace(spec, nnodes=max(1, plan.world_size // spec.nproc_per_node), node_rank=0)
-
-
-def final_plan(result: dict | None, plan):
-    """The plan the job ended under (rank 0's result), else the one it started with."""
-    from autopar.plan import Plan
-
-    final = (result or {}).get("measured", {}).get("plan")
-    return Plan.from_dict(final) if final else plan
 
 
 def show_replans(console, measured: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from autopar.cli.common import print_json
+from autopar.executor.options import BACKENDS
 
 NAME = "profile-cluster"
 
@@ -31,7 +32,7 @@ def add_parser(sub) -> None:
                         "cores: more gloo processes than cores time the scheduler, not the link)")
     p.add_argument("--min-bytes", type=_sizes, default=4096, metavar="SIZE", help="smallest message (default 4K)")
     p.add_argument("--max-bytes", type=_sizes, default=64 * 2**20, metavar="SIZE", help="largest message (default 64M)")
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto: NCCL when CUDA GPUs are present, gloo otherwise")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="per process count (default 300 s)")
     p.add_argument("--json", action="store_true", help="print the measurements and the cluster as JSON")

@@ -3,7 +3,10 @@ collect traces by running plans with the executor."""
 
 from __future__ import annotations
 
-from autopar.cli.common import DEFAULT_CLUSTER, print_json
+from autopar.cli.common import DEFAULT_CLUSTER, add_model_flags, print_json
+from autopar.executor.options import add_run_flags
+
+COLLECT_RUN_FLAGS = ("steps", "warmup", "timeout_s", "backend")  # the run options `traces collect` takes
 
 
 def add_parser(sub) -> None:
@@ -39,9 +42,7 @@ def add_parser(sub) -> None:
                                       "distinct structures at random), run each for a few steps through "
                                       "`autopar run` (torchrun; gloo on CPU, NCCL on GPUs) and append every "
                                       "record, failures included, to the trace file.")
-    col.add_argument("model", metavar="MODEL", help="path to a model.py, or a zoo model name (gpt, llama, ...)")
-    col.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
-                     help="keyword argument for build_model/example_batch (repeatable)")
+    add_model_flags(col)
     col.add_argument("--plans", type=int, required=True, metavar="K", help="number of plans to run")
     col.add_argument("--global-batch", type=int, default=16, metavar="B", help="samples per step (default 16)")
     col.add_argument("--nproc", default="2,4", metavar="N,...",
@@ -50,12 +51,9 @@ def add_parser(sub) -> None:
                      help="cluster the plans are chosen for (default: the cpu preset on gloo, else detected)")
     col.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                      help="training precision (default fp32)")
-    col.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
-    col.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     col.add_argument("--repeats", type=int, default=1, metavar="R",
                      help="runs of each plan, round by round (calibration takes their median; default 1)")
-    col.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
-    col.add_argument("--timeout", type=float, default=300.0, metavar="S", help="per run (default 300 s)")
+    add_run_flags(col, COLLECT_RUN_FLAGS)  # autopar/executor/options.py
     col.add_argument("--seed", type=int, default=0, help="plan sampling seed (default 0)")
     col.add_argument("-o", "--output", required=True, metavar="traces.jsonl", help="trace file to append to")
     col.add_argument("--json", action="store_true", help="print the runs as JSON")
@@ -122,20 +120,21 @@ def run_collect(args) -> int:
 
     from autopar.cli.common import parse_model_args
     from autopar.errors import AutoparError
+    from autopar.executor.options import RunOptions
     from autopar.traces.collect import collect
 
     try:
         nprocs = [int(n) for n in args.nproc.split(",") if n.strip()]
     except ValueError:
         raise AutoparError(f"--nproc expects process counts like 2,4; got {args.nproc!r}") from None
-    for flag in ("plans", "repeats", "global_batch", "steps"):
+    options = RunOptions.from_args(args, seed=0)  # --seed here samples the plans; the runs' weights use 0
+    for flag in ("plans", "repeats", "global_batch"):
         if getattr(args, flag) < 1:
             raise AutoparError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     err = Console(stderr=True)
     runs = collect(args.model, parse_model_args(args.model_arg, None), args.global_batch, args.plans, nprocs,
-                   cluster=args.cluster, precision=args.precision, output=args.output, steps=args.steps,
-                   warmup=args.warmup, seed=args.seed, repeats=args.repeats, timeout_s=args.timeout,
-                   backend=args.backend,
+                   cluster=args.cluster, precision=args.precision, output=args.output, options=options,
+                   seed=args.seed, repeats=args.repeats,
                    progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     if args.json:
         print_json({"output": args.output, "runs": runs})

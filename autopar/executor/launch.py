@@ -23,69 +23,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from autopar.executor.options import RunOptions, worker_argv
 from autopar.executor.outcome import is_oom, killed_by, oom_kills
 from autopar.executor.worker import LAUNCHER_PID, failure_note, heartbeat_file
 from autopar.plan import Plan
 
-DEFAULT_TIMEOUT_S = 900.0  # `autopar run --timeout` default: the job's bound, and its collectives'
+AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's agent handles these (PContext.start)
 STALE_S = 20.0  # a rank whose heartbeat is this old is stopped (it beats every worker.HEARTBEAT_S)
 POLL_S = 0.2  # how often the launcher looks at the heartbeats
-
-
-@dataclass(frozen=True)
-class ElasticSpec:
-    """An elastic job (`autopar.executor.elastic`): `nnodes` is the most nodes, `min_nodes` the
-    fewest; all nodes meet at `rdzv_endpoint` (its host's agent holds the rendezvous store)."""
-
-    checkpoint_dir: str
-    rdzv_endpoint: str
-    min_nodes: int = 1
-    checkpoint_every: int = 10
-    max_restarts: int = 3  # failures (a node lost) the survivors restart from; growth spends none
-    replanner: str | None = None  # module:function, see worker --replanner
-    cluster: str | None = None
-    replan_tolerance: float = 0.05
-    # torch's c10d rendezvous settings: seconds to wait for more nodes once MIN are there, and
-    # how fast a dead node is dropped from the rendezvous (interval x attempts)
-    rdzv_conf: str = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
-
-    def torchrun_flags(self, nnodes: int) -> list[str]:
-        from autopar.executor import rendezvous  # torch: imported when a job starts, not with the CLI
-
-        return ["--nnodes", f"{self.min_nodes}:{nnodes}", "--rdzv-backend", rendezvous.BACKEND,
-                "--rdzv-endpoint", self.rdzv_endpoint, "--rdzv-conf", self.rdzv_conf,
-                "--max-restarts", str(self.max_restarts)]
-
-    def worker_flags(self) -> list[str]:
-        flags = ["--checkpoint-dir", self.checkpoint_dir, "--checkpoint-every", str(self.checkpoint_every),
-                 "--rdzv-endpoint", self.rdzv_endpoint, "--replan-tolerance", str(self.replan_tolerance)]
-        flags += ["--replanner", self.replanner] if self.replanner else []
-        return flags + (["--cluster", self.cluster] if self.cluster else [])
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """Where and how to run: torchrun's node flags plus the worker's options."""
-
-    nproc_per_node: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    backend: str = "auto"
-    timeout_s: float | None = DEFAULT_TIMEOUT_S
-    steps: int = 10
-    warmup: int = 3
-    seed: int = 0
-    optimizer: str = "adamw"
-    lr: float = 1e-3
-    check_parity: bool = False
-    no_dropout: bool = False
-    elastic: ElasticSpec | None = None  # `autopar run --elastic`: torchrun elastic membership
-
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
 
 
 @dataclass(frozen=True)
@@ -103,37 +48,27 @@ class _JobTimeout(Exception):
 
 
 
-def check_world_size(plan: Plan, spec: LaunchSpec) -> None:
+def check_world_size(plan: Plan, options: RunOptions) -> None:
     """Refuse, before starting anything, a plan made for another number of ranks."""
-    plan.dims.check_world(spec.world_size, f"--nnodes {spec.nnodes} x --nproc-per-node {spec.nproc_per_node} = "
-                          f"{spec.world_size}", f"launch {plan.world_size} processes or use a plan for "
-                          f"{spec.world_size}", needs="the plan needs ")
+    plan.dims.check_world(options.world_size, f"--nnodes {options.nnodes} x --nproc-per-node {options.nproc_per_node} = "
+                          f"{options.world_size}", f"launch {plan.world_size} processes or use a plan for "
+                          f"{options.world_size}", needs="the plan needs ")
 
 
-def torchrun_argv(plan_path, model, model_args: dict, spec: LaunchSpec, result_path) -> list[str]:
+def torchrun_argv(plan_path, model, model_args: dict, options: RunOptions, result_path) -> list[str]:
     """The torchrun command line (without `torchrun`) that runs the worker on this node."""
-    if spec.elastic:
-        nodes = spec.elastic.torchrun_flags(spec.nnodes)
-    elif spec.nnodes == 1:
+    if options.elastic:
+        nodes = options.elastic.torchrun_flags(options.nnodes)
+    elif options.nnodes == 1:
         nodes = ["--standalone", "--nnodes", "1"]  # a free local port, no clash between jobs
     else:
-        nodes = ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
-                 "--master-addr", spec.master_addr, "--master-port", str(spec.master_port)]
+        nodes = ["--nnodes", str(options.nnodes), "--node-rank", str(options.node_rank),
+                 "--master-addr", options.master_addr, "--master-port", str(options.master_port)]
     worker = ["--plan", str(plan_path), "--model", str(model), "--model-args", json.dumps(model_args),
-              "--steps", str(spec.steps), "--warmup", str(spec.warmup), "--seed", str(spec.seed),
-              "--optimizer", spec.optimizer, "--lr", str(spec.lr), "--backend", spec.backend,
-              "--result", str(result_path)]
-    if spec.timeout_s:
-        worker += ["--timeout", str(spec.timeout_s)]
-    if spec.check_parity:
-        worker.append("--check-parity")
-    if spec.no_dropout:
-        worker.append("--no-dropout")
-    if spec.elastic:
-        worker += spec.elastic.worker_flags()
-    else:
+              "--result", str(result_path), *worker_argv(options)]
+    if not options.elastic:  # no restarts: a failed rank ends the job
         nodes += ["--max-restarts", "0"]
-    return [*nodes, "--nproc-per-node", str(spec.nproc_per_node), "--module", "autopar.executor.worker", *worker]
+    return [*nodes, "--nproc-per-node", str(options.nproc_per_node), "--module", "autopar.executor.worker", *worker]
 
 
 @contextmanager
@@ -153,6 +88,23 @@ def _deadline(seconds: float | None):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@contextmanager
+def _own_signal_handlers():
+    """torchrun's agent replaces this process's handlers of AGENT_SIGNALS with its own (which raise
+    SignalException) and leaves them there: put the caller's back, so that a caller launching many
+    runs (the measured reward) still gets KeyboardInterrupt from Ctrl-C between them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for name in AGENT_SIGNALS if (sig := getattr(signal, name, None))}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:  # None: a handler not set from Python, which cannot be put back
+                signal.signal(sig, handler)
 
 
 class _Watch(threading.Thread):
@@ -293,24 +245,24 @@ def _failure(err, result_path: Path, watch: _Watch, oom_kills_before: int | None
     return ("oom" if is_oom(message) else "rank_failed"), f"rank {rank} failed: {message}"
 
 
-def _result_path(spec: LaunchSpec, tmp: str) -> Path:
+def _result_path(options: RunOptions, tmp: str) -> Path:
     """Rank 0 writes the measurement here: in a temporary folder, or for an elastic job (whose
     rank 0 may be on any node) in the job folder, which all nodes share."""
-    if not spec.elastic:
+    if not options.elastic:
         return Path(tmp) / "result.json"
-    from autopar.executor import rendezvous
+    from autopar.executor import rendezvous  # torch: imported when an elastic job starts
 
     rendezvous.register()
-    path = Path(spec.elastic.checkpoint_dir) / "run" / "result.json"
+    path = Path(options.elastic.checkpoint_dir) / "run" / "result.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     return path
 
 
-def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult:
+def launch(plan_path, model, model_args: dict, options: RunOptions) -> LaunchResult:
     """Run the plan's workers on this node and wait for them (a collective of all nodes).
 
-    Ends within spec.timeout_s: on a rank that stops beating for STALE_S (killed, then named), or at
+    Ends within options.timeout_s: on a rank that stops beating for STALE_S (killed, then named), or at
     the deadline (naming the rank the others waited for). SIGINT/SIGTERM to the launcher end the
     workers and raise KeyboardInterrupt. No worker outlives this call."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -318,15 +270,16 @@ def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
-    if not spec.elastic:  # an elastic job re-plans for whatever world it gets
-        check_world_size(Plan.load(plan_path), spec)
+    if not options.elastic:  # an elastic job re-plans for whatever world it gets
+        check_world_size(Plan.load(plan_path), options)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
-        result_path = _result_path(spec, tmp)
-        args = get_args_parser().parse_args(torchrun_argv(plan_path, model, model_args, spec, result_path))
+        result_path = _result_path(options, tmp)
+        args = get_args_parser().parse_args(torchrun_argv(plan_path, model, model_args, options, result_path))
+        caller_pid = os.environ.get(LAUNCHER_PID)  # put back after the run: an in-process caller keeps its env
         os.environ[LAUNCHER_PID] = str(os.getpid())  # workers inherit it: see worker._die_with_launcher
-        first = spec.node_rank * spec.nproc_per_node
-        watch = _Watch(result_path, range(first, first + spec.nproc_per_node), STALE_S)
+        first = options.node_rank * options.nproc_per_node
+        watch = _Watch(result_path, range(first, first + options.nproc_per_node), STALE_S)
         watch.start()
 
         def ended(outcome: str, error: str | None = None, result=None) -> LaunchResult:
@@ -334,10 +287,10 @@ def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult
 
         kills = oom_kills()  # a SIGKILL while this count rises is the kernel's OOM killer
         try:
-            with _deadline(spec.timeout_s):
+            with _own_signal_handlers(), _deadline(options.timeout_s):
                 run(args)
         except _JobTimeout:
-            return ended("timeout", f"the job did not finish within --timeout {spec.timeout_s:g} s; "
+            return ended("timeout", f"the job did not finish within --timeout {options.timeout_s:g} s; "
                                     f"{watch.slowest()}")
         except ChildFailedError as err:
             if watch.stopped:
@@ -346,12 +299,17 @@ def launch(plan_path, model, model_args: dict, spec: LaunchSpec) -> LaunchResult
         except SignalException:
             raise KeyboardInterrupt from None
         except RendezvousError as e:  # an elastic job whose store host is gone cannot meet again
-            return ended("error", f"the rendezvous at {spec.elastic.rdzv_endpoint if spec.elastic else '?'} failed "
-                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the agent "
-                                  f"hosting its store is gone, which ends any torchrun job (docs/elastic.md)")
+            where = options.elastic.rdzv_endpoint if options.elastic else "?"
+            return ended("error", f"the rendezvous at {where} failed ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); the agent hosting its store is "
+                                  f"gone, which ends any torchrun job (docs/elastic.md)")
         finally:
             watch.done.set()
             watch.join()
             watch.kill_workers()
+            if caller_pid is None:
+                os.environ.pop(LAUNCHER_PID, None)
+            else:
+                os.environ[LAUNCHER_PID] = caller_pid
         result = _read_json(result_path)
         return ended("ok", result=result)

@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import PlanError
+from autopar.executor.options import BACKENDS
 from autopar.executor.support import has_nccl
 from autopar.plan import Plan
 
-BACKENDS = ("auto", "nccl", "gloo")
 # where launchers other than torchrun put the node-local rank: Slurm's srun, Open MPI's mpirun
 LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
 

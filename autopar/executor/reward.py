@@ -1,40 +1,44 @@
 """The measured reward backend: a plan's reward from a real run instead of the cost model.
 
-Each plan runs through `autopar run` in a child process (so a crashing, hanging or
-out-of-memory job never takes the caller down, and torchrun's signal handlers stay out of
-it); the reward is minus the measured median step time, and a fixed clear negative when the
-run ends in oom / timeout / error. Results are cached on disk by workload and plan, since a
-measurement costs seconds to minutes and the RL environment proposes the same plans again.
+Each plan runs as `autopar run` runs it, through the executor's library call
+(`autopar.executor.run_plan.run_plan`: torchrun's agent in this process, one worker process per
+rank, so a crashing, hanging or out-of-memory rank ends as the record's outcome and never takes
+the caller down); the reward is minus the measured median step time, and a fixed clear negative
+when the run ends in oom / timeout / rank_failed, or when the plan is refused before it starts
+(PlanError: nothing ran, nothing is cached). Results are cached on disk by workload and plan,
+since a measurement costs seconds to minutes and the RL environment proposes the same plans
+again. The job's deadline (RunOptions.timeout_s) is a SIGALRM timer: call from the main thread.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from autopar.atomic import write_text_atomic
+from autopar.errors import AutoparError, PlanError
+from autopar.executor.options import RunOptions
+from autopar.executor.run_plan import run_plan
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
-from autopar.traces import append_record, read_records
 
 FAILURE_REWARD = -1000.0  # far below any real -step_time: an infeasible plan
-RUN_COMMAND = (sys.executable, "-m", "autopar", "run")
 
 
 class MeasuredReward:
     """`reward(plan) -> {"reward": float, "record": trace dict or None, "cached": bool}`."""
 
-    def __init__(self, model_path, model_args: dict | None = None, *, steps: int = 5, warmup: int = 2,
-                 nproc: int = 1, cache_path=None, timeout_s: float = 600.0, backend: str = "auto",
-                 failure_reward: float = FAILURE_REWARD, trace_path=None, cluster: str | None = None):
+    def __init__(self, model_path, model_args: dict | None = None, options: RunOptions | None = None, *,
+                 cache_path=None, failure_reward: float = FAILURE_REWARD, trace_path=None,
+                 cluster: str | None = None):
         self.model_path = str(model_path)
         self.model_args = dict(model_args or {})
-        self.steps, self.warmup, self.nproc = steps, warmup, nproc
-        self.timeout_s, self.backend = timeout_s, backend
+        self.options = options or RunOptions()  # every plan runs on one node of options.nproc_per_node ranks
+        if self.options.nnodes != 1:
+            raise AutoparError(f"the measured reward runs plans on one node, got --nnodes {self.options.nnodes}")
+        self.nproc = self.options.nproc_per_node
         self.failure_reward = failure_reward
         self.trace_path = trace_path  # every measurement is also appended here, when given
         self.cluster = cluster  # preset or JSON the records and predictions name (default: detected)
@@ -62,33 +66,22 @@ class MeasuredReward:
         record = self._measure(plan)
         ok = record is not None and record["outcome"] == "ok"
         entry = {"reward": -record["measured"]["median_step_s"] if ok else self.failure_reward, "record": record}
-        if record is not None:  # a launcher that died leaves nothing worth remembering
+        if record is not None:  # a plan refused before it ran is not remembered
             self._cache[key] = entry
             self._save()
         return {**entry, "cached": False}
 
     def _measure(self, plan: Plan) -> dict | None:
-        """Run the plan; its trace record, or None when the launcher itself died."""
+        """Run the plan; its trace record, or None when the plan was refused before it started."""
         with tempfile.TemporaryDirectory(prefix="autopar-reward-") as tmp:
-            plan_path, trace = Path(tmp) / "plan.json", Path(tmp) / "trace.jsonl"
+            plan_path = Path(tmp) / "plan.json"
             plan.save(plan_path)
-            argv = [*RUN_COMMAND, str(plan_path), self.model_path,
-                    "--steps", str(self.steps), "--warmup", str(self.warmup), "--nproc-per-node", str(self.nproc),
-                    "--backend", self.backend, "--timeout", str(self.timeout_s), "--trace", str(trace)]
-            argv += [f"--model-arg={k}={v}" for k, v in self.model_args.items()]
-            if self.cluster:
-                argv += ["--cluster", self.cluster]
             try:
-                subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               timeout=self.timeout_s + 120, check=False)
-            except subprocess.TimeoutExpired:
+                ran = run_plan(plan_path, self.model_path, self.model_args, self.options, cluster=self.cluster,
+                               trace=self.trace_path)
+            except PlanError:  # refused before anything ran: the executor cannot run it here
                 return None
-            records = read_records(trace)[0] if trace.exists() else []
-        if not records:
-            return None
-        if self.trace_path:
-            append_record(self.trace_path, records[-1])
-        return records[-1].to_dict()
+        return ran.record.to_dict()
 
     def _save(self) -> None:
         """Write the cache atomically: a crash never leaves half a file."""

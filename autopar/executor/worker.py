@@ -20,33 +20,22 @@ import threading
 import time
 from functools import partial
 
-OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}  # --optimizer: torch.optim class
+from autopar.executor.options import OPTIMIZERS, WORKER, ElasticSpec, RunOptions, add_run_flags
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The worker's files, and its run options as `autopar.executor.options` declares them."""
     p = argparse.ArgumentParser(prog="python -m autopar.executor.worker")
     p.add_argument("--plan", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--model-args", default="{}", help="JSON object of model arguments")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--timeout", type=float, default=None, help="process-group timeout in seconds")
-    p.add_argument("--check-parity", action="store_true")
-    p.add_argument("--no-dropout", action="store_true", help="turn every dropout off")
     p.add_argument("--result", required=True, help="where rank 0 writes the measurement JSON")
-    # elastic runs (autopar.executor.elastic): train to step warmup + steps, resuming and re-planning
-    p.add_argument("--checkpoint-dir", help="the elastic job's folder: checkpoints, losses, re-plans")
-    p.add_argument("--checkpoint-every", type=int, default=10)
-    p.add_argument("--rdzv-endpoint", help="the rendezvous store, host:port (growth waits for a boundary)")
-    p.add_argument("--replanner", help="module:function that makes the run's replan function from these "
-                                       "arguments (the launcher names the planner side's: the executor imports none)")
-    p.add_argument("--cluster", help="the cluster the planner re-plans for (scaled to the new world)")
-    p.add_argument("--replan-tolerance", type=float, default=0.05)
-    return p.parse_args(argv)
+    add_run_flags(p, WORKER)
+    p.add_argument("--elastic-spec", type=ElasticSpec.from_json, default=None,
+                   help="an elastic run's ElasticSpec as JSON: train to step warmup + steps, resuming and re-planning")
+    args = p.parse_args(argv)
+    args.options = RunOptions.from_args(args, elastic=args.elastic_spec)
+    return args
 
 
 LAUNCHER_PID = "AUTOPAR_LAUNCHER_PID"  # set by `launch` for its workers
@@ -135,7 +124,8 @@ def _train(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from autopar.executor.measure import peak_memory_bytes, summarize, synchronize, tokens_per_sample
-    from autopar.executor.parity import deterministic, mismatch_causes, parity_report, parity_verdict, reference_losses
+    from autopar.executor.parity import (deterministic, mismatch_causes, parity_report, parity_verdict,
+                                         reference_losses)
     from autopar.executor.train_step import apply
     from autopar.modelfile import load_model_file
     from autopar.plan import Plan
@@ -143,23 +133,24 @@ def _train(args: argparse.Namespace) -> None:
     plan = Plan.load(args.plan)
     model_file = load_model_file(args.model)
     model_args = json.loads(args.model_args)
+    options = args.options
     build = partial(model_file.build, **model_args)
-    if args.no_dropout:
+    if options.no_dropout:
         build = partial(_no_dropout, build)
-    optimizer = partial(getattr(torch.optim, OPTIMIZERS[args.optimizer]), lr=args.lr)
-    if args.check_parity:  # the run and its reference alike
+    optimizer = partial(getattr(torch.optim, OPTIMIZERS[options.optimizer]), lr=options.lr)
+    if options.check_parity:  # the run and its reference alike
         deterministic()
     kwargs = {"tp_plan": model_file.tp_plan if model_file.has_tp_plan else None, "blocks": model_file.blocks,
-              "seed": args.seed, "backend": args.backend, "timeout_s": args.timeout}
+              "seed": options.seed, "backend": options.backend, "timeout_s": options.timeout_s}
     elastic = _elastic(args, model_file, model_args, build, optimizer, **kwargs) \
-        if args.checkpoint_dir else None  # trains all its steps itself
+        if options.elastic else None  # trains all its steps itself
     par = elastic.par if elastic else apply(plan, build, optimizer, model_file.loss_fn, **kwargs)
     plan = par.plan
-    torch.manual_seed(args.seed)
+    torch.manual_seed(options.seed)
     inputs, targets = model_file.example_batch(plan.global_batch, device="cpu", **model_args)
     local_inputs, local_targets = par.local_batch(inputs, targets)
     times, losses = (elastic.step_times if elastic else []), []
-    for step in range(0 if elastic else args.warmup + args.steps):
+    for step in range(0 if elastic else options.warmup + options.steps):
         _progress["step"] = step
         _stepped.set()
         synchronize(par.device)
@@ -169,7 +160,7 @@ def _train(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
     global_losses = par.global_losses(losses)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (times[args.warmup:] or times[-1:], peak_memory_bytes(par.device)))
+    dist.all_gather_object(gathered, (times[options.warmup:] or times[-1:], peak_memory_bytes(par.device)))
     rank, backend, device = dist.get_rank(), dist.get_backend(), par.device
     dist.barrier()  # no rank closes its connections while a peer still uses them
     # free the model (the reference needs the device's memory) while its groups still exist: the
@@ -183,11 +174,11 @@ def _train(args: argparse.Namespace) -> None:
     measured = summarize([t for t, _ in gathered], [m for _, m in gathered], plan.global_batch,
                          tokens_per_sample(inputs))
     measured["losses"] = global_losses
-    if args.checkpoint_dir:  # the whole run's losses and re-plans, from the job folder
-        measured.update(_elastic_measured(args.checkpoint_dir))
-    if args.check_parity:  # on the plan's device and precision, now that no peer waits on this rank
+    if options.elastic:  # the whole run's losses and re-plans, from the job folder
+        measured.update(_elastic_measured(options.elastic.checkpoint_dir))
+    if options.check_parity:  # on the plan's device and precision, now that no peer waits on this rank
         reference = reference_losses(build, optimizer, model_file.loss_fn, [(inputs, targets)] * len(global_losses),
-                                     seed=args.seed, precision=plan.precision, device=device)
+                                     seed=options.seed, precision=plan.precision, device=device)
         measured.update(parity_report(global_losses, reference, plan.precision, device))
         measured["parity_verdict"] = parity_verdict(measured["parity_max_rel_diff"], mismatch_causes(build(), plan),
                                                     plan.precision)
@@ -209,17 +200,18 @@ def _elastic(args: argparse.Namespace, model_file, model_args: dict, build, opti
 
     def batch(step: int, global_batch: int):
         with torch.random.fork_rng(devices=[]):  # leaves dropout's random stream alone
-            torch.manual_seed(args.seed + 1_000_003 * (step + 1))
+            torch.manual_seed(args.options.seed + 1_000_003 * (step + 1))
             return model_file.example_batch(global_batch, device="cpu", **model_args)
 
+    options, spec = args.options, args.options.elastic
     replan = None
-    if args.replanner:
-        module, _, name = args.replanner.partition(":")
+    if spec.replanner:
+        module, _, name = spec.replanner.partition(":")
         replan = getattr(importlib.import_module(module), name)(args)
-    growth = WorkerSide.connect(args.rdzv_endpoint) if args.rdzv_endpoint else None
+    growth = WorkerSide.connect(spec.rdzv_endpoint) if spec.rdzv_endpoint else None
     return train_elastic(Plan.load(args.plan), build, optimizer, model_file.loss_fn, batch,
-                         checkpoint_dir=args.checkpoint_dir, steps=args.warmup + args.steps,
-                         checkpoint_every=args.checkpoint_every, replan=replan, growth=growth, on_step=_at_step,
+                         checkpoint_dir=spec.checkpoint_dir, steps=options.warmup + options.steps,
+                         checkpoint_every=spec.checkpoint_every, replan=replan, growth=growth, on_step=_at_step,
                          **kwargs)
 
 

@@ -127,5 +127,6 @@ class Replanner:
 
 def from_worker_args(args) -> Replanner:
     """The replan function of an `autopar run --elastic` worker (its `--replanner`)."""
-    return Replanner(args.model, json.loads(args.model_args), args.cluster,
-                     int(os.environ.get("LOCAL_WORLD_SIZE", "1")), args.replan_tolerance)
+    spec = args.options.elastic
+    return Replanner(args.model, json.loads(args.model_args), spec.cluster,
+                     int(os.environ.get("LOCAL_WORLD_SIZE", "1")), spec.replan_tolerance)

@@ -7,8 +7,10 @@ from autopar.traces.record import (
     TraceRecord,
     append_record,
     current_versions,
+    model_entry,
     read_records,
+    run_record,
 )
 
 __all__ = ["OUTCOMES", "TRACE_SCHEMA_VERSION", "TraceProblem", "TraceRecord", "append_record",
-           "current_versions", "read_records"]
+           "current_versions", "model_entry", "read_records", "run_record"]

@@ -5,9 +5,9 @@ micro-batch size, recompute, ZeRO stage), and the set should include what the pl
 so that "does the calibrated planner pick the measured best?" has an answer. `choose_plans`
 takes the cost model's best plan for each process count, then a seeded random sample of plans
 with distinct structure (dp, tp, pp, micro-batch, recompute mode, ZeRO stage) among those that fit
-and that the backend can run. Each plan runs through `autopar run` in a child process (the
-executor's measured-reward backend), so a failing plan costs its own run only; every run,
-failures included, is appended to the trace file.
+and that the backend can run. Each plan runs as `autopar run` runs it (the executor's
+measured-reward backend: one worker process per rank), so a failing plan costs its own run
+only; every run, failures included, is appended to the trace file.
 """
 
 from __future__ import annotations
@@ -55,15 +55,19 @@ def choose_plans(workload, k: int, seed: int = 0, backend: str = "gloo") -> list
 
 
 def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4), *, cluster=None,
-            precision: str = "fp32", output, steps: int = 5, warmup: int = 2, seed: int = 0, repeats: int = 1,
-            timeout_s: float = 300.0, backend: str = "auto", progress=None) -> list[dict]:
+            precision: str = "fp32", output, options=None, seed: int = 0, repeats: int = 1,
+            progress=None) -> list[dict]:
     """Run `plans` plans spread over the process counts, `repeats` times each, append every record
     to `output`, and return one summary per run (plan, outcome, measured and predicted step time).
     Repeats go round by round (every plan once, then again), so a slow spell of a shared machine
     touches one run of many plans rather than every run of one; calibration takes the median of a
-    plan's runs."""
+    plan's runs. `options`: the RunOptions of every run (default RunOptions()); its process count
+    is each of `nprocs` in turn."""
+    from dataclasses import replace
+
     from autopar.cluster import detect, load_cluster
     from autopar.executor.mesh import resolve_backend
+    from autopar.executor.options import RunOptions
     from autopar.executor.reward import MeasuredReward
     from autopar.profile import profile_model
     from autopar.workload import Workload
@@ -73,7 +77,8 @@ def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4
     if plans < 1 or repeats < 1 or not nprocs or nprocs[0] < 1:
         raise AutoparError(f"need --plans >= 1, --repeats >= 1 and process counts >= 1, got {plans}, {repeats} "
                            f"and {nprocs}")
-    backend = resolve_backend(backend, max(nprocs))  # NCCL only with a GPU for every rank
+    options = options or RunOptions()
+    backend = resolve_backend(options.backend, max(nprocs))  # NCCL only with a GPU for every rank
     profile = profile_model(model, model_args, dtype=precision)
     base = load_cluster(cluster) if cluster else (load_cluster("cpu") if backend == "gloo" else detect())
     share = [plans // len(nprocs) + (1 if i < plans % len(nprocs) else 0) for i in range(len(nprocs))]
@@ -83,14 +88,14 @@ def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4
             continue
         workload = Workload(profile, base.with_nodes(1, n), global_batch)
         chosen = choose_plans(workload, k, seed, backend)
-        reward = MeasuredReward(model, model_args, steps=steps, warmup=warmup, nproc=n, timeout_s=timeout_s,
-                                backend=backend, trace_path=output)
+        reward = MeasuredReward(model, model_args, replace(options, nproc_per_node=n, backend=backend),
+                                trace_path=output)
         for j, plan in [*enumerate(chosen, start=1)] * repeats:  # round by round
             say(f"{n} ranks, plan {j}/{len(chosen)}: {plan.describe()}")
             out = reward.run(plan)
             record = out["record"] or {}
             measured = (record.get("measured") or {}).get("median_step_s")
             predicted = (record.get("predicted") or {}).get("iteration_time_s")
-            runs.append({"ranks": n, "plan": plan.describe(), "outcome": record.get("outcome", "launcher died"),
+            runs.append({"ranks": n, "plan": plan.describe(), "outcome": record.get("outcome", "refused"),
                          "measured_s": measured, "predicted_s": predicted, "error": record.get("error")})
     return runs

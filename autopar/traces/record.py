@@ -47,6 +47,7 @@ from typing import Any
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.schema import TRACE_SCHEMA, check, loads, read_file
+from autopar.traces.vtrain import model_digest
 
 TRACE_SCHEMA_VERSION = 1
 OUTCOMES = ("ok", "oom", "timeout", "rank_failed", "error")
@@ -127,6 +128,31 @@ class TraceProblem:
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line}: {self.message}"
+
+
+def model_entry(model_file, model_args: dict, profile) -> dict[str, Any]:
+    """A record's `model`: what identifies the model, and its profile (calibration reads the
+    profile and runs no code). `model_file`: a loaded `autopar.modelfile.ModelFile`."""
+    params = sum(p.numel() for p in model_file.build(**model_args).parameters())  # meta: free
+    return {"name": model_file.name, "path": str(model_file.path), "digest": model_digest(model_file.path, model_args),
+            "args": model_args, "dims": dict(profile.dims) if profile else {}, "params": params,
+            "profile": profile.to_dict() if profile else None}
+
+
+def run_record(plan: Plan, options, cluster, model: dict, predicted: dict | None, launched) -> TraceRecord:
+    """The trace record of one run of `plan`: `options` the RunOptions it ran with, `cluster` the
+    Cluster it is recorded for, `model` a `model_entry`, `predicted` the cost model's figures, and
+    `launched` how the launch ended (outcome, error, and rank 0's result: measured, seq_len,
+    backend, device). What `autopar run` and the measured reward append alike."""
+    result = launched.result or {}
+    backend = result.get("backend", options.backend)
+    return TraceRecord(
+        cluster={"name": cluster.name, "nodes": options.nnodes, "gpus_per_node": options.nproc_per_node,
+                 "gpu": result.get("device", cluster.gpu.name), "backend": backend},
+        model=model, workload={"global_batch": plan.global_batch,
+                               "seq_len": result.get("seq_len", model["dims"].get("seq_len"))},
+        plan=plan.to_dict(), outcome=launched.outcome, measured=result.get("measured", {}),
+        predicted=predicted, error=launched.error, versions=current_versions(backend))
 
 
 def append_record(path, record: TraceRecord) -> None:
