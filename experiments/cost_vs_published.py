@@ -5,7 +5,8 @@
 
 The rows are the 10 of Narayanan et al. SC'21 Table 1 (hardware TFLOP/s) and the 8 cells of
 Korthikanti et al. 2022 Table 5 (iteration time), predicted with runtime ``megatron`` (Megatron-LM
-as of 2021-22: unfused attention, no overlap switches). The fit minimises the sum of absolute log errors (robust: the median error is what counts), plus a
+as of 2021-22: unfused attention, no overlap switches). The fit minimises the sum of absolute log
+errors (robust: the median error is what counts), plus a
 quadratic penalty on any beyond MAX_TARGET, over
 all 18 at once, for the bundled GPT (autopar/zoo/gpt.py) only: one set of at most four coefficients
 for the GPU type, each within its physical bounds (autopar/cost/coefficients.py `FITTED_BOUNDS`),

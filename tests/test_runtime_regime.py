@@ -141,7 +141,8 @@ def test_cli_runtime_flags(capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["runtime"] == "megatron" and d["workload"]["megatron_switches"] == ["tp_comm_overlap"]
     assert d["hidden"]["tp_comm"] > 0 and "recompute none" in d["calibration_note"]
-    for bad, message in ((["--runtime", "deepspeed"], "unknown runtime"), (["--megatron", "flash_attn"], "need runtime")):
+    for bad, message in ((["--runtime", "deepspeed"], "unknown runtime"),
+                         (["--megatron", "flash_attn"], "need runtime")):
         assert main([*gpt, *bad]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1 and err.startswith("autopar: error: ")
@@ -169,6 +170,7 @@ def test_flash_attention_is_held_to_the_best_published_flash_run():
     est = estimate(w, TP_PLAN)
     at = lambda mfu: dataclasses.replace(est, model_flops=est.model_flops * mfu / est.mfu)  # noqa: E731
     assert regime_note(w, TP_PLAN, at(0.60)) == ""
-    assert "above the best published on A100-SXM4-80GB with flash attention (72.0%)" in regime_note(w, TP_PLAN, at(0.75))
+    note = regime_note(w, TP_PLAN, at(0.75))
+    assert "above the best published on A100-SXM4-80GB with flash attention (72.0%)" in note
     sdpa = Workload(profile_model(MODELS / "gpt_sdpa.py", {"size": "1.7b"}), load_cluster("dgx-a100-80g", nodes=1), 16)
     assert "flash attention (72.0%)" in regime_note(sdpa, TP_PLAN, at(0.75))  # torch runs the file's SDPA: flash

@@ -54,8 +54,8 @@ GPUS: dict[str, GPUSpec] = {
 
 # Substrings of torch.cuda.get_device_name() -> GPUS key; the first match wins, so more
 # specific patterns come first.
-_NAME_PATTERNS = (("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"), ("a100", "a100-"), ("v100", "v100-32g"),
-                  ("l40s", "l40s"), ("4090", "rtx4090"))
+_NAME_PATTERNS = (("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"), ("a100", "a100-"),
+                  ("v100", "v100-32g"), ("l40s", "l40s"), ("4090", "rtx4090"))
 
 
 def match_gpu(device_name: str, memory_bytes: float) -> str | None:

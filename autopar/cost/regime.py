@@ -33,14 +33,16 @@ def regime_note(workload, plan, est=None) -> str:
         outside.append(f"recompute {plan.recompute}")
     if workload.runtime not in r["runtime"]:
         outside.append(f"runtime {workload.runtime}")
-    outside += [f"{axis} {getattr(plan, axis)} > {r[axis]}" for axis in ("tp", "pp", "dp") if getattr(plan, axis) > r[axis]]
+    outside += [f"{axis} {getattr(plan, axis)} > {r[axis]}" for axis in ("tp", "pp", "dp")
+                if getattr(plan, axis) > r[axis]]
     if cal.derived_from:
         outside.insert(0, f"GPU {cluster.gpu.name}: coefficients scaled from the {cal.derived_from} fit by "
                           "measured matmul ceilings")
     kind = "flash" if attention_fused(workload) else "unfused"
     best_mfu = cal.best_mfu.get(kind)
     if est is not None and best_mfu is not None and est.mfu > best_mfu:
-        best = f"MFU {est.mfu:.1%} above the best published on {cluster.gpu.name} with {kind} attention ({best_mfu:.1%})"
+        best = (f"MFU {est.mfu:.1%} above the best published on {cluster.gpu.name} with {kind} attention "
+                f"({best_mfu:.1%})")
         if not outside:
             return f"note: {best}; the plan lies inside the calibrated regime of {cal.source}"
         outside.insert(0, best)
