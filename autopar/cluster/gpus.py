@@ -17,32 +17,36 @@ class GPUSpec:
     peak_flops: dict[str, float] = field(hash=False)  # dense FLOP/s per dtype: "bf16", "fp16", "fp32"
     memory_bytes: float  # device memory, bytes (datasheet GB = 1e9)
     hbm_bytes_per_s: float  # device-memory bandwidth, bytes/s
+    sms: int = 0  # streaming multiprocessors: GEMM tiles run in waves of one per SM (0: not modelled)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "peak_flops": dict(self.peak_flops),
-                "memory_bytes": self.memory_bytes, "hbm_bytes_per_s": self.hbm_bytes_per_s}
+        d = {"name": self.name, "peak_flops": dict(self.peak_flops),
+             "memory_bytes": self.memory_bytes, "hbm_bytes_per_s": self.hbm_bytes_per_s}
+        return {**d, "sms": self.sms} if self.sms else d
 
 
-def _spec(name: str, half: float, fp32: float, memory_gb: float, hbm_gb_s: float, bf16: float | None = None) -> GPUSpec:
+def _spec(name: str, half: float, fp32: float, memory_gb: float, hbm_gb_s: float, bf16: float | None = None,
+          sms: int = 0) -> GPUSpec:
     return GPUSpec(name, {"bf16": half if bf16 is None else bf16, "fp16": half, "fp32": fp32},
-                   memory_gb * 1e9, hbm_gb_s * 1e9)
+                   memory_gb * 1e9, hbm_gb_s * 1e9, sms)
 
 
-# V100 has no bf16 tensor cores: bf16 matmuls run at the fp32 rate at best.
+# V100 has no bf16 tensor cores: bf16 matmuls run at the fp32 rate at best. SM counts from the
+# architecture whitepapers (A100 108, H100 SXM5 132, B200 148 per GPU: 2 dies x 74).
 GPUS: dict[str, GPUSpec] = {
-    "v100-32g": _spec("V100-SXM2-32GB", 125e12, 15.7e12, 32, 900, bf16=15.7e12),
-    "a100-40g": _spec("A100-SXM4-40GB", 312e12, 19.5e12, 40, 1555),
-    "a100-80g": _spec("A100-SXM4-80GB", 312e12, 19.5e12, 80, 2039),
-    "h100": _spec("H100-SXM5-80GB", 989e12, 67e12, 80, 3350),
-    "h200": _spec("H200-SXM5-141GB", 989e12, 67e12, 141, 4800),
+    "v100-32g": _spec("V100-SXM2-32GB", 125e12, 15.7e12, 32, 900, bf16=15.7e12, sms=80),
+    "a100-40g": _spec("A100-SXM4-40GB", 312e12, 19.5e12, 40, 1555, sms=108),
+    "a100-80g": _spec("A100-SXM4-80GB", 312e12, 19.5e12, 80, 2039, sms=108),
+    "h100": _spec("H100-SXM5-80GB", 989e12, 67e12, 80, 3350, sms=132),
+    "h200": _spec("H200-SXM5-141GB", 989e12, 67e12, 141, 4800, sms=132),
     # Blackwell (docs/hardware.md): B200 as in DGX B200 (1,440 GB and 64 TB/s HBM3e over 8 GPUs;
     # 2.25 PFLOP/s dense bf16, 75 TFLOP/s fp32); GB200 as in GB200 NVL72 (13.4 TB and 576 TB/s HBM3e,
     # 180 PFLOP/s dense bf16, 5,760 TFLOP/s fp32 over 72 GPUs)
-    "b200": _spec("B200", 2250e12, 75e12, 180, 8000),
-    "gb200": _spec("GB200", 2500e12, 80e12, 186, 8000),
-    "l40s": _spec("L40S", 362e12, 91.6e12, 48, 864),
+    "b200": _spec("B200", 2250e12, 75e12, 180, 8000, sms=148),
+    "gb200": _spec("GB200", 2500e12, 80e12, 186, 8000, sms=148),
+    "l40s": _spec("L40S", 362e12, 91.6e12, 48, 864, sms=142),
     # GeForce: 165 TFLOP/s is the fp32-accumulate rate (330 with fp16 accumulation).
-    "rtx4090": _spec("RTX-4090", 165e12, 82.6e12, 24, 1008),
+    "rtx4090": _spec("RTX-4090", 165e12, 82.6e12, 24, 1008, sms=128),
     # One gloo worker process on a CPU core: nominal figures for planning local test runs;
     # calibration replaces them with measured ones. Memory is a per-process share of host RAM.
     "cpu": _spec("cpu-process", 50e9, 50e9, 8, 10),
@@ -50,8 +54,8 @@ GPUS: dict[str, GPUSpec] = {
 
 # Substrings of torch.cuda.get_device_name() -> GPUS key; the first match wins, so more
 # specific patterns come first.
-_NAME_PATTERNS = (("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"), ("a100", "a100-"), ("v100", "v100-32g"),
-                  ("l40s", "l40s"), ("4090", "rtx4090"))
+_NAME_PATTERNS = (("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"), ("a100", "a100-"),
+                  ("v100", "v100-32g"), ("l40s", "l40s"), ("4090", "rtx4090"))
 
 
 def match_gpu(device_name: str, memory_bytes: float) -> str | None:
@@ -81,4 +85,4 @@ def derive_gpu(props) -> GPUSpec:
     # Double data rate: two transfers per memory clock over the bus width (bits).
     hbm = 2 * props.memory_clock_rate * 1e3 * props.memory_bus_width / 8 or _NOMINAL_HBM_BYTES_PER_S
     return GPUSpec(props.name, {"bf16": sms * clock * bf16, "fp16": sms * clock * half, "fp32": sms * clock * fp32},
-                   float(props.total_memory), hbm)
+                   float(props.total_memory), hbm, sms)

@@ -21,6 +21,7 @@ from autopar.schema import MAX_GPUS, Anything, Int, Num, check, check_gpus, coef
 _REQUIRED = ("name", "gpu", "gpus_per_node", "node", "links")
 _OPTIONAL = ("schema_version", "preset", "nodes", "coefficients")
 _GPU_KEYS = ("name", "peak_flops", "memory_bytes", "hbm_bytes_per_s")
+_GPU_OPTIONAL = ("sms",)
 _NODE_KEYS = ("intra", "sockets", "gpus_per_pcie_switch", "nics", "nic_attach", "nic_kind")
 _LINK_KEYS = ("bandwidth", "latency")
 
@@ -104,7 +105,7 @@ def _gpu(value: object) -> GPUSpec:
                                f"or an inline spec with {', '.join(_GPU_KEYS)}")
         return GPUS[value]
     d = _object(value, "gpu")
-    _check_keys(d, "gpu", _GPU_KEYS)
+    _check_keys(d, "gpu", _GPU_KEYS, _GPU_OPTIONAL)
     flops = _object(d["peak_flops"], "gpu.peak_flops")
     _check_keys(flops, "gpu.peak_flops", DTYPES)
     if not isinstance(d["name"], str) or not d["name"]:
@@ -114,6 +115,7 @@ def _gpu(value: object) -> GPUSpec:
         peak_flops={dtype: _number(flops[dtype], f"gpu.peak_flops.{dtype}") for dtype in DTYPES},
         memory_bytes=_number(d["memory_bytes"], "gpu.memory_bytes"),
         hbm_bytes_per_s=_number(d["hbm_bytes_per_s"], "gpu.hbm_bytes_per_s"),
+        sms=_count(d.get("sms", 0), "gpu.sms", 0),
     )
 
 

@@ -35,6 +35,7 @@ import numpy as np
 from autopar import axes
 from autopar.cost.arrays import PlanArrays, mesh_order_of, unique_rows
 from autopar.cost.coefficients import Coefficients
+from autopar.cost.gemm import kind_efficiency
 from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, knobs
 
 PRECISION_BYTES = np.array([DTYPE_BYTES[p] for p in PRECISIONS], dtype=float)
@@ -158,7 +159,8 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     # -- per block kind, per micro-batch on one GPU: (G, K) --------------------------------------
     flops_f = b * (k["tp_fwd_flops"] / t + (k["fwd_flops"] - k["tp_fwd_flops"]))
     flops_b = flops_f * _ratio(k["bwd_flops"], k["fwd_flops"])
-    eff = c.gemm_efficiency * flops_f / (flops_f + c.gemm_half_flops)
+    shape = kind_efficiency(profile, g.micro_batch_size, g.tp, cluster.gpu.sms)  # tile and wave quantisation
+    eff = c.gemm_efficiency * shape * flops_f / (flops_f + c.gemm_half_flops)
     rate = peak * np.maximum(eff, 1e-9)
     shard = _ratio(k["saved_tp_bytes"], k["saved_bytes"])
     io_f = b * act_scale * k["io_bytes"] * (shard / t + (1 - shard) / sp_div) / hbm

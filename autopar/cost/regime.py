@@ -33,13 +33,16 @@ def regime_note(workload, plan, est=None) -> str:
         outside.append(f"recompute {plan.recompute}")
     if workload.runtime not in r["runtime"]:
         outside.append(f"runtime {workload.runtime}")
-    outside += [f"{axis} {getattr(plan, axis)} > {r[axis]}" for axis in ("tp", "pp", "dp") if getattr(plan, axis) > r[axis]]
+    outside += [f"{axis} {getattr(plan, axis)} > {r[axis]}" for axis in ("tp", "pp", "dp")
+                if getattr(plan, axis) > r[axis]]
     if cal.derived_from:
         outside.insert(0, f"GPU {cluster.gpu.name}: coefficients scaled from the {cal.derived_from} fit by "
                           "measured matmul ceilings")
-    above = est is not None and cal.best_mfu is not None and est.mfu > cal.best_mfu
-    if above:
-        best = f"MFU {est.mfu:.1%} above the best published on {cluster.gpu.name} ({cal.best_mfu:.1%})"
+    kind = "flash" if attention_fused(workload) else "unfused"
+    best_mfu = cal.best_mfu.get(kind)
+    if est is not None and best_mfu is not None and est.mfu > best_mfu:
+        best = (f"MFU {est.mfu:.1%} above the best published on {cluster.gpu.name} with {kind} attention "
+                f"({best_mfu:.1%})")
         if not outside:
             return f"note: {best}; the plan lies inside the calibrated regime of {cal.source}"
         outside.insert(0, best)
@@ -48,16 +51,21 @@ def regime_note(workload, plan, est=None) -> str:
     return f"note: outside the calibrated regime ({'; '.join(outside)}) of {cal.source}: the estimate is extrapolated"
 
 
+def attention_fused(workload) -> bool:
+    """Whether the workload's attention runs as a fused (flash) kernel: Megatron-Core's with its
+    flash_attn switch, else (torch) the model file's own, when it keeps no seq x seq tensor."""
+    if workload.runtime == "megatron":
+        return "flash_attn" in workload.switches
+    layers = workload.profile.layers
+    return all(b.attn_core_bytes == 0 for b in layers) and any(b.attn_flops > 0 for b in layers)
+
+
 def selective_note(workload, plan) -> str:
     """Why selective recompute changes nothing when the attention is a fused (flash) kernel: it keeps
     no seq x seq tensor, so there is nothing for selective recompute to drop ("" otherwise)."""
     if plan.recompute != "selective":
         return ""
-    layers = workload.profile.layers
-    fused = workload.runtime == "megatron" and "flash_attn" in workload.switches
-    fused = fused or (workload.runtime != "megatron" and all(b.attn_core_bytes == 0 for b in layers)
-                      and any(b.attn_flops > 0 for b in layers))
-    if not fused:
+    if not attention_fused(workload):
         return ""
     return ("note: selective recompute saves no memory here: the attention runs as a fused (flash) kernel, "
             "which keeps no seq x seq tensor to drop; it only reruns the attention forward")

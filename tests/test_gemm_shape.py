@@ -1,0 +1,58 @@
+"""Tile and wave quantisation of GEMMs (autopar/cost/gemm.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.cost.gemm import kind_efficiency, layer_gemms, shape_efficiency
+from autopar.profile import profile_model
+
+A100_SMS = 108
+
+
+def test_whole_waves_of_whole_tiles_lose_nothing():
+    # 128 x 256 tiles: M = 128 * 108, N = 256 fills exactly one wave; all three passes too
+    assert shape_efficiency([(128 * 108, 256 * 108, 256 * 108, False)], np.array([1]), np.array([1]), A100_SMS)[0] \
+        == 1.0
+
+
+def test_one_tile_past_a_wave_costs_a_wave():
+    """109 tiles on 108 SMs take two waves: about half the launched tile-slots are useful."""
+    full = shape_efficiency([(128 * 108, 256, 256 * 108, True)], np.array([1]), np.array([1]), A100_SMS)[0]
+    past = shape_efficiency([(128 * 109, 256, 256 * 108, True)], np.array([1]), np.array([1]), A100_SMS)[0]
+    assert past < 0.8 * full
+
+
+def test_a_ragged_dimension_pays_for_its_last_tile():
+    ragged = shape_efficiency([(2048, 9600 + 1, 25600, True)], np.array([8]), np.array([1]), A100_SMS)[0]
+    even = shape_efficiency([(2048, 9600, 25600, True)], np.array([8]), np.array([1]), A100_SMS)[0]
+    assert ragged < even
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 64), st.sampled_from([1, 2, 4, 8]), st.integers(1, 64), st.integers(1, 64),
+       st.integers(1, 64), st.sampled_from([80, 108, 132, 148]))
+def test_shape_efficiency_is_a_fraction(b, t, m, n, k, sms):
+    e = shape_efficiency([(64 * m, 128 * n, 128 * k, True), (64 * m, 128 * k, 128 * n, False)],
+                         np.array([b]), np.array([t]), sms)[0]
+    assert 0 < e <= 1
+
+
+def test_unknown_shapes_and_gpus_without_sms_are_not_quantised():
+    assert shape_efficiency(None, np.array([1, 4]), np.array([1, 8]), A100_SMS).tolist() == [1.0, 1.0]
+    gpt = profile_model("gpt", {"size": "tiny"})
+    assert kind_efficiency(gpt, np.array([1]), np.array([1]), 0).tolist() == [[1.0] * len(gpt.blocks)]
+
+
+def test_layer_gemms_follow_the_architecture():
+    """A gated MLP (Llama) has one gate+up GEMM of twice the ffn width; GQA narrows the qkv GEMM."""
+    llama = profile_model("llama", {"size": "llama3-8b"})
+    shapes = layer_gemms(llama.dims, llama.seq_len, llama.layers[0].params)
+    h, ffn = llama.dims["hidden"], llama.dims["ffn"]
+    assert [s[1] for s in shapes] == [h + 2 * 8 * 128, h, 2 * ffn, h]
+    assert sum(2 * m * n * k for m, n, k, _ in shapes) == llama.layers[0].fwd_flops - llama.layers[0].attn_flops
+    gpt = profile_model("gpt", {"size": "1.7b"})
+    shapes = layer_gemms(gpt.dims, gpt.seq_len, gpt.layers[0].params)
+    assert sum(2 * m * n * k for m, n, k, _ in shapes) == gpt.layers[0].fwd_flops - gpt.layers[0].attn_flops
