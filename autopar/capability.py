@@ -1,42 +1,14 @@
-"""What the executor can do with a model's layout, so the planner proposes only that.
+"""What the executor can do with a model's layout, as data, so the planner proposes only that.
 
-The profiler records the limits in the model profile; the plan space leaves those choices out,
-`Plan.validate` refuses them (so `autopar run` refuses before launching), and the Why table
-says why they are missing.
+The profiler records the limits in the model profile (`autopar/executor/limits.py` finds them,
+with torch); the plan space leaves those choices out, `Plan.validate` refuses them (so `autopar
+run` refuses before launching), and the Why table says why they are missing. Standard library
+only: the plan contract imports it.
 """
 
 from __future__ import annotations
 
-from torch import nn
-
 from autopar.errors import PlanError
-
-
-def model_limits(model: nn.Module, blocks: nn.ModuleList | None, tp_plan: dict) -> dict[str, str]:
-    """{knob: why the executor cannot do it for this model}: ``pp`` (pipeline parallelism),
-    ``sp`` (sequence parallelism) and ``sp_off`` (tensor parallelism without it)."""
-    from autopar.executor.pipeline import check_layout
-    from autopar.executor.tensor_parallel import INPUT
-    from autopar.modelfile import sequence_parallel_styles
-
-    limits = {}
-    if blocks is None:
-        limits["pp"] = "pipeline parallelism needs the model's repeated blocks (an nn.ModuleList); use pp=1"
-    else:
-        try:
-            check_layout(model, blocks)
-        except PlanError as exc:
-            limits["pp"] = str(exc)
-    styles_sp = sequence_parallel_styles(tp_plan)
-    if styles_sp is True:
-        limits["sp_off"] = ("the tp_plan's ParallelStyles shard the sequence (SequenceParallel), so tensor "
-                            "parallelism runs with sequence parallelism on")
-    elif styles_sp is False:
-        limits["sp"] = "the tp_plan's ParallelStyles do not shard the sequence (no SequenceParallel entry)"
-    elif tp_plan and not hasattr(model, INPUT):
-        limits["sp"] = (f"sequence parallelism needs the model's input module named '{INPUT}' (torchtitan "
-                        "layout) to know where the sequence is split")
-    return limits
 
 
 def sequence_parallel_options(profile, tp: int) -> tuple[bool, ...]:

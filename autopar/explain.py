@@ -124,7 +124,7 @@ def explain(workload, plan: Plan, coeffs=None) -> list[Reason]:
 
 
 def _excluded(profile) -> list[Reason]:
-    """What the plan space leaves out for this model, and why (capability.model_limits)."""
+    """What the plan space leaves out for this model, and why (autopar/executor/limits.py)."""
     labels = {"pp": (DEGREES, "pp > 1"), "sp": ("sequence_parallel", "sequence parallel on"),
               "sp_off": ("sequence_parallel", "sequence parallel off")}  # rows named as the Why table's
     return [Reason(labels[k][0], "-", f"{labels[k][1]} not considered: {why}")

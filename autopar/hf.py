@@ -93,17 +93,14 @@ def _transformers():
     return transformers
 
 
-def load(ref: str):
-    """The :class:`~autopar.modelfile.ModelFile` of an ``hf:`` reference."""
-    from autopar.modelfile import ModelFile
-
+def load(ref: str) -> tuple[Path, HFSource, str, str]:
+    """What `autopar.modelfile.load_model_file` makes an ``hf:`` reference's ModelFile of: the config's
+    path, the model source, its digest and its name."""
     path = config_file(ref)
     config, raw = _read_config(path)
     version = _transformers().__version__
     digest = hashlib.sha256(raw + f"|transformers {version}|adapter {ADAPTER_VERSION}".encode()).hexdigest()
-    model_file = ModelFile(path, HFSource(config), digest)
-    model_file.name = f"hf-{config['model_type']}"
-    return model_file
+    return path, HFSource(config), digest, f"hf-{config['model_type']}"
 
 
 # -- the model -------------------------------------------------------------------------------------

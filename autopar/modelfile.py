@@ -270,7 +270,10 @@ def load_model_file(path) -> ModelFile:
     """Import a model.py (or a zoo model by name, e.g. ``"gpt"``) under a unique module name;
     ``hf:PATH`` names a transformers config instead (:mod:`autopar.hf`)."""
     if hf.is_reference(path):
-        return hf.load(path)
+        config_path, source, digest, name = hf.load(path)
+        model_file = ModelFile(config_path, source, digest)
+        model_file.name = name
+        return model_file
     try:
         if not Path(path).exists() and str(path) in zoo.MODELS:
             path = zoo.path(str(path))

@@ -4,8 +4,8 @@ An immutable record of the knobs of `autopar.knobs` (one field per knob field, a
 first), that checks its own consistency on construction and its fit to a workload in
 `validate`. JSON carries a schema version and rejects unknown keys, so a plan written by
 one version of autopar is never silently misread by another. Besides the standard-library
-registries (`autopar.axes`, `autopar.knobs`) it imports only `autopar.capability` (torch), not
-the planner's dependencies.
+registries (`autopar.axes`, `autopar.knobs`) it imports only `autopar.capability` and
+`autopar.schema`, all standard library: reading a plan needs neither torch nor the planners.
 """
 
 from __future__ import annotations

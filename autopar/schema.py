@@ -319,26 +319,6 @@ def check_plan_dict(d: dict, error: type[AutoparError]) -> dict:
     return check(d, plan_schema(), "plan", error)
 
 
-COEFFICIENT_RANGES = {
-    "host_overlap": Num(1.0, 1e3),  # the norm's exponent: 1 adds host and GPU time, large takes the max
-    "dp_overlap": Num(0.0, 1.0),
-    "gemm_efficiency": Num(0.0, 1.0, open_lo=True),
-    "hbm_efficiency": Num(0.0, 1.0, open_lo=True),
-}
-LINK_EFFICIENCY_KEYS = ("nvlink", "pcie", "upi", "ib", "ethernet", "shm", "none")
-COLLECTIVES = ("reduce_scatter", "all_gather", "broadcast")
-
-
-def coefficients_schema() -> Obj:
-    from autopar.cost.coefficients import Coefficients
-
-    return dataclass_schema(Coefficients, {
-        **COEFFICIENT_RANGES,
-        "link_efficiency": Map(Num(0.0, 10.0, open_lo=True), LINK_EFFICIENCY_KEYS),
-        "collective_efficiency": Map(Num(0.0, 10.0, open_lo=True), COLLECTIVES),
-    })
-
-
 def check_gpus(nodes: int, gpus_per_node: int, where: str = "the cluster") -> None:
     """A cluster autopar can plan for in bounded time."""
     if gpus_per_node > MAX_GPUS_PER_NODE:
@@ -377,27 +357,6 @@ TRACE_SCHEMA = Obj({
 })
 
 
-def profile_schema() -> Obj:
-    """A model profile stored in a trace record (what the profiler measured, as data)."""
-    from autopar.profile.model_profile import BlockProfile, ModelProfile
-
-    block = dataclass_schema(BlockProfile, {"tp_units": List(Int(1, MAX_INT))})
-    return Obj({**dataclass_schema(ModelProfile).fields, "blocks": List(block, max_len=MAX_ITEMS),
-                "dims": Map(Anything()), "dtype": Str(("bf16", "fp16", "fp32")),
-                "seq_len": Int(1, MAX_INT), "schema_version": Int()},
-               required=("name", "digest", "seq_len", "dtype", "blocks", "has_tp_plan"))
-
-
-def workload_spec_schema() -> Obj:
-    from autopar.envs.workloads import WorkloadSpec
-
-    return dataclass_schema(WorkloadSpec, {
-        "model": Str(max_len=4096), "model_args": Map(Anything()), "cluster": Str(max_len=4096),
-        "nodes": Int(1, MAX_GPUS), "gpus_per_node": Opt(Int(1, MAX_GPUS_PER_NODE)),
-        "global_batch": Int(1, MAX_GLOBAL_BATCH), "precision": Str(("bf16", "fp16", "fp32")),
-    }, required=("model",))
-
-
 POLICY_META_SCHEMA = Obj({"format": Str(), "space_signature": Str(), "observation_size": Int(1, MAX_ITEMS),
                           "max_actions": Int(1, MAX_ITEMS)}, required=("format", "space_signature"), extra=True)
 
@@ -413,9 +372,7 @@ __all__ = [
     "check",
     "check_global_batch",
     "check_gpus",
-    "coefficients_schema",
     "loads",
     "plan_schema",
     "read_file",
-    "workload_spec_schema",
 ]

@@ -10,10 +10,13 @@ choice's lean completions (see `autopar.envs.knobs`).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 
 import numpy as np
 
+from autopar import axes
 from autopar.envs.knobs import MAX_ACTIONS, PlanSpace, StepInfo
 from autopar.knobs import DTYPE_BYTES, LOG2_MAX_GPUS, PRECISIONS, STATE_BYTES_PER_PARAM, decisions, knobs
 
@@ -122,3 +125,13 @@ def observation(space: PlanSpace, prefix: tuple, workload_vector: np.ndarray) ->
     info = space.step(prefix)
     obs = np.concatenate([workload_vector, plan_features(space, prefix), step, slot_features(info, space.capacity)])
     return np.clip(obs, -BOUND, BOUND).astype(np.float32)
+
+
+def space_signature() -> str:
+    """A digest of everything a trained policy depends on in the space: the decisions in order,
+    their fields, slot tables and dependencies, the mesh orders, the action count and the
+    observation layout. A policy trained under another signature would read its actions differently."""
+    spec = {"knobs": [[k.name, [[f.name, f.kind.__name__, f.values] for f in k.fields], k.slots, k.depends,
+                       k.decision, k.slot is not None] for k in knobs()],
+            "mesh": axes.mesh_orders(), "max_actions": MAX_ACTIONS, "features": [FEATURE_VERSION, observation_size()]}
+    return hashlib.sha256(json.dumps(spec, default=repr).encode()).hexdigest()[:16]

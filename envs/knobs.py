@@ -21,8 +21,6 @@ takes a GPU count or batch with more divisors than any realistic one, is thinned
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,18 +33,6 @@ from autopar.plan import Plan
 from autopar.search import space as walker
 
 MAX_ACTIONS = 64  # Discrete(MAX_ACTIONS): the longest choice list (degrees, micro-batches, recompute counts)
-
-
-def space_signature() -> str:
-    """A digest of everything a trained policy depends on in the space: the decisions in order,
-    their fields, slot tables and dependencies, the mesh orders, the action count and the
-    observation layout. A policy trained under another signature would read its actions differently."""
-    from autopar.envs.features import FEATURE_VERSION, observation_size
-
-    spec = {"knobs": [[k.name, [[f.name, f.kind.__name__, f.values] for f in k.fields], k.slots, k.depends,
-                       k.decision, k.slot is not None] for k in knobs()],
-            "mesh": axes.mesh_orders(), "max_actions": MAX_ACTIONS, "features": [FEATURE_VERSION, observation_size()]}
-    return hashlib.sha256(json.dumps(spec, default=repr).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,16 @@ from pathlib import Path
 from typing import Protocol
 
 from autopar.atomic import write_text_atomic
+from autopar.cost import arrays as cost_arrays
+from autopar.cost import coefficients as cost_coefficients
+from autopar.cost import model as cost_model
 from autopar.errors import AutoparError
 from autopar.plan import Plan
+from autopar.search import exhaustive, space
 
 OOM_REWARD = -1.0
 INVALID_REWARD = -1.0  # a masked action taken anyway (only by policies that ignore the masks)
-_CODE = ("cost/model.py", "cost/arrays.py", "cost/coefficients.py", "search/space.py", "search/exhaustive.py")
+_CODE = (cost_model, cost_arrays, cost_coefficients, space, exhaustive)  # the oracle depends on their code
 
 
 class RewardBackend(Protocol):
@@ -31,10 +35,7 @@ class RewardBackend(Protocol):
 
 @functools.cache
 def _code_digest() -> str:
-    import autopar
-
-    root = Path(autopar.__file__).resolve().parent
-    return hashlib.sha256(b"".join((root / f).read_bytes() for f in _CODE)).hexdigest()
+    return hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in _CODE)).hexdigest()
 
 
 def workload_key(workload) -> str:
@@ -80,9 +81,7 @@ class OracleCache:
             return None
 
     def _compute(self, workload, key: str) -> tuple[float, Plan]:
-        from autopar.search.exhaustive import ExhaustivePlanner
-
-        planner = ExhaustivePlanner(self.coeffs)
+        planner = exhaustive.ExhaustivePlanner(self.coeffs)
         pa, res = planner.ranked(workload, 1)
         time, plan = float(res["iteration_time"][0]), pa.plan(0)
         if self.coeffs is None:

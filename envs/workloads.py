@@ -20,6 +20,8 @@ import numpy as np
 
 from autopar.cluster import GPUS, PRESETS
 from autopar.knobs import STATE_BYTES_PER_PARAM  # to size clusters to models
+from autopar.schema import (MAX_GLOBAL_BATCH, MAX_GPUS, MAX_GPUS_PER_NODE, Anything, Int, Map, Obj, Opt, Str,
+                            dataclass_schema)
 
 TRAIN_CLUSTERS = ("dgx-v100", "dgx-a100-40g", "dgx-a100-80g", "dgx-h100", "pcie-4090x8")
 HELDOUT_CLUSTERS = ("dgx-h200", "l40s-pcie")
@@ -75,6 +77,15 @@ class WorkloadSpec:
     def from_dict(cls, d: dict) -> WorkloadSpec:
         return cls(**{**d, "model_args": tuple(sorted(d.get("model_args", {}).items()))})
 
+
+
+def workload_spec_schema() -> Obj:
+    """A workloads file's entry (`autopar train --workloads FILE`), derived from WorkloadSpec's fields."""
+    return dataclass_schema(WorkloadSpec, {
+        "model": Str(max_len=4096), "model_args": Map(Anything()), "cluster": Str(max_len=4096),
+        "nodes": Int(1, MAX_GPUS), "gpus_per_node": Opt(Int(1, MAX_GPUS_PER_NODE)),
+        "global_batch": Int(1, MAX_GLOBAL_BATCH), "precision": Str(("bf16", "fp16", "fp32")),
+    }, required=("model",))
 
 def feasible(workload) -> bool:
     """Some plan of the space fits in memory (the first step's mask is exact about that)."""

@@ -1,6 +1,6 @@
 """What a trained policy depends on, as digests recorded in the policy file.
 
-`space`: the registry's decisions, slots and observation layout (`autopar.envs.knobs.space_signature`):
+`space`: the registry's decisions, slots and observation layout (`autopar.envs.features.space_signature`):
 a policy trained under another space reads its actions differently and is refused. `cost`: the
 oracle the policy learnt from, fingerprinted by its behaviour: the cost model's predictions
 (iteration time, peak memory, fits; 4 significant digits) for 2,048 plans spread over the space of each of a fixed
@@ -54,7 +54,7 @@ def cost_fingerprint() -> str:
 
 
 def fingerprint() -> dict[str, str]:
-    from autopar.envs.knobs import space_signature
+    from autopar.envs.features import space_signature
 
     return {"space": space_signature(), "cost": cost_fingerprint()}
 

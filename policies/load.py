@@ -93,7 +93,7 @@ def read_meta(path) -> dict:
 
 def check_signature(meta: dict, path) -> None:
     """Refuse a policy trained for another space: it would read its actions differently."""
-    from autopar.envs.knobs import space_signature
+    from autopar.envs.features import space_signature
 
     expected = space_signature()
     if meta.get("space_signature") != expected:

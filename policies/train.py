@@ -51,9 +51,8 @@ class TrainConfig:
 # -- workloads ---------------------------------------------------------------------------------------------
 def load_pool(spec: str, seed: int, progress: bool) -> list:
     """The training workloads: `spec` is a pool size for the sampler or a JSON file of specs."""
-    from autopar.envs.workloads import WorkloadSpec, training_workloads
-
-    from autopar.schema import MAX_ITEMS, List, check, loads, read_file, workload_spec_schema
+    from autopar.envs.workloads import WorkloadSpec, training_workloads, workload_spec_schema
+    from autopar.schema import MAX_ITEMS, List, check, loads, read_file
 
     if spec.isdigit():
         if not 1 <= int(spec) <= MAX_ITEMS:

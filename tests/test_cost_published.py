@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from autopar.cost import estimate
-from autopar.cost.published import (KORTHIKANTI_TABLE5, LLAMA3_TABLE4, MEGATRON_TABLE1, ZOO_GPT, best,
+from autopar.search.published import (KORTHIKANTI_TABLE5, LLAMA3_TABLE4, MEGATRON_TABLE1, ZOO_GPT, best,
                                     korthikanti_candidates, llama3_candidates, megatron_candidates)
 from autopar.plan import Plan
 from conftest import workload

@@ -163,7 +163,7 @@ def test_unknown_model_arguments_name_the_config_class(refs):
 
 
 def test_the_pipeline_split_follows_base_model_pp_plan(refs):
-    from autopar.capability import model_limits
+    from autopar.executor.limits import model_limits
 
     model_file = load_model_file(refs["llama"])
     model = model_file.build()

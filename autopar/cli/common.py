@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from autopar.cost.coefficients import Coefficients
 from autopar.errors import AutoparError
 from autopar.schema import check_global_batch
 from autopar.workload import DEFAULT_MEMORY_HEADROOM
@@ -113,6 +114,7 @@ def load_workload(args, nodes: int | None = None, global_batch: int | None = Non
     if not 0 <= args.memory_headroom < 1:
         raise AutoparError(f"--memory-headroom must be a fraction in [0, 1), got {args.memory_headroom}")
     cluster = load_cluster(args.cluster, nodes=args.nodes or nodes, gpus_per_node=args.gpus_per_node)
+    Coefficients.from_dict(cluster.coefficients)  # a bad coefficient fails before the model is profiled
     profile = profile_model(args.model, parse_model_args(args.model_arg, args.seq_len), dtype=args.precision,
                             timeout=check_timeout(args.profile_timeout))
     return Workload(profile=profile, cluster=cluster, global_batch=batch, memory_headroom=args.memory_headroom,

@@ -95,13 +95,6 @@ class Cluster:
             "coefficients": self.coefficients,
         }
 
-    @classmethod
-    def from_dict(cls, d: dict, source: str = "cluster JSON") -> Cluster:
-        """Validate and build; `source` names the input in error messages."""
-        from autopar.cluster.io import cluster_from_dict  # io builds Clusters: import here, not at load
-
-        return cluster_from_dict(d, source)
-
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 

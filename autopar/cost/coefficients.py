@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from autopar.errors import ClusterError
+from autopar.schema import Map, Num, Obj, check, dataclass_schema
 
 # nvlink and ib fitted (see below); the others are typical nccl-tests bus-bandwidth fractions
 DEFAULT_LINK_EFFICIENCY = {"nvlink": 0.91, "ib": 1.0, "pcie": 0.75, "upi": 0.6, "ethernet": 0.7, "shm": 1.0,
@@ -86,17 +87,38 @@ class Coefficients:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> Coefficients:
+        """Checked against `coefficients_schema` (the cluster JSON's `coefficients` is opaque to the
+        cluster loader: the cost model owns these names)."""
         if not d:
             return cls()
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ClusterError(f"unknown cost coefficient(s) {unknown} in cluster JSON; valid: {sorted(known)}")
-        d = dict(d)
+        d = check(d, coefficients_schema(), "coefficients", ClusterError)
         if "link_efficiency" in d:
             d["link_efficiency"] = {**DEFAULT_LINK_EFFICIENCY, **d["link_efficiency"]}
         return cls(**d)
 
+
+
+COEFFICIENT_RANGES = {
+    "host_overlap": Num(1.0, 1e3),  # the norm's exponent: 1 adds host and GPU time, large takes the max
+    "dp_overlap": Num(0.0, 1.0),
+    "gemm_efficiency": Num(0.0, 1.0, open_lo=True),
+    "hbm_efficiency": Num(0.0, 1.0, open_lo=True),
+}
+LINK_EFFICIENCY_KEYS = ("nvlink", "pcie", "upi", "ib", "ethernet", "shm", "none")
+COLLECTIVES = ("reduce_scatter", "all_gather", "broadcast")
+
+
+def coefficients_schema() -> Obj:
+    """The `coefficients` of a cluster JSON, derived from the dataclass's fields."""
+    return dataclass_schema(Coefficients, {
+        **COEFFICIENT_RANGES,
+        "link_efficiency": Map(Num(0.0, 10.0, open_lo=True), LINK_EFFICIENCY_KEYS),
+        "collective_efficiency": Map(Num(0.0, 10.0, open_lo=True), COLLECTIVES),
+    })
 
 # Bounds of the coefficients fitted per GPU type: physical ranges (an efficiency never above 1, a GEMM
 # never above its measured maximum, see GpuCalibration.gemm_ceiling). link_efficiency.ib is fitted to

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 import networkx as nx
 
+from autopar.schema import MAX_INT, MAX_ITEMS, Anything, Int, List, Map, Obj, Str, dataclass_schema
+
 PROFILE_SCHEMA_VERSION = 3
 
 
@@ -54,7 +56,7 @@ class ModelProfile:
     has_tp_plan: bool
     tp_note: str = ""  # why tensor parallelism is unavailable, when it is
     dims: dict = field(default_factory=dict)  # hidden, heads, layers, vocab ... as found
-    limits: dict = field(default_factory=dict)  # knob -> why the executor cannot do it (capability.py)
+    limits: dict = field(default_factory=dict)  # knob -> why the executor cannot do it (autopar/capability.py, autopar/executor/limits.py)
     notes: tuple[str, ...] = ()  # what the model says about how it is priced (an hf: model's attention)
 
     def __post_init__(self):
@@ -135,3 +137,12 @@ class ModelProfile:
     @classmethod
     def from_json(cls, text: str) -> ModelProfile:
         return cls.from_dict(json.loads(text))
+
+
+def profile_schema() -> Obj:
+    """A model profile stored in a trace record (what the profiler measured, as data)."""
+    block = dataclass_schema(BlockProfile, {"tp_units": List(Int(1, MAX_INT))})
+    return Obj({**dataclass_schema(ModelProfile).fields, "blocks": List(block, max_len=MAX_ITEMS),
+                "dims": Map(Anything()), "dtype": Str(("bf16", "fp16", "fp32")),
+                "seq_len": Int(1, MAX_INT), "schema_version": Int()},
+               required=("name", "digest", "seq_len", "dtype", "blocks", "has_tp_plan"))

@@ -14,7 +14,7 @@ import contextlib
 import torch
 from torch import nn
 
-from autopar.capability import model_limits
+from autopar.executor.limits import model_limits
 from autopar.errors import AutoparError
 from autopar.modelfile import ModelFile, load_model_file, priced_styles
 from autopar.profile import cache as profile_cache

@@ -1,4 +1,6 @@
-"""Planners behind one interface; each is imported only when asked for (optional dependencies)."""
+"""Planners behind one interface, found by name: each is imported only when asked for (optional
+dependencies), and the rl planner lives above Search, in `autopar.policies.planner` (RL imports
+Search, never the reverse: docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from autopar.search.base import Planner
 _PLANNERS = {
     "exhaustive": "autopar.search.exhaustive:ExhaustivePlanner",
     "rules": "autopar.search.rules:RulesPlanner",
-    "rl": "autopar.search.rl:RLPlanner",
+    "rl": "autopar.policies.planner:RLPlanner",
     "optuna": "autopar.search.optuna_search:OptunaPlanner",
     "random": "autopar.search.random_search:RandomPlanner",
 }

@@ -65,7 +65,8 @@ class ModelSources:
     def profile(self, model: dict, dtype: str, source: str):
         """The ModelProfile of a record's model (see the module docstring for where it comes from)."""
         from autopar.profile import ModelProfile, profile_model
-        from autopar.schema import check, profile_schema
+        from autopar.profile.model_profile import profile_schema
+        from autopar.schema import check
 
         stored = model.get("profile")
         if stored is not None:

@@ -1,4 +1,4 @@
-"""The RL planner: a trained policy picks each knob in one forward pass.
+"""The RL planner (`autopar search --method rl`): a trained policy picks each knob in one forward pass.
 
 Top-1 is the greedy decode; top-k beam-decodes (or samples, with `decode="sample"`) k distinct
 plans and ranks them with the cost model. Cost-model calls are only those the masks need (a
@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.cost import PlanArrays, evaluate
+from autopar.envs.features import workload_features
+from autopar.envs.knobs import PlanSpace
+from autopar.errors import AutoparError
 from autopar.plan import Plan
+from autopar.policies.decode import beam_search, sample
+from autopar.policies.fingerprint import stale_note
+from autopar.policies.load import default_policy_path, load_policy
 from autopar.search.base import Planner
 from autopar.search.exhaustive import memory_error, no_plan_error
 from autopar.search.simplicity import simpler_variants, simplest_first
@@ -36,15 +42,9 @@ class RLPlanner(Planner):
     name = "rl"
 
     def __init__(self, policy=None, seed: int = 0, decode: str = "beam"):
-        from autopar.errors import AutoparError
-        from autopar.policies.load import load_policy
-
         super().__init__()
         if decode not in DECODERS:
             raise AutoparError(f"unknown decode {decode!r}; choose one of {list(DECODERS)}")
-        from autopar.policies.fingerprint import stale_note
-        from autopar.policies.load import default_policy_path
-
         self.actor = load_policy(policy)  # checks the space signature: fail before any search
         self.stale_note = stale_note(self.actor.meta, policy or default_policy_path())
         self.seed, self.decode = seed, decode
@@ -52,10 +52,6 @@ class RLPlanner(Planner):
         self.confidences: list[Confidence | None] = []  # of every plan of the last propose(), in order
 
     def propose(self, workload, k: int = 1) -> list[Plan]:
-        from autopar.envs.features import workload_features
-        from autopar.envs.knobs import PlanSpace
-        from autopar.policies.decode import beam_search, sample
-
         space = PlanSpace(workload)
         first = space.step(())
         if not first.allowed.any():
