@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from autopar.capability import sequence_parallel_options
 from autopar.errors import PlanError
 
 Check = Callable[[Any, int], "str | None"]  # (workload, degree) -> None when allowed, else why not
@@ -195,7 +196,7 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str):
         """torch's DeviceMesh with one named dimension per axis, in this order."""
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import init_device_mesh  # torch: heavy, imported on first use
 
         shape = tuple(self.degrees[a] for a in self.order)
         return init_device_mesh(device_type, shape, mesh_dim_names=self.order)
@@ -264,7 +265,6 @@ def _tp_allowed(workload, tp: int) -> str | None:
     if bad:
         return (f"tp={tp} does not divide {bad} (heads / sharded dims of the model); "
                 f"use a tp that divides {math.gcd(*profile.tp_units)}")
-    from autopar.capability import sequence_parallel_options
 
     if not sequence_parallel_options(profile, tp):
         return (f"tp={tp} needs sequence parallelism for this model ({profile.limits['sp_off']}), but the sequence "

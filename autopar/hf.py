@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.errors import ModelFileError
+from autopar.zoo import next_token_batch
 
 PREFIX = "hf:"
 ROTARY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
@@ -86,7 +87,7 @@ def _read_config(path: Path) -> tuple[dict, bytes]:
 
 def _transformers():
     try:
-        import transformers
+        import transformers  # transformers: heavy, imported on first use
     except ImportError as exc:
         raise ModelFileError("hf: models need the transformers package; pip install transformers "
                              "(README: 'Adding transformers, torchvision or timm')") from exc
@@ -313,8 +314,6 @@ class HFSource:
         return HFCausalLM(model, config, self.seq_len(config, seq_len), self.family)
 
     def example_batch(self, batch_size: int, seq_len: int | None = None, **overrides):
-        from autopar.zoo import next_token_batch
-
         config = self.hf_config(overrides)
         return next_token_batch(batch_size, config.vocab_size, self.seq_len(config, seq_len))
 

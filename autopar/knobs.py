@@ -24,6 +24,7 @@ from functools import cache
 from typing import Any
 
 from autopar import axes as _axes
+from autopar.capability import sequence_parallel_options
 from autopar.errors import PlanError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -396,7 +397,6 @@ def _check_sp(plan) -> None:
 
 def _sp_choices(w, d) -> list[bool]:
     """Off and on under tensor parallelism, as far as the executor can run them for this model."""
-    from autopar.capability import sequence_parallel_options
 
     return list(sequence_parallel_options(w.profile, d["tp"]))
 

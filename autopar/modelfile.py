@@ -177,7 +177,7 @@ class ModelFile:
 
 
 def _check_style(where: str, pattern: str, style) -> None:
-    from torch.distributed.tensor.parallel import ParallelStyle
+    from torch.distributed.tensor.parallel import ParallelStyle  # torch: heavy, imported on first use
 
     if isinstance(style, ParallelStyle) or style in TP_STYLES:
         return
@@ -219,8 +219,8 @@ def resolve_tp_plan(model: nn.Module, plan: dict, where: str = "tp_plan") -> dic
 def priced_styles(model: nn.Module, plan: dict) -> dict[str, str]:
     """The style names the profiler prices a resolved tp_plan by: names as they are, torch's
     ParallelStyle objects by what they shard (SequenceParallel and PrepareModule* shard no weight)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor import Replicate  # torch: heavy, imported on first use
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # torch: heavy
 
     out = {}
     for name, style in plan.items():
@@ -242,7 +242,7 @@ def priced_styles(model: nn.Module, plan: dict) -> dict[str, str]:
 def sequence_parallel_styles(plan: dict) -> bool | None:
     """Whether a tp_plan of ParallelStyle objects shards the sequence (it has a SequenceParallel
     entry); None for a plan of style names, where the plan's sequence_parallel decides."""
-    from torch.distributed.tensor.parallel import SequenceParallel
+    from torch.distributed.tensor.parallel import SequenceParallel  # torch: heavy, imported on first use
 
     if not plan or all(isinstance(style, str) for style in plan.values()):
         return None

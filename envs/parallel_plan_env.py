@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import gymnasium as gym
 import numpy as np
-from gymnasium import spaces
-
 from autopar.envs.features import BOUND, observation, observation_size, workload_features
 from autopar.envs.knobs import MAX_ACTIONS, PlanSpace
 from autopar.envs.rewards import INVALID_REWARD, CostModelReward, RewardBackend
+from autopar.envs.workloads import feasible, sample_training_spec
+from gymnasium import spaces
+
 from autopar.errors import NoValidPlanError
 
 
@@ -70,7 +71,6 @@ class ParallelPlanEnv(gym.Env):
 
     def _training_draw(self):
         """A feasible workload of the zoo's training mix, drawn with the env's own generator."""
-        from autopar.envs.workloads import feasible, sample_training_spec
 
         while True:
             spec = sample_training_spec(self.np_random)

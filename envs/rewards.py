@@ -19,9 +19,11 @@ from typing import Protocol
 from autopar.atomic import write_text_atomic
 from autopar.cost import arrays as cost_arrays
 from autopar.cost import coefficients as cost_coefficients
+from autopar.cost import estimate
 from autopar.cost import model as cost_model
 from autopar.errors import AutoparError
 from autopar.plan import Plan
+from autopar.profile.cache import cache_dir
 from autopar.search import exhaustive, space
 
 OOM_REWARD = -1.0
@@ -47,8 +49,6 @@ def workload_key(workload) -> str:
 
 
 def _oracle_dir() -> Path:
-    from autopar.profile.cache import cache_dir
-
     return cache_dir() / "oracle"
 
 
@@ -102,8 +102,6 @@ class CostModelReward:
         self.oracle = oracle or OracleCache(coeffs)
 
     def __call__(self, workload, plan: Plan) -> float:
-        from autopar.cost import estimate
-
         est = estimate(workload, plan, self.coeffs)
         if not est.fits:
             return OOM_REWARD

@@ -17,11 +17,25 @@ import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from autopar.envs.knobs import PlanSpace
+from rich.progress import track
 
-from autopar.cluster import GPUS, PRESETS
+from autopar.cluster import GPUS, PRESETS, load_cluster
 from autopar.knobs import STATE_BYTES_PER_PARAM  # to size clusters to models
-from autopar.schema import (MAX_GLOBAL_BATCH, MAX_GPUS, MAX_GPUS_PER_NODE, Anything, Int, Map, Obj, Opt, Str,
-                            dataclass_schema)
+from autopar.profile import profile_model
+from autopar.schema import (
+    MAX_GLOBAL_BATCH,
+    MAX_GPUS,
+    MAX_GPUS_PER_NODE,
+    Anything,
+    Int,
+    Map,
+    Obj,
+    Opt,
+    Str,
+    dataclass_schema,
+)
+from autopar.workload import Workload
 
 TRAIN_CLUSTERS = ("dgx-v100", "dgx-a100-40g", "dgx-a100-80g", "dgx-h100", "pcie-4090x8")
 HELDOUT_CLUSTERS = ("dgx-h200", "l40s-pcie")
@@ -58,10 +72,6 @@ class WorkloadSpec:
     precision: str = "bf16"
 
     def build(self):
-        from autopar.cluster import load_cluster
-        from autopar.profile import profile_model
-        from autopar.workload import Workload
-
         profile = profile_model(self.model, dict(self.model_args), dtype=self.precision)
         cluster = load_cluster(self.cluster, nodes=self.nodes, gpus_per_node=self.gpus_per_node)
         return Workload(profile=profile, cluster=cluster, global_batch=self.global_batch)
@@ -89,15 +99,12 @@ def workload_spec_schema() -> Obj:
 
 def feasible(workload) -> bool:
     """Some plan of the space fits in memory (the first step's mask is exact about that)."""
-    from autopar.envs.knobs import PlanSpace
 
     return bool(PlanSpace(workload).step(()).allowed.any())
 
 
 # -- sampling ---------------------------------------------------------------------------------------
 def _approx_params(spec: WorkloadSpec) -> float:
-    from autopar.profile import profile_model
-
     return profile_model(spec.model, dict(spec.model_args), dtype=spec.precision).params
 
 
@@ -143,7 +150,6 @@ def _collect(sample, n: int, seed: int, progress: bool) -> list:
     """n distinct feasible (spec, workload) pairs drawn by `sample(rng)`, deterministic from seed."""
     rng = np.random.default_rng(seed)
     seen, out = set(), []
-    from rich.progress import track
 
     for _ in track(range(50 * n), description="sampling workloads", disable=not progress, transient=True):
         if len(out) == n:

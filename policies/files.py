@@ -7,6 +7,7 @@ import json
 import platform
 import re
 import zipfile
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +28,6 @@ def numpy_actor(model) -> NumpyActor:
 
 
 def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {"python": platform.python_version()}
     for package in ("autopar", "torch", "numpy", "gymnasium", "stable-baselines3", "sb3-contrib"):
         try:

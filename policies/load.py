@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+from autopar.envs.features import space_signature
 
 from autopar.errors import AutoparError
 from autopar.schema import POLICY_META_SCHEMA, check, loads
@@ -93,7 +94,6 @@ def read_meta(path) -> dict:
 
 def check_signature(meta: dict, path) -> None:
     """Refuse a policy trained for another space: it would read its actions differently."""
-    from autopar.envs.features import space_signature
 
     expected = space_signature()
     if meta.get("space_signature") != expected:

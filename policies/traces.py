@@ -25,14 +25,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from autopar.policies.files import sidecar_path
+from autopar.envs.rewards import CostModelReward
+from autopar.envs.workloads import feasible, training_workloads
+from autopar.policies.files import numpy_actor, sidecar_path
+from autopar.policies.load import PolicyError, check_signature, default_policy_path, load_policy, read_meta
+from autopar.policies.train import greedy_ratios, train
 
 from autopar.atomic import write_text_atomic
+from autopar.calibrate import calibrate, job_mix
+from autopar.calibrate.cluster_profile import write_cluster
+from autopar.calibrate.folds import group_holdout
 from autopar.errors import AutoparError
+from autopar.traces.record import check_trace_file
+from autopar.workload import Workload
 
 DEFAULT_TIMESTEPS = 10_000  # fine-tuning from the shipped policy: the imitation does most of the work
 MIN_SHAPES = 2  # one to train on, one to hold out
@@ -72,7 +82,6 @@ def cluster_path(output) -> Path:
 
 def split_mix(mix: list, holdout: float, seed: int) -> tuple[list, list]:
     """(training, held-out) workloads of a job mix, whole shapes on one side."""
-    from autopar.calibrate.folds import group_holdout
 
     keys = [shape_key(w.profile) for w, _ in mix]
     if len(set(keys)) < MIN_SHAPES:
@@ -87,9 +96,6 @@ def expand(workloads: list, mix: list) -> list:
     traced, plus the combinations the traces did not happen to run) whose samples per GPU lie
     within the range the traces ran (no 1,536 samples on 2 GPUs because a 512-GPU run used that
     batch), feasible ones only."""
-    from autopar.envs.workloads import feasible
-
-    from autopar.workload import Workload
 
     sizes = sorted({(w.cluster.nodes, w.cluster.gpus_per_node) for w, _ in mix})
     batches = sorted({w.global_batch for w, _ in mix})
@@ -116,7 +122,6 @@ def expand(workloads: list, mix: list) -> list:
 
 def heldout_figures(actor, workloads: list, reward) -> dict:
     """Median, 5th percentile and least top-1 ratio to the oracle, with one row per workload."""
-    from autopar.policies.train import greedy_ratios
 
     ratios = greedy_ratios(actor, workloads, reward)
     rows = [{"workload": w.describe(), "shape": shape_key(w.profile), "gpus": w.cluster.num_gpus,
@@ -140,22 +145,6 @@ def calibration_summary(result) -> dict:
 def train_on_traces(tcfg: TraceTrainConfig, cfg, console) -> dict:
     """Calibrate, build the job mix, train, evaluate on held-out shapes, write everything.
     `cfg` is the `TrainConfig` (output, timesteps, seed, imitation ...). Returns the metadata."""
-    import time
-
-    from autopar.envs.rewards import CostModelReward
-    from autopar.policies.files import numpy_actor
-    from autopar.policies.load import (
-        PolicyError,
-        check_signature,
-        default_policy_path,
-        load_policy,
-        read_meta,
-    )
-    from autopar.policies.train import train
-
-    from autopar.calibrate import calibrate, job_mix
-    from autopar.traces.record import check_trace_file
-    from autopar.calibrate.cluster_profile import write_cluster
 
     if not tcfg.traces:
         raise AutoparError("--traces needs at least one trace file (.jsonl; `autopar traces import` or "
@@ -195,7 +184,6 @@ def train_on_traces(tcfg: TraceTrainConfig, cfg, console) -> dict:
             say(f"training from scratch: {e}")
 
     if tcfg.replay:  # rehearsal: keep what the policy knows outside the traces' job mix
-        from autopar.envs.workloads import training_workloads
 
         pool = pool + training_workloads(tcfg.replay, seed=cfg.seed)
         say(f"plus {tcfg.replay} workloads of the shipped policy's training distribution (--replay)")

@@ -17,11 +17,30 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from autopar.envs import ENV_ID
+from autopar.envs.features import observation_size, workload_features
+from autopar.envs.knobs import MAX_ACTIONS, PlanSpace
+from autopar.envs.parallel_plan_env import ParallelPlanEnv
+from autopar.envs.rewards import CostModelReward
+from autopar.envs.workloads import WorkloadSpec, training_workloads, workload_spec_schema
+from autopar.policies.decode import beam_search
 from autopar.policies.files import latest_checkpoint, numpy_actor, sidecar_path, versions, write_policy
+from autopar.policies.fingerprint import fingerprint
+from autopar.policies.imitation import imitation
 from autopar.policies.load import POLICY_FORMAT
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    track,
+)
 
 from autopar.atomic import write_text_atomic
 from autopar.errors import AutoparError
+from autopar.schema import MAX_ITEMS, Anything, List, Map, Obj, check, loads, read_file
 
 # fine-tuning settings: a small learning rate and entropy bonus keep PPO from undoing the imitation
 PPO_SETTINGS = dict(n_epochs=6, learning_rate=1e-4, gamma=1.0, gae_lambda=0.95, ent_coef=0.002, clip_range=0.2)
@@ -51,8 +70,6 @@ class TrainConfig:
 # -- workloads ---------------------------------------------------------------------------------------------
 def load_pool(spec: str, seed: int, progress: bool) -> list:
     """The training workloads: `spec` is a pool size for the sampler or a JSON file of specs."""
-    from autopar.envs.workloads import WorkloadSpec, training_workloads, workload_spec_schema
-    from autopar.schema import MAX_ITEMS, List, check, loads, read_file
 
     if spec.isdigit():
         if not 1 <= int(spec) <= MAX_ITEMS:
@@ -65,7 +82,6 @@ def load_pool(spec: str, seed: int, progress: bool) -> list:
 
 def validation_set(pool: list, n: int, seed: int) -> list:
     """n workloads of the training distribution that are not in the pool (another seed)."""
-    from autopar.envs.workloads import training_workloads
 
     keys = {(w.profile.digest, w.cluster.name, w.cluster.nodes, w.cluster.gpus_per_node, w.global_batch) for w in pool}
     return [w for w in training_workloads(n + len(pool) // 8, seed=seed + 7919)
@@ -82,9 +98,6 @@ def validation_figures(model, workloads: list, reward) -> dict:
 
 def greedy_ratios(actor, workloads: list, reward) -> np.ndarray:
     """The ratio to the oracle of the greedy plan of each workload."""
-    from autopar.envs.features import workload_features
-    from autopar.envs.knobs import PlanSpace
-    from autopar.policies.decode import beam_search
 
     out = []
     for w in workloads:
@@ -96,15 +109,7 @@ def greedy_ratios(actor, workloads: list, reward) -> np.ndarray:
 
 # -- training -----------------------------------------------------------------------------------------------
 def _callbacks(cfg: TrainConfig, console, validation, reward, history: list, started_steps: int):
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.callbacks import BaseCallback  # stable_baselines3: heavy, imported on first use
 
     class Trainer(BaseCallback):
         """Progress bar, periodic evaluation against the oracle, checkpoints."""
@@ -157,11 +162,6 @@ def _callbacks(cfg: TrainConfig, console, validation, reward, history: list, sta
 
 
 def metadata(cfg: TrainConfig, model, history: list, seconds: float | None = None) -> dict:
-    from autopar.envs import ENV_ID
-    from autopar.envs.features import observation_size
-    from autopar.envs.knobs import MAX_ACTIONS
-    from autopar.policies.fingerprint import fingerprint
-
     stamp = fingerprint()
     return {"format": POLICY_FORMAT, "env_id": ENV_ID, "space_signature": stamp["space"], "fingerprint": stamp,
             "observation_size": observation_size(), "max_actions": MAX_ACTIONS, "versions": versions(),
@@ -180,23 +180,19 @@ def train(cfg: TrainConfig, console, *, pool: list | None = None, validation: li
     zoo sampler). start_from: a policy file whose weights (and PPO settings) training starts from
     instead of chance, e.g. the shipped policy for fine-tuning; its timestep count restarts at 0.
     finish: `finish(model) -> dict`, called after training; its keys are added to the metadata."""
-    import torch
-    from autopar.envs.parallel_plan_env import ParallelPlanEnv
-    from autopar.envs.rewards import CostModelReward
-    from autopar.policies.extractor import PlanFeaturesExtractor
-    from autopar.policies.imitation import imitation
-    from sb3_contrib import MaskablePPO
-    from stable_baselines3.common.logger import Logger
-    from stable_baselines3.common.monitor import Monitor
-    from stable_baselines3.common.vec_env import DummyVecEnv
-    from torch import nn
+    import torch  # torch: heavy, imported on first use
+    from autopar.policies.extractor import PlanFeaturesExtractor  # stable_baselines3, torch
+    from sb3_contrib import MaskablePPO  # sb3_contrib: heavy, imported on first use
+    from stable_baselines3.common.logger import Logger  # stable_baselines3: heavy, imported on first use
+    from stable_baselines3.common.monitor import Monitor  # stable_baselines3: heavy, imported on first use
+    from stable_baselines3.common.vec_env import DummyVecEnv  # stable_baselines3: heavy, imported on first use
+    from torch import nn  # torch: heavy, imported on first use
 
     torch.set_num_threads(1)  # small networks: more threads only contend with the environment
     started = time.perf_counter()
     resume = resume_point(cfg)  # before any work: --resume without a checkpoint is an error
     pool = pool if pool is not None else load_pool(cfg.workloads, cfg.seed, progress=True)
     reward = CostModelReward()
-    from rich.progress import track
 
     for w in track(pool, description="oracle for each training workload", console=console, transient=True):
         reward.oracle.time(w)
@@ -269,7 +265,6 @@ def resume_point(cfg: TrainConfig) -> tuple[Path, int] | None:
 
 def read_history(directory: Path, console) -> list:
     """The evaluation history of a resumed run; a damaged progress.json costs the history only."""
-    from autopar.schema import Anything, List, Map, Obj, check, loads, read_file
 
     try:
         data = loads(read_file(directory / "progress.json", "progress file", AutoparError), "progress.json",

@@ -16,13 +16,18 @@ Protocol (what the reported figures mean):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from autopar.calibrate import metrics
+from autopar.calibrate.collectives import fit_allreduce, read_allreduce_table
 from autopar.calibrate.dataset import Dataset, build_dataset, load_traces
 from autopar.calibrate.fit import FitResult, default_parameters, fit, needed_rows
+from autopar.calibrate.folds import group_holdout, group_kfold
+from autopar.cluster import Cluster, load_cluster
+from autopar.cost.coefficients import Coefficients
 from autopar.errors import AutoparError
 
 COLLECTIVE_PARAMS = ("latency_scale", "collective_latency_s")
@@ -68,8 +73,6 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
               allreduce=(), params=None, seed: int = 0, progress=None, models=None) -> CalibrationResult:
     """Calibrate `cluster` (preset name, cluster JSON path or Cluster) on trace files; `models` (a
     ModelSources) says which model code the records' profiles may be rebuilt with."""
-    from autopar.cluster import Cluster, load_cluster
-    from autopar.cost.coefficients import Coefficients
 
     say = progress or (lambda msg: None)
     base = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
@@ -86,7 +89,6 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
 
     collectives, fixed = None, []
     if allreduce:
-        from autopar.calibrate.collectives import fit_allreduce, read_allreduce_table
 
         tables = [read_allreduce_table(p) for p in allreduce]
         collectives = fit_allreduce(tables, base, start)
@@ -104,7 +106,6 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
         keys, unit = [ds.labels[i]["source"] for i in range(len(ds))], "run (the traces hold one model)"
     splits = []
     if folds or holdout:
-        from autopar.calibrate.folds import group_holdout, group_kfold
 
         splits = group_kfold(keys, folds, seed) if folds else [group_holdout(keys, holdout, seed)]
     # as many coefficients as the smallest fit (a training fold, or all rows) supports
@@ -145,8 +146,6 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
     if validation is None:
         rows = (ds, ds.predict(final.coefficients))
         validation = {"method": "in-sample (no --folds or --holdout: these rows were fitted)", **score(*rows)}
-
-    import dataclasses
 
     calibrated = dataclasses.replace(base, name=f"{base.name}-calibrated", coefficients=final.coefficients.to_dict())
     evaluations, evaluated_rows = {}, {}

@@ -15,6 +15,7 @@ directory, so profiling needs no free TCP port.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -25,6 +26,11 @@ from pathlib import Path
 import numpy as np
 
 from autopar.atomic import atomic_path
+from autopar.calibrate.collectives import AllReduceTable, fit_allreduce
+from autopar.cluster import detect, load_cluster
+from autopar.cluster.hardware import Link
+from autopar.cost.coefficients import Coefficients
+from autopar.cost.model import all_reduce_time
 from autopar.errors import AutoparError
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB ... 64 MiB
@@ -63,8 +69,8 @@ ZERO_MIN_BYTES = 2**20
 
 def _collective(name: str, x, world: int):
     """A zero-argument call running collective `name` on buffer `x` (the whole, unsharded size)."""
-    import torch
-    import torch.distributed as dist
+    import torch  # torch: heavy, imported on first use
+    import torch.distributed as dist  # torch: heavy, imported on first use
 
     if name == "all_reduce":
         return lambda: dist.all_reduce(x)
@@ -84,8 +90,8 @@ def _collectives_worker(rank: int, world: int, backend: str, init_file: str, siz
     """One rank: time all_reduce of fp32 tensors of each size, and the ZeRO collectives on the
     large ones; rank 0 writes the slowest rank's time per operation (a collective ends when its
     last rank is done)."""
-    import torch
-    import torch.distributed as dist
+    import torch  # torch: heavy, imported on first use
+    import torch.distributed as dist  # torch: heavy, imported on first use
 
     torch.set_num_threads(1)
     cuda = backend == "nccl"
@@ -135,7 +141,7 @@ def _collectives_worker(rank: int, world: int, backend: str, init_file: str, siz
 
 def measure_collectives(ranks: int, sizes=DEFAULT_SIZES, backend: str = "gloo", timeout_s: float = 300.0):
     """(collective, bytes, ranks, seconds) per collective and size, over `ranks` fresh processes."""
-    import torch.multiprocessing as mp
+    import torch.multiprocessing as mp  # torch: heavy, imported on first use
 
     with tempfile.TemporaryDirectory(prefix="autopar-profile-") as tmp:
         out = os.path.join(tmp, "result.json")
@@ -162,7 +168,7 @@ def measure_collectives(ranks: int, sizes=DEFAULT_SIZES, backend: str = "gloo", 
 # -- matmul and memory -------------------------------------------------------------------------------
 def measure_matmul(sizes=(256, 512, 1024), dtypes=("fp32", "bf16"), device: str = "cpu") -> dict:
     """FLOP/s of square matmuls per dtype and size, in this process (one thread on CPU)."""
-    import torch
+    import torch  # torch: heavy, imported on first use
 
     torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     dev = torch.device(device)
@@ -199,7 +205,7 @@ def measure_matmul(sizes=(256, 512, 1024), dtypes=("fp32", "bf16"), device: str 
 
 def measure_memory(nbytes: int = 64 * 2**20, device: str = "cpu") -> float:
     """Bytes/s of a tensor copy (read + write counted), in this process."""
-    import torch
+    import torch  # torch: heavy, imported on first use
 
     dev = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
@@ -253,9 +259,7 @@ def collective_efficiency(allreduce, collectives) -> dict[str, float]:
 def fit_shm(rows) -> dict:
     """A ring's one-way rate, per-hop latency and per-call latency from (bytes, ranks, seconds):
     seconds = base + 2(n-1) hop + 2(n-1)/n bytes / rate (the cost model's all-reduce)."""
-    from scipy.optimize import least_squares
-
-    from autopar.cost.model import all_reduce_time
+    from scipy.optimize import least_squares  # scipy: heavy, imported on first use
 
     b = np.array([r[0] for r in rows], dtype=float)
     n = np.array([r[1] for r in rows], dtype=float)
@@ -279,14 +283,8 @@ def fit_shm(rows) -> dict:
 def profile_cluster(ranks=(2, 4), sizes=DEFAULT_SIZES, backend: str = "auto", matmul_sizes=None,
                     timeout_s: float = 300.0, progress=None):
     """Measure this machine and return (Cluster, ProfileResult)."""
-    import dataclasses
 
-    import torch
-
-    from autopar.calibrate.collectives import AllReduceTable, fit_allreduce
-    from autopar.cluster import detect, load_cluster
-    from autopar.cluster.hardware import Link
-    from autopar.cost.coefficients import Coefficients
+    import torch  # torch: heavy, imported on first use
 
     say = progress or (lambda msg: None)
     cuda = torch.cuda.is_available()

@@ -25,6 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from autopar.calibrate.fit import with_values
+from autopar.cost.coefficients import Coefficients
+from autopar.cost.model import all_reduce_time
 from autopar.errors import AutoparError
 
 
@@ -101,7 +104,6 @@ class CollectiveFit:
 
 def predict_allreduce(cluster, coeffs, ranks, nbytes) -> np.ndarray:
     """The cost model's all-reduce time for each (ranks, bytes): a ring over ranks 0..n-1."""
-    from autopar.cost.model import all_reduce_time
 
     ranks, nbytes = np.asarray(ranks), np.asarray(nbytes, dtype=float)
     out = np.empty(len(nbytes))
@@ -116,10 +118,7 @@ def predict_allreduce(cluster, coeffs, ranks, nbytes) -> np.ndarray:
 def fit_allreduce(tables: list[AllReduceTable], cluster, start=None) -> CollectiveFit:
     """Fit the link efficiency of the kind the tables' rings run over, latency_scale and
     collective_latency_s. The cluster must hold as many ranks per node as the largest table."""
-    from scipy.optimize import least_squares
-
-    from autopar.calibrate.fit import with_values
-    from autopar.cost.coefficients import Coefficients
+    from scipy.optimize import least_squares  # scipy: heavy, imported on first use
 
     ranks = np.concatenate([t.ranks for t in tables])
     nbytes = np.concatenate([t.nbytes for t in tables])

@@ -174,7 +174,7 @@ def fit(dataset, start: Coefficients | None = None, names: list[str] | None = No
         f_scale: float = 0.05, max_nfev: int | None = None) -> FitResult:
     """Least-squares fit of `names` (default: what the data identifies) to the data set's rows,
     starting from `start` (default: the defaults)."""
-    from scipy.optimize import least_squares
+    from scipy.optimize import least_squares  # scipy: heavy, imported on first use
 
     start = start or Coefficients()
     names = list(names) if names is not None else default_parameters(dataset, start, rows=len(dataset))

@@ -20,7 +20,7 @@ def max_error(predicted, measured) -> float:
 
 def spearman(predicted, measured) -> float:
     """Spearman rank correlation (1: the prediction orders the runs exactly as measured)."""
-    from scipy.stats import spearmanr
+    from scipy.stats import spearmanr  # scipy: heavy, imported on first use
 
     if len(predicted) < 2:
         return float("nan")

@@ -3,7 +3,20 @@ tables), report held-out accuracy, and write a calibrated cluster JSON."""
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from autopar.calibrate.calibration import calibrate
+from autopar.calibrate.cluster_profile import write_cluster
+from autopar.calibrate.collectives import fit_allreduce, read_allreduce_table
+from autopar.calibrate.fit import get_value, param
 from autopar.cli.common import add_trace_model_flags, model_sources, print_json
+from autopar.cluster import load_cluster
+from autopar.cost.coefficients import Coefficients
+from autopar.errors import AutoparError
 
 
 def add_parser(sub) -> None:
@@ -38,10 +51,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
-
-    from autopar.errors import AutoparError
-
     if not args.traces and not args.allreduce:
         raise AutoparError("give trace files to fit, or --allreduce tables (or both)")
     if args.folds is not None and args.folds < 2:
@@ -55,7 +64,6 @@ def run(args) -> int:
     err = Console(stderr=True)
     params = [s.strip() for s in args.params.split(",") if s.strip()] if args.params else None
     if params:
-        from autopar.calibrate.fit import param
 
         for name in params:
             param(name)  # unknown names fail before any work
@@ -63,18 +71,14 @@ def run(args) -> int:
     if not args.traces:
         return _collectives_only(args, err)
 
-    from autopar.calibrate.calibration import calibrate
-
     progress = (lambda msg: err.print(f"[dim]{msg}[/dim]")) if not args.json else None
     result = calibrate(args.traces, args.cluster, folds=args.folds, holdout=args.holdout, evaluate=args.evaluate,
                        allreduce=args.allreduce, params=params, seed=args.seed, progress=progress,
                        models=model_sources(args))
-    import sys
 
     for problem in result.problems:  # one plain line each, never wrapped
         print(f"autopar: warning: skipped malformed trace line {problem}", file=sys.stderr)
     if args.output:
-        from autopar.calibrate.cluster_profile import write_cluster
 
         write_cluster(result.cluster, args.output)
     out = _report(result, args)
@@ -105,7 +109,6 @@ def _trim(figures: dict, worst: int) -> dict:
 def _report(result, args) -> dict:
     fit = result.fit
     start = result.start
-    from autopar.calibrate.fit import get_value
 
     out = {
         "cluster": args.cluster,
@@ -130,8 +133,6 @@ def _report(result, args) -> dict:
 
 
 def _print(out: dict, console) -> None:
-    from rich.table import Table
-
     if "collectives" in out:
         c = out["collectives"]
         console.print(f"collectives ({c['rows']} all-reduce measurements): {c['kind']} efficiency "
@@ -154,8 +155,6 @@ def _print(out: dict, console) -> None:
 
 
 def _print_figures(console, title: str, fig: dict) -> None:
-    from rich.table import Table
-
     console.print(f"[bold]{title}[/bold]: {fig['rows']} rows, MAPE {fig['mape']:.2%}, max error "
                   f"{fig['max_error']:.1%}, Spearman {fig['spearman']:.4f}")
     if fig.get("worst"):
@@ -184,15 +183,6 @@ def _print_figures(console, title: str, fig: dict) -> None:
 
 
 def _collectives_only(args, err) -> int:
-    import dataclasses
-
-    from rich.console import Console
-
-    from autopar.calibrate.cluster_profile import write_cluster
-    from autopar.calibrate.collectives import fit_allreduce, read_allreduce_table
-    from autopar.cluster import load_cluster
-    from autopar.cost.coefficients import Coefficients
-
     base = load_cluster(args.cluster)
     start = Coefficients.from_dict(base.coefficients)
     fitted = fit_allreduce([read_allreduce_table(p) for p in args.allreduce], base, start)

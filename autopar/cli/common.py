@@ -6,10 +6,14 @@ import argparse
 import json
 import sys
 
+from autopar.cluster import load_cluster
 from autopar.cost.coefficients import Coefficients
 from autopar.errors import AutoparError
+from autopar.profile import profile_model
+from autopar.profile.isolated import DEFAULT_PROFILE_TIMEOUT, check_timeout
 from autopar.schema import check_global_batch
-from autopar.workload import DEFAULT_MEMORY_HEADROOM
+from autopar.traces.models import ModelSources
+from autopar.workload import DEFAULT_MEMORY_HEADROOM, Workload
 
 DEFAULT_CLUSTER = "dgx-a100-80g"
 DEFAULT_GLOBAL_BATCH = 512
@@ -52,8 +56,6 @@ def add_model_flags(parser, optional: bool = False) -> None:
 
 
 def add_profile_timeout_flag(parser) -> None:
-    from autopar.profile.isolated import DEFAULT_PROFILE_TIMEOUT
-
     parser.add_argument("--profile-timeout", type=float, default=DEFAULT_PROFILE_TIMEOUT, metavar="S",
                         help="profile the model.py in a child process and stop it after S seconds "
                              f"(default {DEFAULT_PROFILE_TIMEOUT:g})")
@@ -70,8 +72,6 @@ def add_trace_model_flags(group) -> None:
 
 
 def model_sources(args):
-    from autopar.traces.models import ModelSources
-
     return ModelSources(tuple(args.model_file), args.trust_model_paths)
 
 
@@ -100,10 +100,6 @@ def _parse_value(text: str):
 
 def load_workload(args, nodes: int | None = None, global_batch: int | None = None):
     """Profile the model (cached) and load the cluster; flags win over the given defaults."""
-    from autopar.cluster import load_cluster
-    from autopar.profile import profile_model
-    from autopar.profile.isolated import check_timeout
-    from autopar.workload import Workload
 
     batch = args.global_batch if args.global_batch is not None else global_batch
     check_global_batch(batch)

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from autopar.cost.regime import notes, regime_note
-from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
-from autopar.errors import PlanError
-from autopar.schema import PLAN_RANGES, check
+from rich.console import Console
 
+from autopar import axes
+from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
+from autopar.cluster import load_cluster
+from autopar.cost import estimate
+from autopar.cost.regime import notes, regime_note
+from autopar.errors import PlanError
+from autopar.knobs import balanced_split, decisions, device_blocks, knob
+from autopar.plan import Plan
+from autopar.report import print_estimate
+from autopar.schema import PLAN_RANGES, check
+from autopar.search.space import plan_of
 
 OLD_FLAGS = {"--micro-batch": "micro_batch_size"}  # flags of earlier versions, still read
 
@@ -14,8 +22,6 @@ OLD_FLAGS = {"--micro-batch": "micro_batch_size"}  # flags of earlier versions, 
 def add_plan_flags(p) -> None:
     """--plan, or one flag per axis and decision knob of the registry (`autopar.knobs`), named as
     its Plan field; a knob left out takes its declared default."""
-    from autopar import axes
-    from autopar.knobs import decisions
 
     add_workload_flags(p, batch_default=None)
     p.add_argument("--plan", metavar="plan.json", help="a plan file (instead of the flags below)")
@@ -43,7 +49,6 @@ def add_parser(sub) -> None:
 def _fit_cluster_to(args, world: int) -> int:
     """Nodes for a plan of `world` ranks when --nodes is not given: whole nodes of the preset,
     or one partly used node for a plan smaller than a node."""
-    from autopar.cluster import load_cluster
 
     if args.nodes is not None:
         return args.nodes
@@ -58,11 +63,6 @@ def _fit_cluster_to(args, world: int) -> int:
 
 
 def _plan_from_flags(args, workload):
-    from autopar import axes
-    from autopar.knobs import balanced_split, decisions, device_blocks
-    from autopar.plan import Plan
-    from autopar.search.space import plan_of
-
     batch, dp, mbs = workload.global_batch, getattr(args, axes.derived_axis()), args.micro_batch_size
     if batch % (dp * mbs):
         raise PlanError(f"global batch {batch} is not divisible by dp x micro-batch = "
@@ -91,8 +91,6 @@ def _flag_value(k, given):
 
 
 def _flag_world(args) -> int:
-    from autopar import axes
-
     out = 1
     for a in axes.AXES:
         out *= getattr(args, a) or 1
@@ -102,9 +100,6 @@ def _flag_world(args) -> int:
 def plan_and_workload(args):
     """The plan from --plan or the flags, and the workload it runs on (cluster size and global
     batch default to the plan's)."""
-    from autopar import axes
-    from autopar.knobs import decisions, knob
-    from autopar.plan import Plan
 
     if args.plan:
         plan = Plan.load(args.plan)
@@ -131,11 +126,6 @@ def plan_and_workload(args):
 
 
 def run(args) -> int:
-    from rich.console import Console
-
-    from autopar.cost import estimate
-    from autopar.report import print_estimate
-
     plan, workload = plan_and_workload(args)
     est = estimate(workload, plan)
     if args.json:

@@ -3,7 +3,17 @@ one iteration per pipeline rank and of the memory per GPU."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from rich.console import Console
+
 from autopar.cli.common import add_workload_flags, print_json, workload_dict
+from autopar.cli.estimate import plan_and_workload
+from autopar.cost import estimate
+from autopar.errors import AutoparError
+from autopar.explain import explain
+from autopar.plots.figures import plan_figure, pyplot
+from autopar.report import print_estimate, why_table
 
 DEFAULT_PLOT = "plan.png"
 
@@ -29,10 +39,6 @@ def check_plot(args) -> None:
     """Fail on a missing matplotlib or an unusable --plot path before any work or output."""
     if not args.plot:
         return
-    from pathlib import Path
-
-    from autopar.errors import AutoparError
-    from autopar.plots.figures import pyplot
 
     pyplot()
     if Path(args.plot).is_dir():
@@ -43,20 +49,12 @@ def draw(args, workload, plan, est) -> str | None:
     """Write the plot when --plot was given; the path written."""
     if not args.plot:
         return None
-    from autopar.plots.figures import plan_figure
 
     plan_figure(workload, plan, est, args.plot, headroom_bytes=est.gpu_memory_bytes - est.usable_memory_bytes)
     return args.plot
 
 
 def run(args) -> int:
-    from rich.console import Console
-
-    from autopar.cli.estimate import plan_and_workload
-    from autopar.cost import estimate
-    from autopar.explain import explain
-    from autopar.report import print_estimate, why_table
-
     check_plot(args)
     plan, workload = plan_and_workload(args)
     est = estimate(workload, plan)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import sys
 
-from autopar.export import FRAMEWORKS
+from autopar.atomic import write_text_atomic
+from autopar.export import FRAMEWORKS, export_plan
+from autopar.plan import Plan
 
 
 def add_parser(sub) -> None:
@@ -20,10 +22,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from autopar.atomic import write_text_atomic
-    from autopar.export import export_plan
-    from autopar.plan import Plan
-
     exported = export_plan(Plan.load(args.plan), args.to)
     if args.output:
         write_text_atomic(args.output, exported.text)

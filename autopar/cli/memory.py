@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from rich.console import Console
+
 from autopar.cli.common import print_json
 from autopar.cli.estimate import add_plan_flags, plan_and_workload
+from autopar.cost import estimate
+from autopar.report import estimate_tables
 
 
 def add_parser(sub) -> None:
@@ -15,11 +19,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
-
-    from autopar.cost import estimate
-    from autopar.report import estimate_tables
-
     plan, workload = plan_and_workload(args)
     est = estimate(workload, plan)
     if args.json:

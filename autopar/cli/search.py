@@ -6,9 +6,16 @@ import contextlib
 import sys
 import time
 
-from autopar.cost.regime import notes, regime_note
+from rich.console import Console
+
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
 from autopar.cli.explain import add_plot_flag, check_plot, draw
+from autopar.cost import estimate
+from autopar.cost.regime import notes, regime_note
+from autopar.errors import AutoparError
+from autopar.explain import explain
+from autopar.report import alternatives_table, params_text, print_estimate, why_table
+from autopar.search import get_planner
 
 DEFAULT_METHOD = "rl"
 
@@ -41,14 +48,6 @@ def planner_options(args) -> dict:
 
 
 def run(args) -> int:
-    from rich.console import Console
-
-    from autopar.cost import estimate
-    from autopar.errors import AutoparError
-    from autopar.explain import explain
-    from autopar.report import alternatives_table, params_text, print_estimate, why_table
-    from autopar.search import get_planner
-
     if args.top_k < 1:
         raise AutoparError(f"--top-k must be at least 1, got {args.top_k}")
     if not 0 <= args.seed < 2**32:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from autopar.atomic import atomic_path
+from autopar.cost import Coefficients
 from autopar.errors import AutoparError
 from autopar.plots.schedule import KINDS, from_estimate
 
@@ -14,11 +16,11 @@ MEMORY_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860
 def pyplot():
     """matplotlib's pyplot on the Agg backend, or one clear line saying how to install it."""
     try:
-        import matplotlib
+        import matplotlib  # matplotlib: heavy, imported on first use
     except ImportError:
         raise AutoparError("plots need matplotlib: pip install 'autopar[plots]' (or pip install matplotlib)") from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: heavy, imported on first use
 
     return plt
 
@@ -32,7 +34,6 @@ def forward_share(profile) -> float:
 def plan_figure(workload, plan, est, path, headroom_bytes: float = 0.0) -> None:
     """Timeline per pipeline rank (left) and memory of the most loaded GPU by component (right)."""
     plt = pyplot()
-    from autopar.cost import Coefficients
 
     step = Coefficients.from_dict(workload.cluster.coefficients).step_overhead_s
     segments = from_estimate(plan, est, forward_share(workload.profile), step)
@@ -83,11 +84,10 @@ def plan_figure(workload, plan, est, path, headroom_bytes: float = 0.0) -> None:
 
 def save(fig, path) -> None:
     """Through the atomic writer: an interrupted run never leaves half a PNG."""
-    from autopar.atomic import atomic_path
 
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120)
     fig.clear()
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: heavy, imported on first use
 
     plt.close(fig)

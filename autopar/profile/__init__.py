@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from autopar.profile import cache as profile_cache
+from autopar.profile.isolated import profile_isolated
 from autopar.profile.model_profile import BlockProfile, ModelProfile
 
 
@@ -21,10 +22,9 @@ def profile_model(path_or_modelfile, model_args: dict | None = None, dtype: str 
         if hit is not None:
             return hit
         if timeout is not None:
-            from autopar.profile.isolated import profile_isolated
 
             return profile_isolated(path_or_modelfile, dict(model_args or {}), dtype, timeout)
-    from autopar.profile.profiler import profile_model as measure
+    from autopar.profile.profiler import profile_model as measure  # pulls torch: imported on first use
 
     return measure(path_or_modelfile, model_args, dtype=dtype, cache=cache)
 

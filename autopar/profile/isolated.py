@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from autopar.errors import AutoparError, ModelFileError
+from autopar.profile.model_profile import ModelProfile
 
 DEFAULT_PROFILE_TIMEOUT = 120.0  # seconds: the largest zoo models (175b GPT, 70b Llama) profile in ~10 s here
 
@@ -30,7 +31,6 @@ def check_timeout(seconds: float, flag: str = "--profile-timeout") -> float:
 
 def profile_isolated(path, model_args: dict, dtype: str, timeout: float):
     """The ModelProfile of the model.py at `path`, measured in a child process within `timeout` s."""
-    from autopar.profile.model_profile import ModelProfile
 
     check_timeout(timeout)
     with tempfile.TemporaryDirectory(prefix="autopar-profile-") as tmp:
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> None:
     """The child: profile, write {"profile": ...} or {"error": one line}, exit 0."""
     request = json.loads(argv[0])
     try:
-        from autopar.profile.profiler import profile_model
+        from autopar.profile.profiler import profile_model  # pulls torch: imported on first use
 
         out = {"profile": profile_model(request["path"], request["args"], dtype=request["dtype"]).to_dict()}
     except AutoparError as e:

@@ -56,7 +56,7 @@ class ModelProfile:
     has_tp_plan: bool
     tp_note: str = ""  # why tensor parallelism is unavailable, when it is
     dims: dict = field(default_factory=dict)  # hidden, heads, layers, vocab ... as found
-    limits: dict = field(default_factory=dict)  # knob -> why the executor cannot do it (autopar/capability.py, autopar/executor/limits.py)
+    limits: dict = field(default_factory=dict)  # knob -> why the executor cannot do it (executor/limits.py)
     notes: tuple[str, ...] = ()  # what the model says about how it is priced (an hf: model's attention)
 
     def __post_init__(self):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar import axes
 from autopar.cost import Coefficients, PlanArrays, evaluate
 from autopar.errors import NoValidPlanError
 from autopar.knobs import knobs
@@ -87,7 +88,6 @@ def no_plan_error(workload) -> NoValidPlanError:
     cannot be split into tensor x pipeline degrees the model allows."""
     n, batch = workload.world_size, workload.global_batch
     if not degree_choices(workload):
-        from autopar import axes
 
         dp = axes.derived_axis()  # the degrees the other axes allow, whatever the batch
         dps = sorted({d[dp] for d in axes.feasible_degrees(workload, unchecked=(dp,))})

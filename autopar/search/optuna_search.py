@@ -16,18 +16,22 @@ one left RUNNING by a killed process is failed after GRACE_S and retried with it
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import time
+import warnings
 from contextlib import contextmanager
 
 import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autopar.cost import PlanArrays, evaluate
 from autopar.errors import AutoparError
+from autopar.knobs import decisions
 from autopar.plan import Plan
 from autopar.search.base import Planner
-from autopar.knobs import decisions
 from autopar.search.sampling import best_distinct, check_space, nearest
 from autopar.search.space import sample
 
@@ -72,8 +76,8 @@ class OptunaPlanner(Planner):
         """Run trials until the study holds `trials` complete ones. When none can start because
         the missing ones are RUNNING elsewhere, wait: another process finishes them, or they
         belonged to a killed process and go stale after GRACE_S, fail, and are retried here."""
-        from optuna.storages import fail_stale_trials
-        from optuna.trial import TrialState
+        from optuna.storages import fail_stale_trials  # optuna: heavy, imported on first use
+        from optuna.trial import TrialState  # optuna: heavy, imported on first use
 
         idle_since = None
         while True:
@@ -147,10 +151,9 @@ def _fail_orphans(study) -> None:
     """Fail and retry trials RUNNING for ORPHAN_S without ever beating: a process killed between
     creating a trial and its first heartbeat leaves one, and Optuna's stale check skips trials
     without a heartbeat. A live trial beats within HEARTBEAT_S and lasts milliseconds."""
-    import datetime
 
-    from optuna.storages import RetryHeartbeatStaleTrialCallback
-    from optuna.trial import TrialState
+    from optuna.storages import RetryHeartbeatStaleTrialCallback  # optuna: heavy, imported on first use
+    from optuna.trial import TrialState  # optuna: heavy, imported on first use
 
     now = datetime.datetime.now()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -164,7 +167,7 @@ def _within_budget(trial, budget: int) -> None:
     trials numbered before it completed, run or wait to run (a failed one does not count: its
     retry does). Trial numbers are assigned by the storage in order, so two processes never
     both take the last slot; the one that finds the budget spent stops its loop."""
-    import optuna
+    import optuna  # optuna: heavy, imported on first use
 
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)
     before = sum(t.number < trial.number for t in trial.study.get_trials(deepcopy=False, states=states))
@@ -193,14 +196,14 @@ def _rdb_storage(optuna, url: str):
     """Optuna commits some 25 times a trial; on SQLite each commit waited for the disk, and a
     200-trial study took minutes. WAL mode without a sync per commit loses nothing that was
     committed when the process is killed (a power cut may lose the last trials)."""
-    from optuna.storages import RetryHeartbeatStaleTrialCallback
+    from optuna.storages import RetryHeartbeatStaleTrialCallback  # optuna: heavy, imported on first use
 
     # heartbeats: a trial whose process was killed is failed once its beat is GRACE_S old (the next
     # optimize call of any process on the study checks), and retried with the same parameters
     storage = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
                                          heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
     if storage.engine.dialect.name == "sqlite":
-        from sqlalchemy import event
+        from sqlalchemy import event  # sqlalchemy: heavy, imported on first use
 
         event.listen(storage.engine, "connect", _sqlite_wal)
         storage.engine.dispose()  # reconnect with the pragmas
@@ -216,7 +219,7 @@ def _sqlite_wal(connection, _record) -> None:
 
 def _import_optuna():
     try:
-        import optuna
+        import optuna  # optuna: heavy, imported on first use
     except ImportError:
         raise AutoparError("the optuna method needs Optuna: pip install 'autopar[search]'") from None
     return optuna
@@ -226,7 +229,6 @@ def _import_optuna():
 def _quiet(optuna):
     """Silence Optuna's line per trial (the progress bar replaces it) and its warnings that the
     heartbeat API is experimental, then restore both."""
-    import warnings
 
     before = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -241,14 +243,6 @@ def _quiet(optuna):
 @contextmanager
 def _progress_bar(enabled: bool, done: int, total: int):
     """A rich bar on stderr, as a study callback; trials already in a resumed study count as done."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
 
     with Progress(TextColumn("optuna"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                   TimeElapsedColumn(), console=Console(stderr=True), transient=True,

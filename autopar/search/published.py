@@ -18,7 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-from autopar.plan import COMM_DTYPES, RECOMPUTE_MODES, SCHEDULES, balanced_split
+from autopar.cluster import load_cluster
+from autopar.cost import estimates_from, evaluate
+from autopar.cost.arrays import PlanArrays
+from autopar.plan import COMM_DTYPES, RECOMPUTE_MODES, SCHEDULES, Plan, balanced_split
+from autopar.profile import profile_model
+from autopar.runtime import NEMO_SWITCHES
+from autopar.search.space import enumerate_plans
+from autopar.workload import Workload
 
 FULL, SELECTIVE = RECOMPUTE_MODES.index("full"), RECOMPUTE_MODES.index("selective")
 GPIPE, ONE_F_ONE_B, INTERLEAVED = (SCHEDULES.index(s) for s in ("gpipe", "1f1b", "interleaved"))
@@ -76,9 +83,6 @@ KORTHIKANTI_TABLE5 = tuple(
 def _workload(size: str, gpus: int, global_batch: int, model=ZOO_GPT):
     """The paper's model (from `model`, any GPT file taking the zoo's sizes) on Selene's DGX A100s, run
     by Megatron-LM as of 2021-22: runtime megatron with none of the later overlap switches."""
-    from autopar.cluster import load_cluster
-    from autopar.profile import profile_model
-    from autopar.workload import Workload
 
     profile = profile_model(model, {"size": size}, dtype="bf16")
     return Workload(profile, load_cluster("selene", nodes=gpus // 8 or 1, gpus_per_node=min(gpus, 8)),
@@ -87,7 +91,6 @@ def _workload(size: str, gpus: int, global_batch: int, model=ZOO_GPT):
 
 def best(workload, candidates, coeffs=None):
     """The fastest plan that fits among the candidates, with its estimate."""
-    from autopar.cost import evaluate, estimates_from
 
     sub = candidates
     res = evaluate(workload, sub, coeffs)
@@ -101,7 +104,6 @@ def best(workload, candidates, coeffs=None):
 def megatron_candidates(row: MegatronRow, model=ZOO_GPT):
     """(workload, plans) with the paper's tp, pp and full recompute; micro-batch and
     interleaving open."""
-    from autopar.search.space import enumerate_plans
 
     w = _workload(row.size, row.gpus, row.global_batch, model)
     s = enumerate_plans(w)
@@ -115,7 +117,6 @@ def megatron_candidates(row: MegatronRow, model=ZOO_GPT):
 def korthikanti_candidates(row: KorthikantiRow, selective: bool, model=ZOO_GPT):
     """(workload, plans) for one Table 5 cell: the paper's degrees and micro-batch; full
     recompute, or selective recompute with sequence parallelism."""
-    from autopar.search.space import enumerate_plans
 
     w = _workload(row.size, row.gpus, row.global_batch, model)
     s = enumerate_plans(w)
@@ -165,12 +166,6 @@ def llama3_candidates(row: Llama3Row, model=ZOO_LLAMA):
     micro-batch 1, sequence parallel; open: 1F1B or interleaved with 2-7 virtual stages (126 layers
     split unevenly, as the paper's pipeline does), recompute none / selective / full, ZeRO 1 or 2
     (the paper shards optimizer states and gradients), gradients reduced in bf16 or fp32."""
-    from autopar.cluster import load_cluster
-    from autopar.cost.arrays import PlanArrays
-    from autopar.plan import Plan
-    from autopar.profile import profile_model
-    from autopar.runtime import NEMO_SWITCHES
-    from autopar.workload import Workload
 
     profile = profile_model(model, {"size": "llama3-405b"}, dtype="bf16")
     w = Workload(profile, load_cluster("dgx-h100", nodes=row.gpus // 8), row.global_batch, runtime="megatron",

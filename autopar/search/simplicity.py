@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from autopar.errors import PlanError
 from autopar.plan import REQUIRED, Plan, plan_fields
 
 TIE = 5e-3  # plans within 0.5% are equally fast for the cost model
@@ -63,7 +64,6 @@ def simpler_variants(workload, plan: Plan) -> list[Plan]:
     """Valid plans with one of `plan`'s knobs, or all of them, back at the default (degrees and
     micro-batching kept): a sampler that found `plan` may never have tried these, and among ties
     one of them is the answer."""
-    from autopar.errors import PlanError
 
     off = {name: default for name, default in defaults().items()
            if name not in IMPLIED_DEFAULTS and name != "precision" and getattr(plan, name) != default}

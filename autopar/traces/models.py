@@ -20,20 +20,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autopar.errors import AutoparError
+from autopar.profile import ModelProfile, profile_model
+from autopar.profile.model_profile import profile_schema
+from autopar.schema import check
+from autopar.traces.vtrain import model_digest, resolve_model_path
 
 PACKAGE = Path(__file__).resolve().parents[1]  # the autopar package directory
 
 
 def bundled_files() -> set[Path]:
     """autopar's own model files: a trace may name these (they are autopar's code, not the trace's)."""
-    from autopar import zoo
+    from autopar import zoo  # pulls torch: imported on first use
 
     return {zoo.path(name).resolve() for name in zoo.MODELS} | {(PACKAGE / "traces" / "megatron_gpt.py").resolve()}
 
 
 def _bundled(model: dict) -> Path | None:
     """The bundled file a record names, by zoo name or by its path inside the package."""
-    from autopar import zoo
+    from autopar import zoo  # pulls torch: imported on first use
 
     path = model.get("path")
     if path is None and model.get("name") in zoo.MODELS:
@@ -48,7 +52,6 @@ def _bundled(model: dict) -> Path | None:
 
 def _digests(file, args: dict) -> tuple[str, str]:
     """A model file's record digest, and the form `autopar run` wrote before it stored profiles."""
-    from autopar.traces.vtrain import model_digest
 
     source = hashlib.sha256(Path(file).read_bytes()).hexdigest()
     legacy = hashlib.sha256(f"{source}{json.dumps(args, sort_keys=True)}".encode()).hexdigest()
@@ -64,9 +67,6 @@ class ModelSources:
 
     def profile(self, model: dict, dtype: str, source: str):
         """The ModelProfile of a record's model (see the module docstring for where it comes from)."""
-        from autopar.profile import ModelProfile, profile_model
-        from autopar.profile.model_profile import profile_schema
-        from autopar.schema import check
 
         stored = model.get("profile")
         if stored is not None:
@@ -88,8 +88,6 @@ class ModelSources:
             raise AutoparError(f"{source}: cannot profile the record's model {path!r}: {e}") from None
 
     def _file(self, model: dict, source: str) -> str:
-        from autopar.traces.vtrain import resolve_model_path
-
         bundled = _bundled(model)
         if bundled is not None:
             return str(bundled)

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from rich.table import Table
+
+from autopar.errors import AutoparError
+from autopar.plan import Plan
 from autopar.traces.record import read_records
 
 
@@ -52,9 +56,6 @@ def summarize(path) -> dict:
 
 
 def _describe(plan: dict) -> str:
-    from autopar.errors import AutoparError
-    from autopar.plan import Plan
-
     try:
         return Plan.from_dict(plan).describe()
     except (AutoparError, TypeError):
@@ -62,8 +63,6 @@ def _describe(plan: dict) -> str:
 
 
 def print_summary(summary: dict, console) -> None:
-    from rich.table import Table
-
     s = summary
     outcomes = ", ".join(f"{n} {k}" for k, n in sorted(s["outcomes"].items())) or "none"
     console.print(f"[bold]{s['path']}[/bold]: {s['records']} record(s) ({outcomes})")

@@ -32,8 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autopar.atomic import atomic_path
+from autopar.cluster import load_cluster
+from autopar.cost import PlanArrays, evaluate
 from autopar.errors import AutoparError
 from autopar.plan import Plan, balanced_split, device_blocks
+from autopar.profile import profile_model
+from autopar.traces.record import TraceRecord, current_versions
+from autopar.workload import Workload
 
 VOCAB = 51200
 # the zoo's GPT with Megatron's vocab-parallel loss (see megatron_gpt.py), named relative to the
@@ -175,11 +180,6 @@ def import_vtrain(path, cluster: str = "dgx-a100-80g", vocab: int = VOCAB, preci
     to each row's GPU count. With `predict`, each record carries the cost model's prediction
     with the cluster's coefficients (one profile per model shape, one cost-model call per
     shape and cluster size)."""
-    from autopar.cluster import load_cluster
-    from autopar.cost import PlanArrays, evaluate
-    from autopar.profile import profile_model
-    from autopar.traces.record import TraceRecord, current_versions
-    from autopar.workload import Workload
 
     rows = read_vtrain_csv(path)
     base = load_cluster(cluster)
@@ -236,7 +236,7 @@ def import_vtrain(path, cluster: str = "dgx-a100-80g", vocab: int = VOCAB, preci
 def resolve_model_path(path: str) -> str:
     """A record's model path: as given if it exists, a zoo name, or relative to the directory
     holding the autopar package (how imported traces name autopar's own model files)."""
-    from autopar import zoo
+    from autopar import zoo  # pulls torch: imported on first use
 
     if Path(path).is_file() or path in zoo.MODELS:
         return path
@@ -246,7 +246,7 @@ def resolve_model_path(path: str) -> str:
 
 def model_digest(path, args: dict) -> str:
     """sha256 of a model file's bytes and its arguments (zoo models by name)."""
-    from autopar import zoo
+    from autopar import zoo  # pulls torch: imported on first use
 
     path = str(path)
     file = Path(resolve_model_path(path))
