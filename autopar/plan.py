@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from autopar.atomic import write_text_atomic
 from autopar import axes
+from autopar.atomic import write_text_atomic
 from autopar.capability import check_plan
 from autopar.errors import PlanError
 from autopar.knobs import (  # noqa: F401  (re-exported: the names plans are made of)

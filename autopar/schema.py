@@ -4,9 +4,11 @@ metadata), checked at the boundary before any value is used.
 Data files travel between teams: a schema checks types, ranges, finiteness, sizes and nesting
 depth, and its error names the field's path (``coefficients.link_efficiency.ib``,
 ``layer_split[0]``), so a bad file is one clear line instead of a traceback deep in the cost
-model or a silent "nan" plan. The plan schema is derived from the knob registry, the coefficient and
-workload-spec schemas from their dataclasses' fields and types, so a knob added later is checked
-without an edit here.
+model or a silent "nan" plan. The plan schema is derived from the knob registry, so a knob added
+later is checked without an edit here; the schemas of the cost coefficients
+(`autopar/cost/coefficients.py`), of a stored profile (`autopar/profile/model_profile.py`) and of
+a workload spec (`envs/workloads.py`) are derived from their dataclasses with `dataclass_schema`,
+beside them (this module imports no other layer).
 The limits below also bound the work a request can ask for (GPU count, global batch), so no
 input makes autopar loop for hours. Standard library only: the executor loads plans with it.
 """

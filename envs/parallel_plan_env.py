@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import gymnasium as gym
 import numpy as np
+from gymnasium import spaces
+
 from autopar.envs.features import BOUND, observation, observation_size, workload_features
 from autopar.envs.knobs import MAX_ACTIONS, PlanSpace
 from autopar.envs.rewards import INVALID_REWARD, CostModelReward, RewardBackend
 from autopar.envs.workloads import feasible, sample_training_spec
-from gymnasium import spaces
-
 from autopar.errors import NoValidPlanError
 
 

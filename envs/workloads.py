@@ -17,10 +17,10 @@ import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from autopar.envs.knobs import PlanSpace
 from rich.progress import track
 
 from autopar.cluster import GPUS, PRESETS, load_cluster
+from autopar.envs.knobs import PlanSpace
 from autopar.knobs import STATE_BYTES_PER_PARAM  # to size clusters to models
 from autopar.profile import profile_model
 from autopar.schema import (

@@ -27,8 +27,14 @@ from rich.table import Table
 from autopar.cluster import load_cluster
 from autopar.cost import Coefficients
 from autopar.cost.coefficients import FITTED_BOUNDS
-from autopar.search.published import (KORTHIKANTI_TABLE5, MEGATRON_TABLE1, ZOO_GPT, best, korthikanti_candidates,
-                                    megatron_candidates)
+from autopar.search.published import (
+    KORTHIKANTI_TABLE5,
+    MEGATRON_TABLE1,
+    ZOO_GPT,
+    best,
+    korthikanti_candidates,
+    megatron_candidates,
+)
 
 MAX_TARGET = 0.07  # errors beyond this are penalised quadratically on top of the absolute log error
 SECOND_GPT = Path(__file__).resolve().parent.parent / "tests" / "models" / "gpt_sdpa.py"

@@ -11,10 +11,10 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
-from autopar.policies.load import ACTOR_ENTRY, META_ENTRY, NumpyActor
 
 from autopar.atomic import atomic_path
 from autopar.errors import AutoparError
+from autopar.policies.load import ACTOR_ENTRY, META_ENTRY, NumpyActor
 
 
 def actor_weights(model) -> dict[str, np.ndarray]:

@@ -14,8 +14,8 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
-from autopar.envs.features import space_signature
 
+from autopar.envs.features import space_signature
 from autopar.errors import AutoparError
 from autopar.schema import POLICY_META_SCHEMA, check, loads
 

@@ -30,17 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from autopar.envs.rewards import CostModelReward
-from autopar.envs.workloads import feasible, training_workloads
-from autopar.policies.files import numpy_actor, sidecar_path
-from autopar.policies.load import PolicyError, check_signature, default_policy_path, load_policy, read_meta
-from autopar.policies.train import greedy_ratios, train
 
 from autopar.atomic import write_text_atomic
 from autopar.calibrate import calibrate, job_mix
 from autopar.calibrate.cluster_profile import write_cluster
 from autopar.calibrate.folds import group_holdout
+from autopar.envs.rewards import CostModelReward
+from autopar.envs.workloads import feasible, training_workloads
 from autopar.errors import AutoparError
+from autopar.policies.files import numpy_actor, sidecar_path
+from autopar.policies.load import PolicyError, check_signature, default_policy_path, load_policy, read_meta
+from autopar.policies.train import greedy_ratios, train
 from autopar.traces.record import check_trace_file
 from autopar.workload import Workload
 

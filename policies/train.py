@@ -17,17 +17,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from autopar.envs import ENV_ID
-from autopar.envs.features import observation_size, workload_features
-from autopar.envs.knobs import MAX_ACTIONS, PlanSpace
-from autopar.envs.parallel_plan_env import ParallelPlanEnv
-from autopar.envs.rewards import CostModelReward
-from autopar.envs.workloads import WorkloadSpec, training_workloads, workload_spec_schema
-from autopar.policies.decode import beam_search
-from autopar.policies.files import latest_checkpoint, numpy_actor, sidecar_path, versions, write_policy
-from autopar.policies.fingerprint import fingerprint
-from autopar.policies.imitation import imitation
-from autopar.policies.load import POLICY_FORMAT
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -39,7 +28,18 @@ from rich.progress import (
 )
 
 from autopar.atomic import write_text_atomic
+from autopar.envs import ENV_ID
+from autopar.envs.features import observation_size, workload_features
+from autopar.envs.knobs import MAX_ACTIONS, PlanSpace
+from autopar.envs.parallel_plan_env import ParallelPlanEnv
+from autopar.envs.rewards import CostModelReward
+from autopar.envs.workloads import WorkloadSpec, training_workloads, workload_spec_schema
 from autopar.errors import AutoparError
+from autopar.policies.decode import beam_search
+from autopar.policies.files import latest_checkpoint, numpy_actor, sidecar_path, versions, write_policy
+from autopar.policies.fingerprint import fingerprint
+from autopar.policies.imitation import imitation
+from autopar.policies.load import POLICY_FORMAT
 from autopar.schema import MAX_ITEMS, Anything, List, Map, Obj, check, loads, read_file
 
 # fine-tuning settings: a small learning rate and entropy bonus keep PPO from undoing the imitation
@@ -181,12 +181,13 @@ def train(cfg: TrainConfig, console, *, pool: list | None = None, validation: li
     instead of chance, e.g. the shipped policy for fine-tuning; its timestep count restarts at 0.
     finish: `finish(model) -> dict`, called after training; its keys are added to the metadata."""
     import torch  # torch: heavy, imported on first use
-    from autopar.policies.extractor import PlanFeaturesExtractor  # stable_baselines3, torch
     from sb3_contrib import MaskablePPO  # sb3_contrib: heavy, imported on first use
     from stable_baselines3.common.logger import Logger  # stable_baselines3: heavy, imported on first use
     from stable_baselines3.common.monitor import Monitor  # stable_baselines3: heavy, imported on first use
     from stable_baselines3.common.vec_env import DummyVecEnv  # stable_baselines3: heavy, imported on first use
     from torch import nn  # torch: heavy, imported on first use
+
+    from autopar.policies.extractor import PlanFeaturesExtractor  # stable_baselines3, torch
 
     torch.set_num_threads(1)  # small networks: more threads only contend with the environment
     started = time.perf_counter()

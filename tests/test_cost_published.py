@@ -6,13 +6,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from autopar.cost import estimate
-from autopar.search.published import (KORTHIKANTI_TABLE5, LLAMA3_TABLE4, MEGATRON_TABLE1, ZOO_GPT, best,
-                                    korthikanti_candidates, llama3_candidates, megatron_candidates)
-from autopar.plan import Plan
 from conftest import workload
 
+from autopar.cost import estimate
+from autopar.plan import Plan
+from autopar.search.published import (
+    KORTHIKANTI_TABLE5,
+    LLAMA3_TABLE4,
+    MEGATRON_TABLE1,
+    ZOO_GPT,
+    best,
+    korthikanti_candidates,
+    llama3_candidates,
+    megatron_candidates,
+)
 
 SECOND_GPT = Path(__file__).resolve().parent / "models" / "gpt_sdpa.py"
 

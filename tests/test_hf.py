@@ -9,12 +9,13 @@ import torch
 
 pytest.importorskip("transformers")
 
+from hf_configs import CONFIGS, write_configs  # noqa: E402
+
 from autopar.cli import main  # noqa: E402
 from autopar.errors import ModelFileError  # noqa: E402
 from autopar.hf import PerHeadQKV  # noqa: E402
 from autopar.modelfile import load_model_file, materialize  # noqa: E402
 from autopar.profile import profile_model  # noqa: E402
-from hf_configs import CONFIGS, write_configs  # noqa: E402
 
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
              "max_position_embeddings": 8192, "model_type": "llama", "num_attention_heads": 32,

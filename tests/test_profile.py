@@ -5,9 +5,8 @@ import time
 
 import pytest
 
-from autopar.profile import ModelProfile, profile_model
+from autopar.profile import ModelProfile, profile_model, profiler
 from autopar.profile import cache as profile_cache
-from autopar.profile import profiler
 
 
 @pytest.fixture(autouse=True)

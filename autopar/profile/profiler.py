@@ -14,8 +14,8 @@ import contextlib
 import torch
 from torch import nn
 
-from autopar.executor.limits import model_limits
 from autopar.errors import AutoparError
+from autopar.executor.limits import model_limits
 from autopar.modelfile import ModelFile, load_model_file, priced_styles
 from autopar.profile import cache as profile_cache
 from autopar.profile.kernels import CudaKernels, fused_norms
