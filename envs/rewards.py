@@ -4,7 +4,7 @@ A backend is any callable `(workload, plan) -> float`; the environment calls it 
 end of an episode. `CostModelReward` (the default) is scale-free: the exhaustive oracle's
 iteration time over the plan's, in (0, 1], so a 1T-parameter workload weighs as much as a small
 one; a plan that does not fit in memory gets `OOM_REWARD`. A backend for measured runs
-(the executor's `MeasuredReward`) plugs in the same way and should return `OOM_REWARD` for a
+(`MeasuredReward`, autopar/traces/reward.py: a real run) plugs in the same way and should return `OOM_REWARD` for a
 run that ran out of memory.
 """
 
