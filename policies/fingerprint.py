@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from autopar import cost
+from autopar.envs.features import space_signature
 from autopar.envs.workloads import WorkloadSpec
 from autopar.search.space import enumerate_plans
 
@@ -54,8 +55,6 @@ def cost_fingerprint() -> str:
 
 
 def fingerprint() -> dict[str, str]:
-    from autopar.envs.features import space_signature
-
     return {"space": space_signature(), "cost": cost_fingerprint()}
 
 

@@ -4,15 +4,15 @@ explain why no plan exists."""
 from __future__ import annotations
 
 import pytest
+from conftest import workload
 
 from autopar.cost import PlanArrays, estimate, evaluate
-from autopar.cost.published import MEGATRON_TABLE1, best, megatron_candidates
 from autopar.errors import NoValidPlanError
 from autopar.plan import Plan
 from autopar.search import get_planner, planner_names
+from autopar.search.published import MEGATRON_TABLE1, best, megatron_candidates
 from autopar.search.simplicity import TIE
 from autopar.search.space import enumerate_plans
-from conftest import workload
 
 
 def test_exhaustive_finds_the_fastest_fitting_plan():
