@@ -3,12 +3,12 @@
 `autopar.apply` and its elastic loop `autopar.train_elastic` (the executor) load on first use, so
 `import autopar` stays light."""
 
+import autopar.executor  # light: the executor's own __getattr__ loads torch on first use
+
 __version__ = "0.1.0"
 
 
 def __getattr__(name):
     if name in ("apply", "train_elastic"):
-        import autopar.executor
-
         return getattr(autopar.executor, name)
     raise AttributeError(f"module 'autopar' has no attribute {name!r}")

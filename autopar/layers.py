@@ -12,7 +12,8 @@ from __future__ import annotations
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the contracts: plan, workload, knobs and axes, data-file schemas, errors; the cluster
     ("contract", ("autopar.errors", "autopar.atomic", "autopar.schema", "autopar.axes", "autopar.capability",
-                  "autopar.knobs", "autopar.plan", "autopar.runtime", "autopar.workload", "autopar.cluster")),
+                  "autopar.knobs", "autopar.plan", "autopar.replan", "autopar.runtime", "autopar.workload",
+                  "autopar.cluster")),
     # the model.py contract: loading a model file, the zoo, transformers configs (torch)
     ("model", ("autopar.modelfile", "autopar.hf", "autopar.zoo")),
     # applies a plan with torch.distributed; knows no planner and no command line

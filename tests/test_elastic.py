@@ -24,8 +24,8 @@ from autopar.executor.elastic import JobDir, train_elastic
 from autopar.executor.rendezvous import BACKEND, DeferredGrowth, WorkerSide
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
+from autopar.replan import ReplanDecision, ReplanRecord
 from autopar.search.replan import Replanner, batches_near, rescaled
-from autopar.traces.replan import ReplanDecision, ReplanRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "autopar" / "zoo" / "gpt.py")

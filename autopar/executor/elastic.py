@@ -34,7 +34,7 @@ from autopar.executor.mesh import init_distributed
 from autopar.executor.state import load_checkpoint, save_checkpoint
 from autopar.executor.train_step import ParallelModel, apply
 from autopar.plan import Plan
-from autopar.traces.replan import ReplanDecision, ReplanRecord
+from autopar.replan import ReplanDecision, ReplanRecord
 
 PARK_S = 120.0  # how long workers wait at a boundary for the agent to restart them for a joining node
 

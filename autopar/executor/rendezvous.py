@@ -79,8 +79,8 @@ class DeferredGrowth(RendezvousHandler):
 
 
 def _create(params: RendezvousParameters) -> RendezvousHandler:
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend  # torch: heavy
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler  # torch: heavy
 
     backend, store = create_backend(params)
     return DeferredGrowth(create_handler(store, backend, params), store)

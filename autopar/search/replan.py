@@ -23,9 +23,14 @@ import os
 import time
 from collections.abc import Iterator
 
+from autopar.cluster import detect, load_cluster
+from autopar.cost import estimate
 from autopar.errors import AutoparError, PlanError
 from autopar.plan import Plan
-from autopar.traces.replan import ReplanDecision
+from autopar.profile import profile_model
+from autopar.replan import ReplanDecision
+from autopar.search import get_planner
+from autopar.workload import Workload
 
 DEFAULT_TOLERANCE = 0.05  # keep the old plan when it is predicted at most 5% slower than the new best
 
@@ -67,19 +72,12 @@ class Replanner:
         self.gpus_per_node, self.tolerance, self.method = gpus_per_node, tolerance, method
 
     def cluster(self, world: int):
-        from autopar.cluster import detect, load_cluster
-
         per_node = self.gpus_per_node if world % self.gpus_per_node == 0 else world
         if self.cluster_spec:
             return load_cluster(self.cluster_spec, nodes=world // per_node, gpus_per_node=per_node)
         return detect().with_nodes(world // per_node, per_node)
 
     def __call__(self, old: Plan, world: int) -> ReplanDecision:
-        from autopar.cost import estimate
-        from autopar.profile import profile_model
-        from autopar.search import get_planner
-        from autopar.workload import Workload
-
         started = time.perf_counter()
         profile = profile_model(self.model, self.model_args, dtype=old.precision)
         cluster = self.cluster(world)
@@ -114,8 +112,6 @@ class Replanner:
 
     @staticmethod
     def _predict(workload, plan: Plan | None) -> float | None:
-        from autopar.cost import estimate
-
         if plan is None:
             return None
         try:

@@ -1,4 +1,5 @@
-"""Re-plan records of elastic runs: what changed, what was decided, and what it cost.
+"""Re-plan records of elastic runs: what changed, what was decided, and what it cost (a contract:
+the executor, the replanner and the traces share it).
 
 One record per worker-group start that found the world size changed since the last checkpoint
 (`autopar.executor.elastic`). The elastic run's trace record carries them under
