@@ -68,13 +68,12 @@ def main(argv=None) -> int:
                    help="the fine-tuning reads the reference's measurements instead of running its own")
     args = p.parse_args(argv)
 
-    from autopar.envs.restricted import RestrictedSpace
-    from autopar.policies.measured import MeasuredConfig, finetune, measured_workload
-
     from autopar.cli.common import parse_model_args
     from autopar.cli.train import parse_restrictions
     from autopar.cost import estimate
-    from autopar.executor.reward import MeasuredReward
+    from autopar.envs.restricted import RestrictedSpace
+    from autopar.policies.measured import MeasuredConfig, finetune, measured_workload
+    from autopar.traces.reward import MeasuredReward
 
     console = Console()
     out = Path(args.out)
@@ -101,8 +100,9 @@ def main(argv=None) -> int:
     predicted = [estimate(workload, plan).iteration_time_s for plan in space.plans]
     cm_best = space.plans[int(np.argmin(predicted))].describe()
 
-    from autopar.policies.load import default_policy_path
     from sb3_contrib import MaskablePPO
+
+    from autopar.policies.load import default_policy_path
 
     loop = backend if args.loop_from_reference else MeasuredReward(
         args.model, model_args, options, cache_path=out / "loop_cache.json", cluster=args.cluster)

@@ -5,7 +5,9 @@ the best completion (found exhaustively) labels the states the policy's own deci
 from __future__ import annotations
 
 import numpy as np
-from autopar.envs.features import observation
+
+from autopar.envs.features import observation, workload_features
+from autopar.envs.knobs import PlanSpace
 from autopar.policies.files import numpy_actor
 
 MINIBATCH = 64  # a few thousand demonstrations: small batches, many steps
@@ -16,8 +18,6 @@ def demonstrations(pool: list, oracle, actor=None) -> tuple[np.ndarray, np.ndarr
     Without an actor the way is the expert's own (the oracle's plan); with one it is the actor's
     greedy choices, so the expert (the best completion, found exhaustively) also labels the
     states a policy drifts into, as DAgger does (Ross et al. 2011)."""
-    from autopar.envs.features import workload_features
-    from autopar.envs.knobs import PlanSpace
 
     obs, masks, actions = [], [], []
     for w in pool:
@@ -60,7 +60,7 @@ def imitate(model, demos: tuple, epochs: int, seed: int) -> float:
     """Behaviour cloning: fit the policy to the oracle's decisions (cross-entropy under the masks)
     with the PPO optimizer, so that PPO starts from a planner instead of from chance. Returns the
     final loss."""
-    import torch
+    import torch  # torch: heavy, imported on first use
 
     obs, masks, actions = demos
     rng = np.random.default_rng(seed)

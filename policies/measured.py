@@ -6,7 +6,7 @@ exact at every decision and the policy reads the same action slots as on the ful
 policy starts from the shipped one (trained on the cost model: the prior). Each round proposes
 plans (the current policy's beam, then samples from it, then plans drawn uniformly from the rest
 of the space so that a round is never empty), measures each distinct plan once through a reward
-backend (`autopar.executor.reward.MeasuredReward`: real runs, cached on disk), and fits the
+backend (`autopar.traces.reward.MeasuredReward`: real runs, cached on disk), and fits the
 policy to the best measured plans so far (behaviour cloning with `autopar.policies.imitation`:
 the best plan weighs most, the next ones keep the search near the good region). The budget is
 the number of distinct plans whose measurement the fine-tuning used, whether it was run now or
@@ -23,22 +23,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+from rich.console import Console
+
+from autopar.cluster import load_cluster
 from autopar.envs.features import workload_features
 from autopar.envs.knobs import PlanSpace
 from autopar.envs.restricted import RestrictedSpace
+from autopar.errors import AutoparError
+from autopar.executor.options import RunOptions
 from autopar.policies.decode import beam_search, greedy, sample
 from autopar.policies.files import numpy_actor
 from autopar.policies.imitation import imitate, plan_demonstrations
 from autopar.policies.load import check_signature, default_policy_path, read_meta
 from autopar.policies.train import TrainConfig, train
-from rich.console import Console
-
-from autopar.cluster import load_cluster
-from autopar.errors import AutoparError
-from autopar.executor.options import RunOptions
-from autopar.executor.reward import MeasuredReward
 from autopar.profile import profile_model
 from autopar.profile.cache import cache_dir
+from autopar.traces.reward import MeasuredReward
 from autopar.workload import Workload
 
 ROUND = 8  # plans measured per round

@@ -13,9 +13,9 @@ import torch
 from conftest import free_port
 
 from autopar.executor.options import RunOptions
-from autopar.executor.reward import MeasuredReward
 from autopar.plan import Plan
 from autopar.traces import read_records
+from autopar.traces.reward import MeasuredReward
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--model-arg", "size=tiny", "--model-arg", "dropout=0.0"]
@@ -241,7 +241,7 @@ def test_cuda_oom_is_an_outcome_not_a_crash(tmp_path):
 def test_measured_reward_runs_in_process_and_is_cached_by_workload_and_plan(tmp_path, monkeypatch):
     """The reward calls the executor's launcher in this process (no `python -m autopar run` child:
     only torchrun's workers are started), and caches by workload and plan."""
-    import autopar.executor.run_plan as run_plan_module
+    import autopar.traces.run_plan as run_plan_module
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     real_popen, launches = subprocess.Popen, []

@@ -85,7 +85,7 @@ def test_bad_options_name_their_flag(bad, message):
 
 
 def test_the_measured_reward_runs_with_the_options_it_is_given():
-    from autopar.executor.reward import MeasuredReward
+    from autopar.traces.reward import MeasuredReward
 
     reward = MeasuredReward("gpt", {"size": "tiny"}, RunOptions(nproc_per_node=2, steps=4))
     assert reward.nproc == 2 and reward.options.steps == 4 and MeasuredReward("gpt").options == DEFAULTS

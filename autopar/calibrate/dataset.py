@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autopar.cluster import Cluster, load_cluster
+from autopar.cost import PlanArrays, evaluate
+from autopar.cost.arrays import DTYPE_BYTES_BY_CODE
 from autopar.errors import AutoparError
+from autopar.plan import RECOMPUTE_MODES, Plan
+from autopar.traces.models import ModelSources
+from autopar.traces.record import check_trace_file, read_records
+from autopar.workload import Workload
 
 
 @dataclass
@@ -39,7 +46,6 @@ class Dataset:
 
     def predict(self, coeffs) -> np.ndarray:
         """Iteration time the cost model predicts for every row with these coefficients."""
-        from autopar.cost import evaluate
 
         out = np.empty(len(self.measured))
         for g in self.groups:
@@ -77,7 +83,6 @@ class Dataset:
     def max_buckets(self) -> int:
         """The most gradient buckets any data-parallel row reduces in (an upper estimate:
         the whole model's gradient over the model-parallel degrees)."""
-        from autopar.cost.arrays import DTYPE_BYTES_BY_CODE
 
         most = 0
         for g in self.groups:
@@ -94,7 +99,6 @@ class Dataset:
 
     def selective(self) -> bool:
         """Whether some row recomputes selectively."""
-        from autopar.plan import RECOMPUTE_MODES
 
         return any(bool((g.plans.recompute == RECOMPUTE_MODES.index("selective")).any()) for g in self.groups)
 
@@ -133,11 +137,6 @@ def build_dataset(records, cluster, sources: list[str] | None = None, models=Non
     same workload (repeated runs) make one row: the median of their times, labelled with the first
     record's source and the number of runs. Profiles are loaded once per model and precision, from
     the record or the code `models` (a ModelSources) allows: a trace never names code to run."""
-    from autopar.cluster import Cluster, load_cluster
-    from autopar.cost import PlanArrays
-    from autopar.plan import Plan
-    from autopar.traces.models import ModelSources
-    from autopar.workload import Workload
 
     models = models or ModelSources()
     base = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
@@ -190,7 +189,6 @@ def build_dataset(records, cluster, sources: list[str] | None = None, models=Non
 def load_traces(paths, strict: bool = False):
     """(records, per-record source "file:line", problems) of trace files; problems are malformed
     lines (reported, not fatal: the other lines are used)."""
-    from autopar.traces.record import check_trace_file, read_records
 
     records, sources, problems = [], [], []
     for path in paths:
@@ -217,7 +215,6 @@ def job_mix(paths, cluster, models=None) -> list[tuple[object, int]]:
     """(Workload, runs) for each distinct workload (model profile, cluster size, global batch) the
     trace files describe: the job mix a policy trained for this cluster should cover (for
     `autopar train traces`). `cluster` is usually the calibrated cluster JSON."""
-    from autopar.workload import Workload
 
     records, sources, _ = load_traces(paths)
     ds = build_dataset(records, cluster, sources, models)

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 
+from autopar.atomic import check_output
 from autopar.cli.train import modernize
 from autopar.errors import AutoparError
 
@@ -35,7 +36,6 @@ def _interrupt(signum, frame):
 
 def _check_outputs(args) -> None:
     """Every file a command will write (-o, --trace) is checked before its work starts."""
-    from autopar.atomic import check_output
 
     for attr, flag in (("output", "-o"), ("trace", "--trace")):
         value = getattr(args, attr, None)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from autopar.errors import AutoparError
 from autopar.executor.options import ElasticSpec
+from autopar.replan import ReplanRecord
 from autopar.search.replan import DEFAULT_TOLERANCE
 
 REPLANNER = "autopar.search.replan:from_worker_args"  # what the workers call to re-plan (worker --replanner)
@@ -68,7 +69,5 @@ def elastic_spec(args):
 
 
 def show_replans(console, measured: dict) -> None:
-    from autopar.traces.replan import ReplanRecord
-
     for d in measured.get("replans", []):
         console.print("re-plan: " + ReplanRecord.from_dict(d).describe(), markup=False, highlight=False)

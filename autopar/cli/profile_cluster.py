@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import os
+
+from rich.console import Console
+from rich.table import Table
+
+from autopar.calibrate.cluster_profile import profile_cluster, write_cluster
 from autopar.cli.common import print_json
+from autopar.errors import AutoparError
 from autopar.executor.options import BACKENDS
 
 NAME = "profile-cluster"
@@ -14,7 +22,6 @@ def _sizes(text: str) -> int:
     try:
         return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
     except ValueError:
-        import argparse
 
         raise argparse.ArgumentTypeError(f"expected a size like 64M or 4096, got {text!r}") from None
 
@@ -40,13 +47,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import os
-
-    from rich.console import Console
-
-    from autopar.calibrate.cluster_profile import profile_cluster, write_cluster
-    from autopar.errors import AutoparError
-
     try:
         if args.ranks is None:
             ranks = [n for n in (2, 4) if n <= max(2, os.cpu_count() or 1)]
@@ -76,8 +76,6 @@ def run(args) -> int:
 
 
 def _print(cluster, result, output, console) -> None:
-    from rich.table import Table
-
     table = Table(title=f"all-reduce ({result.backend})")
     for col in ("bytes", "processes", "time (us)", "bus bandwidth (GB/s)"):
         table.add_column(col, justify="right")

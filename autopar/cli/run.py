@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import sys
 
+from rich.console import Console
+from rich.table import Table
+
 from autopar.cli.common import add_model_flags, add_profile_timeout_flag, parse_model_args
 from autopar.cli.elastic import add_elastic_flags, elastic_spec, show_replans
-from autopar.executor.options import add_run_flags
+from autopar.executor.options import RunOptions, add_run_flags
 
 
 def add_parser(sub) -> None:
@@ -32,8 +35,6 @@ def add_parser(sub) -> None:
 
 
 def _show(console, record, launched, note: str) -> None:
-    from rich.table import Table
-
     m, pred = record.measured, record.predicted
     title = f"autopar run: {launched.outcome} in {launched.wall_s:.1f} s"
     if m:
@@ -64,15 +65,13 @@ def _show(console, record, launched, note: str) -> None:
 
 
 def run(args) -> int:
-    from autopar.executor.options import RunOptions
-    from autopar.executor.run_plan import run_plan
+    from autopar.traces.run_plan import run_plan  # pulls torch: imported on first use
 
     # a bad flag is refused before anything starts
     options = RunOptions.from_args(args, elastic=elastic_spec(args))
     model_args = parse_model_args(args.model_arg, None)
     ran = run_plan(args.plan, args.model, model_args, options, cluster=args.cluster,
                    profile_timeout=args.profile_timeout, trace=args.trace)
-    from rich.console import Console
 
     console, launched, record = Console(), ran.launched, ran.record
     if record is not None:

@@ -3,8 +3,16 @@ collect traces by running plans with the executor."""
 
 from __future__ import annotations
 
-from autopar.cli.common import DEFAULT_CLUSTER, add_model_flags, print_json
-from autopar.executor.options import add_run_flags
+from rich.console import Console
+from rich.table import Table
+
+from autopar.cli.common import DEFAULT_CLUSTER, add_model_flags, parse_model_args, print_json
+from autopar.errors import AutoparError
+from autopar.executor.options import RunOptions, add_run_flags
+from autopar.traces.collect import collect
+from autopar.traces.record import check_trace_file
+from autopar.traces.summary import print_summary, summarize
+from autopar.traces.vtrain import import_vtrain, write_records
 
 COLLECT_RUN_FLAGS = ("steps", "warmup", "timeout_s", "backend")  # the run options `traces collect` takes
 
@@ -68,11 +76,6 @@ def add_parser(sub) -> None:
 
 
 def run_import_vtrain(args) -> int:
-    from rich.console import Console
-
-    from autopar.errors import AutoparError
-    from autopar.traces.vtrain import import_vtrain, write_records
-
     if args.vocab < 1:
         raise AutoparError(f"--vocab must be positive, got {args.vocab}")
     console = Console(stderr=True)
@@ -99,12 +102,6 @@ def run_import_vtrain(args) -> int:
 
 
 def run_show(args) -> int:
-
-    from rich.console import Console
-
-    from autopar.traces.record import check_trace_file
-    from autopar.traces.summary import print_summary, summarize
-
     check_trace_file(args.file)
     summary = summarize(args.file)
     if args.json:
@@ -115,14 +112,6 @@ def run_show(args) -> int:
 
 
 def run_collect(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from autopar.cli.common import parse_model_args
-    from autopar.errors import AutoparError
-    from autopar.executor.options import RunOptions
-    from autopar.traces.collect import collect
-
     try:
         nprocs = [int(n) for n in args.nproc.split(",") if n.strip()]
     except ValueError:

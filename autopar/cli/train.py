@@ -11,9 +11,17 @@ from __future__ import annotations
 
 import sys
 
-from autopar.cli.common import add_model_flags, add_trace_model_flags
+from rich.console import Console
+
+from autopar.cli.common import add_model_flags, add_trace_model_flags, model_sources, parse_model_args
+from autopar.envs.restricted import DEFAULT_RESTRICT, restrictable
 from autopar.errors import AutoparError
-from autopar.executor.options import add_run_flags
+from autopar.executor.options import RunOptions, add_run_flags
+from autopar.plan import ALIASES
+from autopar.policies.files import sidecar_path
+from autopar.policies.measured import train_measured
+from autopar.policies.traces import TraceTrainConfig, cluster_path, train_on_traces
+from autopar.policies.train import TrainConfig, train
 
 DEFAULT_TIMESTEPS = 100_000
 TRACES_TIMESTEPS = 10_000
@@ -133,8 +141,6 @@ def modernize(argv: list[str]) -> list[str]:
 
 def parse_restrictions(items: list[str] | None, defaults: dict | None = None) -> dict[str, tuple[str, ...]]:
     """`--restrict KNOB=V1,V2,...` items over the defaults (`KNOB=*`: every value of that knob)."""
-    from autopar.envs.restricted import DEFAULT_RESTRICT, restrictable  # the plan space: 2 s, not for --help
-    from autopar.plan import ALIASES
 
     out = dict(DEFAULT_RESTRICT if defaults is None else defaults)
     for item in items or []:
@@ -154,8 +160,6 @@ def parse_restrictions(items: list[str] | None, defaults: dict | None = None) ->
 
 
 def _check_training(args) -> None:
-    from autopar.policies.files import sidecar_path
-
     sidecar_path(args.output)  # -o pol.json would clash with its sidecar: refuse before any work
     for flag in ("imitation_epochs", "dagger_rounds"):
         if getattr(args, flag) < 0:
@@ -166,8 +170,6 @@ def _check_training(args) -> None:
 
 
 def _config(args, workloads: str):
-    from autopar.policies.train import TrainConfig
-
     return TrainConfig(timesteps=args.timesteps, workloads=workloads, output=args.output, seed=args.seed,
                        eval_every=args.eval_every, eval_workloads=args.eval_workloads,
                        checkpoint_every=args.checkpoint_every, resume=args.resume, n_steps=args.n_steps,
@@ -175,10 +177,6 @@ def _config(args, workloads: str):
 
 
 def run_cost(args) -> int:
-    from rich.console import Console
-
-    from autopar.policies.train import train
-
     _check_training(args)
     cfg = _config(args, args.workloads)
     console = Console()
@@ -192,11 +190,6 @@ def run_cost(args) -> int:
 
 
 def run_traces(args) -> int:
-    from rich.console import Console
-
-    from autopar.cli.common import model_sources
-    from autopar.policies.traces import TraceTrainConfig, cluster_path, train_on_traces
-
     _check_training(args)
     if not args.traces:
         raise AutoparError("autopar train traces needs at least one trace file (.jsonl, as `autopar traces import` "
@@ -225,13 +218,6 @@ def run_traces(args) -> int:
 
 
 def run_measured(args) -> int:
-    from rich.console import Console
-
-    from autopar.cli.common import parse_model_args
-    from autopar.executor.options import RunOptions
-    from autopar.policies.files import sidecar_path
-    from autopar.policies.measured import train_measured
-
     sidecar_path(args.output)
     if not args.model:
         raise AutoparError("autopar train measured needs a MODEL (a model.py or zoo name)")

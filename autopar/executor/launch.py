@@ -265,10 +265,10 @@ def launch(plan_path, model, model_args: dict, options: RunOptions) -> LaunchRes
     Ends within options.timeout_s: on a rank that stops beating for STALE_S (killed, then named), or at
     the deadline (naming the rank the others waited for). SIGINT/SIGTERM to the launcher end the
     workers and raise KeyboardInterrupt. No worker outlives this call."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # torch: heavy, imported on first use
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # torch: heavy, imported on first use
+    from torch.distributed.elastic.rendezvous import RendezvousError  # torch: heavy, imported on first use
+    from torch.distributed.run import get_args_parser, run  # torch: heavy, imported on first use
 
     if not options.elastic:  # an elastic job re-plans for whatever world it gets
         check_world_size(Plan.load(plan_path), options)

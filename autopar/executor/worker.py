@@ -20,7 +20,9 @@ import threading
 import time
 from functools import partial
 
+from autopar.atomic import write_text_atomic
 from autopar.executor.options import OPTIMIZERS, WORKER, ElasticSpec, RunOptions, add_run_flags
+from autopar.plan import Plan
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,7 +78,6 @@ def _where(frame) -> str:
 def _beat(path: str) -> None:
     """Beat until the process ends. A thread keeps beating while the main thread waits in a
     collective, so a stale beat means the whole process is stopped (SIGSTOP) or gone."""
-    from autopar.atomic import write_text_atomic
 
     main = threading.main_thread().ident
     while True:
@@ -98,9 +99,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     rank = os.environ.get("RANK", "0")
     threading.Thread(target=_beat, args=(heartbeat_file(args.result, rank),), daemon=True).start()
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from autopar.atomic import write_text_atomic
+    from torch.distributed.elastic.multiprocessing.errors import record  # torch: heavy, imported on first use
 
     try:
         record(_train)(args)
@@ -114,21 +113,25 @@ def main(argv=None) -> None:
 
 
 def _no_dropout(build):
-    from autopar.executor.parity import without_dropout
+    from autopar.executor.parity import without_dropout  # pulls torch: imported on first use
 
     return without_dropout(build())
 
 
 def _train(args: argparse.Namespace) -> None:
-    import torch
-    import torch.distributed as dist
+    import torch  # torch: heavy, imported on first use
+    import torch.distributed as dist  # torch: heavy, imported on first use
 
-    from autopar.executor.measure import peak_memory_bytes, summarize, synchronize, tokens_per_sample
-    from autopar.executor.parity import (deterministic, mismatch_causes, parity_report, parity_verdict,
-                                         reference_losses)
-    from autopar.executor.train_step import apply
-    from autopar.modelfile import load_model_file
-    from autopar.plan import Plan
+    from autopar.executor.measure import peak_memory_bytes, summarize, synchronize, tokens_per_sample  # torch
+    from autopar.executor.parity import (  # torch
+        deterministic,
+        mismatch_causes,
+        parity_report,
+        parity_verdict,
+        reference_losses,
+    )
+    from autopar.executor.train_step import apply  # pulls torch: imported on first use
+    from autopar.modelfile import load_model_file  # pulls torch: imported on first use
 
     plan = Plan.load(args.plan)
     model_file = load_model_file(args.model)
@@ -192,11 +195,10 @@ def _elastic(args: argparse.Namespace, model_file, model_args: dict, build, opti
     """An elastic run (`autopar.executor.elastic`) to step warmup + steps. Step s trains on the
     model's example batch drawn with a seed of its own, so every plan and every resume sees the
     same data for the same step."""
-    import torch
+    import torch  # torch: heavy, imported on first use
 
-    from autopar.executor.elastic import train_elastic
-    from autopar.executor.rendezvous import WorkerSide
-    from autopar.plan import Plan
+    from autopar.executor.elastic import train_elastic  # pulls torch: imported on first use
+    from autopar.executor.rendezvous import WorkerSide  # pulls torch: imported on first use
 
     def batch(step: int, global_batch: int):
         with torch.random.fork_rng(devices=[]):  # leaves dropout's random stream alone
@@ -221,7 +223,7 @@ def _at_step(step: int) -> None:
 
 
 def _elastic_measured(checkpoint_dir) -> dict:
-    from autopar.executor.elastic import JobDir
+    from autopar.executor.elastic import JobDir  # pulls torch: imported on first use
 
     job = JobDir(checkpoint_dir)
     losses = job.losses()

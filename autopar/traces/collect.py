@@ -12,10 +12,21 @@ only; every run, failures included, is appended to the trace file.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from autopar.cluster import detect, load_cluster
+from autopar.cost import PlanArrays, evaluate
 from autopar.errors import AutoparError
+from autopar.executor.options import RunOptions
+from autopar.executor.support import refusal
 from autopar.plan import RECOMPUTE_MODES
+from autopar.profile import profile_model
+from autopar.search.exhaustive import ExhaustivePlanner, distinct
+from autopar.search.space import enumerate_plans
+from autopar.traces.reward import MeasuredReward
+from autopar.workload import Workload
 
 STRUCTURE = ("dp", "tp", "pp", "micro_batch_size", "recompute", "zero")  # what calibration must see vary
 
@@ -24,10 +35,6 @@ def choose_plans(workload, k: int, seed: int = 0, backend: str = "gloo") -> list
     """Up to k plans of the workload: the cost model's best first, then distinct structures at
     random (seeded). Plans that do not fit, offload the optimizer, interleave, or reduce gradients
     in a dtype the backend lacks are left out; full recompute checkpoints every block."""
-    from autopar.cost import PlanArrays, evaluate
-    from autopar.executor.support import refusal
-    from autopar.search.exhaustive import ExhaustivePlanner, distinct
-    from autopar.search.space import enumerate_plans
 
     space = enumerate_plans(workload)
     if len(space) == 0:
@@ -63,14 +70,8 @@ def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4
     touches one run of many plans rather than every run of one; calibration takes the median of a
     plan's runs. `options`: the RunOptions of every run (default RunOptions()); its process count
     is each of `nprocs` in turn."""
-    from dataclasses import replace
 
-    from autopar.cluster import detect, load_cluster
-    from autopar.executor.mesh import resolve_backend
-    from autopar.executor.options import RunOptions
-    from autopar.executor.reward import MeasuredReward
-    from autopar.profile import profile_model
-    from autopar.workload import Workload
+    from autopar.executor.mesh import resolve_backend  # pulls torch: imported on first use
 
     say = progress or (lambda msg: None)
     nprocs = sorted(set(int(n) for n in nprocs))

@@ -23,7 +23,6 @@ from autopar.errors import AutoparError
 from autopar.profile import ModelProfile, profile_model
 from autopar.profile.model_profile import profile_schema
 from autopar.schema import check
-from autopar.traces.vtrain import model_digest, resolve_model_path
 
 PACKAGE = Path(__file__).resolve().parents[1]  # the autopar package directory
 
@@ -100,3 +99,27 @@ class ModelSources:
         raise AutoparError(f"{source}: the record names the model file {named!r} and carries no profile; a trace is "
                            f"data and autopar does not run code it names: pass --model-file FILE (a file whose "
                            f"digest matches the record), or --trust-model-paths if you trust the traces' files")
+
+
+def resolve_model_path(path: str) -> str:
+    """A record's model path: as given if it exists, a zoo name, or relative to the directory
+    holding the autopar package (how imported traces name autopar's own model files)."""
+    from autopar import zoo  # pulls torch: imported on first use
+
+    if Path(path).is_file() or path in zoo.MODELS:
+        return path
+    inside = Path(__file__).resolve().parents[2] / path
+    return str(inside) if inside.is_file() else path
+
+
+def model_digest(path, args: dict) -> str:
+    """sha256 of a model file's bytes and its arguments (zoo models by name)."""
+    from autopar import zoo  # pulls torch: imported on first use
+
+    path = str(path)
+    file = Path(resolve_model_path(path))
+    if not file.is_file() and path in zoo.MODELS:
+        file = zoo.path(path)
+    h = hashlib.sha256(file.read_bytes())
+    h.update(json.dumps(args, sort_keys=True).encode())
+    return h.hexdigest()

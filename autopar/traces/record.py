@@ -47,7 +47,7 @@ from typing import Any
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.schema import TRACE_SCHEMA, check, loads, read_file
-from autopar.traces.vtrain import model_digest
+from autopar.traces.models import model_digest
 
 TRACE_SCHEMA_VERSION = 1
 OUTCOMES = ("ok", "oom", "timeout", "rank_failed", "error")

@@ -1,7 +1,7 @@
 """The measured reward backend: a plan's reward from a real run instead of the cost model.
 
 Each plan runs as `autopar run` runs it, through the executor's library call
-(`autopar.executor.run_plan.run_plan`: torchrun's agent in this process, one worker process per
+(`autopar.traces.run_plan.run_plan`: torchrun's agent in this process, one worker process per
 rank, so a crashing, hanging or out-of-memory rank ends as the record's outcome and never takes
 the caller down); the reward is minus the measured median step time, and a fixed clear negative
 when the run ends in oom / timeout / rank_failed, or when the plan is refused before it starts
@@ -20,9 +20,9 @@ from pathlib import Path
 from autopar.atomic import write_text_atomic
 from autopar.errors import AutoparError, PlanError
 from autopar.executor.options import RunOptions
-from autopar.executor.run_plan import run_plan
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
+from autopar.traces.run_plan import run_plan
 
 FAILURE_REWARD = -1000.0  # far below any real -step_time: an infeasible plan
 

@@ -25,8 +25,6 @@ gradient bucketing is a plan whose one bucket holds the whole gradient. The mode
 from __future__ import annotations
 
 import csv
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +35,7 @@ from autopar.cost import PlanArrays, evaluate
 from autopar.errors import AutoparError
 from autopar.plan import Plan, balanced_split, device_blocks
 from autopar.profile import profile_model
+from autopar.traces.models import model_digest
 from autopar.traces.record import TraceRecord, current_versions
 from autopar.workload import Workload
 
@@ -231,30 +230,6 @@ def import_vtrain(path, cluster: str = "dgx-a100-80g", vocab: int = VOCAB, preci
             versions=versions,
         ))
     return records
-
-
-def resolve_model_path(path: str) -> str:
-    """A record's model path: as given if it exists, a zoo name, or relative to the directory
-    holding the autopar package (how imported traces name autopar's own model files)."""
-    from autopar import zoo  # pulls torch: imported on first use
-
-    if Path(path).is_file() or path in zoo.MODELS:
-        return path
-    inside = Path(__file__).resolve().parents[2] / path
-    return str(inside) if inside.is_file() else path
-
-
-def model_digest(path, args: dict) -> str:
-    """sha256 of a model file's bytes and its arguments (zoo models by name)."""
-    from autopar import zoo  # pulls torch: imported on first use
-
-    path = str(path)
-    file = Path(resolve_model_path(path))
-    if not file.is_file() and path in zoo.MODELS:
-        file = zoo.path(path)
-    h = hashlib.sha256(file.read_bytes())
-    h.update(json.dumps(args, sort_keys=True).encode())
-    return h.hexdigest()
 
 
 def write_records(path, records) -> None:

@@ -1,6 +1,6 @@
 """One measured run of a plan, as a library call: check, predict, launch, record.
 
-`autopar run` and the measured reward (`autopar.executor.reward`) both call `run_plan`, in their
+`autopar run` and the measured reward (`autopar.traces.reward`) both call `run_plan`, in their
 own process: this process runs torchrun's agent (`autopar.executor.launch.launch`), the ranks run
 in worker processes, so a rank that crashes, hangs or runs out of memory ends as an outcome of
 the record (oom / timeout / rank_failed), never as an exception here. What is refused before
