@@ -19,13 +19,11 @@ from autopar.errors import AutoparError
 from autopar.executor.options import RunOptions, add_run_flags
 from autopar.plan import ALIASES
 from autopar.policies.files import sidecar_path
-from autopar.policies.measured import train_measured
-from autopar.policies.traces import TraceTrainConfig, cluster_path, train_on_traces
+from autopar.policies.traces import REPLAY, TraceTrainConfig, cluster_path, train_on_traces
 from autopar.policies.train import TrainConfig, train
 
 DEFAULT_TIMESTEPS = 100_000
 TRACES_TIMESTEPS = 10_000
-REPLAY = 128  # autopar.policies.traces.REPLAY (not imported here: --help stays instant)
 MODES = ("cost", "traces", "measured")
 MEASURED_RUN_FLAGS = ("steps", "warmup", "timeout_s")  # the run options `train measured` takes (gloo runs)
 # the default restricted space of `train measured` (autopar.envs.restricted.DEFAULT_RESTRICT), for --help
@@ -218,6 +216,8 @@ def run_traces(args) -> int:
 
 
 def run_measured(args) -> int:
+    from autopar.policies.measured import train_measured  # pulls torch: imported on first use
+
     sidecar_path(args.output)
     if not args.model:
         raise AutoparError("autopar train measured needs a MODEL (a model.py or zoo name)")

@@ -25,7 +25,6 @@ from autopar.plan import RECOMPUTE_MODES
 from autopar.profile import profile_model
 from autopar.search.exhaustive import ExhaustivePlanner, distinct
 from autopar.search.space import enumerate_plans
-from autopar.traces.reward import MeasuredReward
 from autopar.workload import Workload
 
 STRUCTURE = ("dp", "tp", "pp", "micro_batch_size", "recompute", "zero")  # what calibration must see vary
@@ -72,6 +71,7 @@ def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4
     is each of `nprocs` in turn."""
 
     from autopar.executor.mesh import resolve_backend  # pulls torch: imported on first use
+    from autopar.traces.reward import MeasuredReward  # pulls torch: imported on first use
 
     say = progress or (lambda msg: None)
     nprocs = sorted(set(int(n) for n in nprocs))
