@@ -9,8 +9,8 @@ Public API (imported lazily, so `import autopar.executor` costs nothing until us
   the training loop of elastic runs (checkpoints, re-plans on a new world size, resumes);
 * `save_checkpoint(par, path, step)` / `load_checkpoint(par, path)`: DCP checkpoints that
   resume under another plan;
-* `autopar.traces.run_plan.run_plan(plan_path, model, model_args, RunOptions(...))`: check,
-  predict, launch and record one run in this process (what `autopar run` and `MeasuredReward` do);
+* one measured run (check, predict, launch, record) is `autopar.traces.run_plan.run_plan`, a layer
+  above: it builds trace records, which the executor knows nothing of (docs/architecture.md);
 * `autopar.executor.launch.launch(plan_path, model, model_args, RunOptions(...))`: torchrun a
   plan's workers on this node and classify how the job ended (what `run_plan` calls);
 * `RunOptions`: how a plan runs (steps, warm-up, ranks, backend, timeout, ...), declared once;
@@ -21,7 +21,7 @@ from importlib import import_module
 _EXPORTS = {
     "apply": "train_step", "ParallelModel": "train_step", "make_loader": "data",
     "save_checkpoint": "state", "load_checkpoint": "state",
-    "reference_losses": "parity", "RunOptions": "options", "run_plan": "run_plan", "train_elastic": "elastic",
+    "reference_losses": "parity", "RunOptions": "options", "train_elastic": "elastic",
 }
 
 __all__ = list(_EXPORTS)
