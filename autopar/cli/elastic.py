@@ -16,7 +16,7 @@ from autopar.executor.options import ElasticSpec
 from autopar.replan import ReplanRecord
 from autopar.search.replan import DEFAULT_TOLERANCE
 
-REPLANNER = "autopar.search.replan:from_worker_args"  # what the workers call to re-plan (worker --replanner)
+REPLANNER = "autopar.search.replan:from_worker_args"  # what the workers call to re-plan (ElasticSpec.replanner)
 
 
 def add_elastic_flags(p) -> None:

@@ -1,7 +1,7 @@
 """Re-planning for a new world size: the planner side of elastic runs.
 
 `autopar run --elastic` names `autopar.search.replan:from_worker_args` to its workers
-(`--replanner`); rank 0 of a worker group that finds the world size changed calls the
+(the `replanner` of their `ElasticSpec`); rank 0 of a worker group that finds the world size changed calls the
 `Replanner` it makes. The executor never imports this module by name.
 
 Batch rule: the global batch is kept when the new world has a plan for it (the planner may
@@ -122,7 +122,7 @@ class Replanner:
 
 
 def from_worker_args(args) -> Replanner:
-    """The replan function of an `autopar run --elastic` worker (its `--replanner`)."""
+    """The replan function of an `autopar run --elastic` worker (its `ElasticSpec.replanner`)."""
     spec = args.options.elastic
     return Replanner(args.model, json.loads(args.model_args), spec.cluster,
                      int(os.environ.get("LOCAL_WORLD_SIZE", "1")), spec.replan_tolerance)
