@@ -14,7 +14,6 @@ from pathlib import Path
 from autopar.errors import AutoparError
 from autopar.executor.options import ElasticSpec
 from autopar.replan import ReplanRecord
-from autopar.search.replan import DEFAULT_TOLERANCE
 
 REPLANNER = "autopar.search.replan:from_worker_args"  # what the workers call to re-plan (ElasticSpec.replanner)
 
@@ -26,14 +25,18 @@ def add_elastic_flags(p) -> None:
                         "--checkpoint-every steps, re-plan when the world size changes, resume")
     g.add_argument("--checkpoint-dir", metavar="DIR",
                    help="the job folder (shared by all nodes): checkpoints, losses, re-plans; an existing one resumes")
-    g.add_argument("--checkpoint-every", type=int, default=10, metavar="N", help="steps between checkpoints (default 10)")
-    g.add_argument("--min-nodes", type=int, default=1, help="fewest nodes the job runs on (--nnodes: the most; default 1)")
+    spec = ElasticSpec  # the defaults are ElasticSpec's, declared once
+    g.add_argument("--checkpoint-every", type=int, default=spec.checkpoint_every, metavar="N",
+                   help=f"steps between checkpoints (default {spec.checkpoint_every})")
+    g.add_argument("--min-nodes", type=int, default=spec.min_nodes,
+                   help=f"fewest nodes the job runs on (--nnodes: the most; default {spec.min_nodes})")
     g.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                    help="where the nodes meet (default --master-addr:--master-port); its host must stay up")
-    g.add_argument("--max-restarts", type=int, default=3, help="node losses to survive (default 3; joins cost none)")
-    g.add_argument("--replan-tolerance", type=float, default=DEFAULT_TOLERANCE, metavar="F",
+    g.add_argument("--max-restarts", type=int, default=spec.max_restarts,
+                   help=f"node losses to survive (default {spec.max_restarts}; joins cost none)")
+    g.add_argument("--replan-tolerance", type=float, default=spec.replan_tolerance, metavar="F",
                    help=f"keep the old plan (dp rescaled) when it is predicted at most F slower than the new best "
-                        f"(default {DEFAULT_TOLERANCE})")
+                        f"(default {spec.replan_tolerance})")
 
 
 def elastic_spec(args):

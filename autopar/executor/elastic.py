@@ -31,6 +31,7 @@ from autopar.atomic import write_text_atomic
 from autopar.errors import PlanError
 from autopar.executor.measure import synchronize
 from autopar.executor.mesh import init_distributed
+from autopar.executor.options import ElasticSpec
 from autopar.executor.state import load_checkpoint, save_checkpoint
 from autopar.executor.train_step import ParallelModel, apply
 from autopar.plan import Plan
@@ -141,7 +142,7 @@ def _agreed(flag: bool, device) -> bool:
 
 
 def train_elastic(plan: Plan, build_model, optimizer, loss_fn, batch: Callable[[int, int], tuple], *,
-                  checkpoint_dir, steps: int, checkpoint_every: int = 10,
+                  checkpoint_dir, steps: int, checkpoint_every: int = ElasticSpec.checkpoint_every,
                   replan: Callable[[Plan, int], ReplanDecision] | None = None, growth=None,
                   on_step: Callable[[int], None] | None = None, tp_plan=None, blocks=None, seed: int = 0,
                   backend: str = "auto", timeout_s: float | None = None) -> ElasticRun:

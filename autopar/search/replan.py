@@ -26,13 +26,14 @@ from collections.abc import Iterator
 from autopar.cluster import detect, load_cluster
 from autopar.cost import estimate
 from autopar.errors import AutoparError, PlanError
+from autopar.executor.options import ElasticSpec
 from autopar.plan import Plan
 from autopar.profile import profile_model
 from autopar.replan import ReplanDecision
 from autopar.search import get_planner
 from autopar.workload import Workload
 
-DEFAULT_TOLERANCE = 0.05  # keep the old plan when it is predicted at most 5% slower than the new best
+DEFAULT_TOLERANCE = ElasticSpec.replan_tolerance  # keep the old plan when predicted at most this much slower
 
 
 def batches_near(batch: int) -> Iterator[int]:
