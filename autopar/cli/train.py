@@ -26,9 +26,9 @@ DEFAULT_TIMESTEPS = 100_000
 TRACES_TIMESTEPS = 10_000
 MODES = ("cost", "traces", "measured")
 MEASURED_RUN_FLAGS = ("steps", "warmup", "timeout_s")  # the run options `train measured` takes (gloo runs)
-# the default restricted space of `train measured` (autopar.envs.restricted.DEFAULT_RESTRICT), for --help
-RESTRICT_HELP = ("zero=0,1,3 offload_optimizer=false recompute=none,full schedule=1f1b sequence_parallel=false "
-                 "grad_comm_dtype=fp32 bucket_mb=25 mesh_order=first; dp/pp/tp and micro_batch_size vary")
+# the default restricted space of `train measured`, as --help shows it (written from DEFAULT_RESTRICT)
+RESTRICT_HELP = (" ".join(f"{k}={','.join(v)}" for k, v in DEFAULT_RESTRICT.items())
+                 + "; dp/pp/tp and micro_batch_size vary")
 
 
 def add_parser(sub) -> None:
