@@ -35,6 +35,8 @@ import numpy as np
 from autopar import axes
 from autopar.cost.arrays import PlanArrays, mesh_order_of, unique_rows
 from autopar.cost.coefficients import Coefficients
+from autopar.cost.collectives import all_gather_time, all_reduce_time
+from autopar.cost import moe
 from autopar.cost.gemm import kind_efficiency
 from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, knobs
 
@@ -44,9 +46,9 @@ SELECTIVE, FULL = RECOMPUTE_MODES.index("selective"), RECOMPUTE_MODES.index("ful
 GPIPE, INTERLEAVED = SCHEDULES.index("gpipe"), SCHEDULES.index("interleaved")
 
 HIDDEN_PARTS = ("hidden_tp_comm", "hidden_dp_comm")  # seconds of communication an overlap hid
-TIME_PARTS = ("compute", "recompute", "tp_comm", "pp_p2p", "pp_bubble", "dp_comm", "optimizer", "overhead")
+TIME_PARTS = ("compute", "recompute", "tp_comm", "ep_comm", "pp_p2p", "pp_bubble", "dp_comm", "optimizer", "overhead")
 MEMORY_PARTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations",
-                "comm_buffers", "workspace")
+                "comm_buffers", "workspace") + moe.MEMORY_PARTS
 
 
 def time_parts() -> tuple[str, ...]:
@@ -64,6 +66,9 @@ def _kind_arrays(profile) -> dict[str, np.ndarray]:
              "attn_core_io_bytes", "attn_scores")
     out = {n: np.array([float(getattr(b, n)) for b in profile.blocks]) for n in names}
     out["is_layer"] = np.array([0.0] + [1.0] * len(profile.layers) + [0.0])
+    experts = moe.expert_kind_arrays(profile)  # the routed experts are priced by cost/moe.py
+    for name in ("params", "fwd_flops", "bwd_flops"):
+        out[name] = out[name] - experts[f"expert_{name}"]
     return out
 
 
@@ -126,19 +131,6 @@ def _links(cluster, pa: PlanArrays, coeffs: Coefficients) -> dict[str, np.ndarra
             "pp_bw": t[:, 4], "pp_lat": t[:, 5]}
 
 
-def all_reduce_time(nbytes, n, bw, lat, base=0.0):
-    """Ring all-reduce: 2(n-1)/n of the data crosses each link, 2(n-1) latency steps, plus the
-    fixed cost of one collective call (NCCL's base latency: launch and rendezvous)."""
-    t = 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
-    return t + base if base else t
-
-
-def all_gather_time(nbytes, n, bw, lat, base=0.0):
-    """Ring all-gather or reduce-scatter of `nbytes` in total: (n-1)/n of it per link."""
-    t = (n - 1) / n * nbytes / bw + (n - 1) * lat
-    return t + base if base else t
-
-
 def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]:
     """Everything that does not depend on the data-parallel knobs (ZeRO, buckets, gradient dtype,
     offload): computed once per group of plans sharing degrees, micro-batching, schedule,
@@ -169,6 +161,8 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     compute_f = flops_f / rate + io_f
     # a fused attention backward recomputes q·kᵀ: half its forward FLOPs again
     compute_b = (flops_b + 0.5 * b * k["fused_attn_flops"] / t) / rate + 2 * io_f
+    routed = moe.pipeline_terms(workload, g, c, b, sp_div, col(PRECISION_BYTES[g.precision]), peak)
+    compute_f, compute_b = compute_f + routed["expert_f"], compute_b + routed["expert_b"]
     if tp_overlap:  # TE userbuffers: each pass's collective in t chunks under that pass's GEMMs
         tp_f = np.maximum(tp_ar - flops_f / rate, tp_ar / t)
         tp_b = np.maximum(tp_ar - flops_b / rate, tp_ar / t)
@@ -190,9 +184,10 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
 
     compute = on(compute_f + compute_b)
     tp_comm = on(tp_f + tp_b)
+    ep_comm = on(routed["a2a_f"] + routed["a2a_b"])
     tp_hidden = on(2 * tp_ar) - tp_comm
     recompute = np.select([mode == FULL, mode == SELECTIVE],
-                          [ckpt_frac * on_layers(compute_f + tp_f), on_layers(selective_f)], 0.0)
+                          [ckpt_frac * on_layers(compute_f + tp_f + routed["a2a_f"]), on_layers(selective_f)], 0.0)
     # boundary activations ~ the hidden states; Megatron's scatter/gather sends 1/t of them from each
     # tensor-parallel rank (and all-gathers them over the node's links), as sequence parallelism does
     scatter_gather = workload.runtime == "megatron"
@@ -202,7 +197,7 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
         gathered = np.where(t > 1, all_gather_time(p2p_bytes * t, t, tp_bw, tp_lat, base), 0.0)
         p2p_one = p2p_one + np.where(pp > 1, gathered, 0.0)
     p2p = 2 * v * p2p_one * np.ones_like(compute)
-    gpu_mb = compute + tp_comm + recompute + p2p  # one micro-batch, forward + backward, on each rank
+    gpu_mb = compute + tp_comm + ep_comm + recompute + p2p  # one micro-batch, forward + backward, on each rank
     host = c.host
     if host:  # the host launches every block's kernels (through DTensor under TP); the GPU hides what it can
         per_pass = c.block_host_s + np.where(t > 1, c.tp_host_s, 0.0)
@@ -237,10 +232,11 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
                                  (counts * (k["attn_core_flops"] * k["is_layer"])).sum(axis=2)], 0.0)
     return {
         "pipe": pipe, "pp_bubble": pipe - m1 * slowest, "compute": at(compute), "recompute": at(recompute),
-        "tp_comm": at(tp_comm), "pp_p2p": at(p2p), "host": at(per_mb - gpu_mb) if host else np.zeros(len(g)),
+        "tp_comm": at(tp_comm), "ep_comm": at(ep_comm), "pp_p2p": at(p2p), "host": at(per_mb - gpu_mb) if host else np.zeros(len(g)),
         "hidden_tp_comm": at(tp_hidden),
         "backward_s": on(compute_b + tp_b), "forward_s": on(compute_f + tp_f),
         "local_params": on(k["tp_params"] / t + (k["params"] - k["tp_params"])),
+        "expert_local": on(routed["expert_params"]),
         "activations": act_mb * in_flight + working, "block_params": block_params,
         "model_flops_per_sample": np.full(len(g), float((total_counts * (k["fwd_flops"] + k["bwd_flops"])).sum())),
         "recompute_flops_per_sample": (recompute_flops * mult).sum(axis=1),
@@ -323,11 +319,17 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
             scatters + nmb * np.maximum(2 * gather - hide_f - hide_b, (dpn - 1) * dp_lat + base))
         return np.where(dpn > 1, t, 0.0)
 
-    dp_time = exposed(hide_b, hide_f)
-    dp_hidden = exposed(0.0 * hide_b, 0.0 * hide_f) - dp_time
     offload = np.asarray(pa.offload_optimizer, dtype=bool)[:, None]
+    fp32 = (pa.precision == PRECISIONS.index("fp32"))[:, None]
+    experts = moe.data_parallel_terms(workload, pa, c, part["expert_local"], zero, nmb, accumulate, prec_bytes,
+                                      col(COMM_BYTES[pa.grad_comm_dtype]), fp32, offload,
+                                      col(pa.micro_batch_size), col(np.where(pa.sequence_parallel, pa.tp, 1)))
+    # the expert gradients' collectives (over edp) share backward's hiding with the dense ones
+    edp = experts["edp_s"]
+    dp_time = exposed(np.maximum(hide_b - edp, 0.0), hide_f) + np.maximum(edp - hide_b, 0.0)
+    dp_hidden = exposed(0.0 * hide_b, 0.0 * hide_f) + edp - dp_time
     shard_states = np.where(zero >= 1, dpn, 1.0)
-    opt_params = local_params / shard_states
+    opt_params = local_params / shard_states + experts["opt_params"]
     hbm = cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency
     optimizer = np.where(offload,
                          opt_params * c.optimizer_bytes_per_param / c.host_bytes_per_s
@@ -339,7 +341,6 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     opt_exposed = np.take_along_axis(optimizer, at_tail, axis=1)[:, 0]
 
     # -- memory per representative rank ----------------------------------------------------------------
-    fp32 = (pa.precision == PRECISIONS.index("fp32"))[:, None]
     # accumulating unsharded, the pipeline schedule also keeps every block gathered from its backward
     # to its next forward: then ZeRO-2 and 3 hold whole gradients and (3) whole weights
     unsharded = accumulate & (zero >= 2)
@@ -354,6 +355,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
         "activations": part["activations"],
         "comm_buffers": np.where((dpn > 1) & (zero <= 1), np.minimum(grad_bytes, bucket), 0.0),
         "workspace": np.full_like(weights, c.workspace_bytes),
+        **{name: experts[name] for name in moe.MEMORY_PARTS},
     }
     for k in knobs():  # terms of axes and knobs the core model does not know
         if k.memory_term is not None:
@@ -361,7 +363,8 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     peak_rank = sum(mem.values())
     at_peak = np.argmax(peak_rank, axis=1)[:, None]
 
-    out = {name: part[name] for name in ("compute", "recompute", "tp_comm", "pp_p2p", "pp_bubble", "hidden_tp_comm")}
+    out = {name: part[name] for name in ("compute", "recompute", "tp_comm", "ep_comm", "pp_p2p", "pp_bubble",
+                                         "hidden_tp_comm")}
     out["hidden_dp_comm"] = dp_hidden[:, 0]
     extra_time = np.zeros(len(pa))
     for k in knobs():

@@ -1,0 +1,246 @@
+"""Mixture-of-experts terms of the cost model: expert parallelism's all-to-all, the grouped GEMMs of
+the routed experts, their parameters over the expert-parallel and expert-data-parallel groups.
+
+What the core model (`cost/model.py`) gets from here, per plan and block kind:
+
+- The routed experts are taken out of the profile's layer figures (the profiler counts them
+  force-balanced: every expert sees tokens x top_k / experts) and priced here on the slowest
+  expert-parallel rank: tokens per local expert = tokens x top_k x ep / experts x imbalance, the
+  three SwiGLU GEMMs (forward M x N x K = tokens x ffn x hidden, and the two backward GEMMs) as one
+  grouped GEMM, its tile quantisation per expert and its wave quantisation over all local experts
+  (`grouped_efficiency`, the tile/wave model of `cost/gemm.py`), plus the permutation copies of
+  the dispatched tokens through HBM.
+- Dispatch and combine: one all-to-all each per MoE layer in forward, and again in backward (the
+  backward of a dispatch is a combine and the reverse), of tokens x top_k x hidden 16-bit values
+  per rank (`all_to_all_time`). Nothing hides them: torch's executor (and torchtitan, AutoModel
+  without DeepEP's async mode, Megatron-Core without `--overlap-moe-expert-parallel-comm`) waits
+  for each before the experts run, so they sit on the critical path; the
+  `moe_a2a_overlap` runtime switch models Megatron-Core's 1F1B A2A overlap (one micro-batch's
+  all-to-all under another's compute) as hiding what the layer's compute can cover.
+- The expert parameters live 1/ep on each rank; their gradients reduce over the expert-data-
+  parallel group (dp / ep ranks, `edp_time`), their optimizer states shard over it; the dispatch
+  buffers (received tokens and the expert activations) are memory of their own.
+
+The group's links come from the cluster graph: ep ranks are the innermost of the data-parallel
+ranks (`autopar.axes.FoldedAxis`), so an ep group of n ranks spaced `stride` apart has
+`per_node` of them on each node; an all-to-all sends (per_node - 1)/n of each rank's bytes over
+NVLink and (n - per_node)/n over the node's NICs, at the same time.
+
+nccl-tests' all-to-all convention (docs/references.md §3): busbw = algbw x (n - 1)/n, so the time of
+an all-to-all of S bytes per rank is S (n - 1)/n / busbw; we take busbw as the link's efficiency
+times its datasheet rate, as for every other collective of the cost model, and `collective_efficiency
+["all_to_all"]` when a cluster measured it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.cost.collectives import all_gather_time, all_reduce_time, all_to_all_time
+from autopar.cost.gemm import TILES
+
+SWIGLU_MATRICES = 3  # w1, w3 (gate, up) and w2 (down) per expert
+ROUTING_INDEX_BYTES = 8  # an int64 index per routed copy (the permutation), read and written
+
+
+@dataclass(frozen=True)
+class MoeKind:
+    """One block kind's routed experts: `experts` SwiGLU FFNs of `ffn` x `hidden`, `top_k` per token."""
+
+    experts: int
+    top_k: int
+    hidden: int
+    ffn: int
+
+    @property
+    def params(self) -> float:
+        """Parameters of the routed experts of one block (all experts)."""
+        return float(SWIGLU_MATRICES * self.experts * self.hidden * self.ffn)
+
+    def fwd_flops(self, tokens: float) -> float:
+        """Forward FLOPs of the routed experts for `tokens` tokens, balanced: 2 per multiply-add."""
+        return 2.0 * SWIGLU_MATRICES * tokens * self.top_k * self.hidden * self.ffn
+
+
+def moe_kinds(profile) -> list[MoeKind | None]:
+    """Per block kind of the profile (embed, layer kinds, head): its routed experts, or None."""
+    out: list[MoeKind | None] = []
+    for block in profile.blocks:
+        shape = getattr(block, "moe", None) or {}
+        if shape.get("experts", 0) > 0:
+            out.append(MoeKind(int(shape["experts"]), int(shape["top_k"]), int(shape["hidden"]),
+                               int(shape["expert_ffn"])))
+        else:
+            out.append(None)
+    return out
+
+
+def is_moe(profile) -> bool:
+    return any(k is not None for k in moe_kinds(profile))
+
+
+def expert_kind_arrays(profile) -> dict[str, np.ndarray]:
+    """Per block kind (K,): the routed experts' share of the profile's figures (per sample, balanced),
+    which the core model removes from the dense pricing: params, forward and backward FLOPs."""
+    kinds = moe_kinds(profile)
+    s = float(profile.seq_len)
+    params = np.array([k.params if k else 0.0 for k in kinds])
+    fwd = np.array([k.fwd_flops(s) if k else 0.0 for k in kinds])
+    return {"expert_params": params, "expert_fwd_flops": fwd, "expert_bwd_flops": 2.0 * fwd}
+
+
+# -- the grouped GEMM -------------------------------------------------------------------------------
+def grouped_efficiency(m: np.ndarray, n: float, k: float, groups: np.ndarray, sms: int) -> np.ndarray:
+    """Useful fraction of the tile-waves of a grouped GEMM of `groups` problems, each m x n (x k):
+    each problem pays whole tiles (tile quantisation, per expert: few tokens per expert waste most of
+    a 128-row tile), the tiles of all problems share the waves (wave quantisation, per launch).
+    Forward (m x n), activation gradient (m x k) and weight gradient (n x k, reducing over m) are
+    weighted by their equal FLOPs (harmonic mean, as `cost/gemm.py` does for a layer)."""
+    m = np.maximum(np.asarray(m, dtype=float), 1.0)
+    groups = np.asarray(groups, dtype=float)
+    if not sms:
+        return np.ones(np.broadcast(m, groups).shape)
+
+    def one(rows, cols):
+        best = np.zeros(np.broadcast(rows, cols, groups).shape)
+        for tm, tn in TILES:
+            tiles = groups * np.ceil(rows / tm) * np.ceil(cols / tn)
+            best = np.maximum(best, groups * rows * cols / (tm * tn) / (np.ceil(tiles / sms) * sms))
+        return best
+
+    return 3.0 / (1.0 / one(m, n) + 1.0 / one(m, k) + 1.0 / one(n, k))
+
+
+# -- the all-to-all ---------------------------------------------------------------------------------
+def ep_links(cluster, ep: int, stride: int, coeffs) -> tuple[float, float, float, int]:
+    """(NVLink bytes/s, NIC bytes/s, latency, ranks per node) of an ep group of `ep` ranks `stride`
+    apart, from the cluster graph, efficiencies applied."""
+    if ep <= 1:
+        return np.inf, np.inf, 0.0, 1
+    gpn = cluster.gpus_per_node
+    per_node = max(1, min(ep, gpn // stride)) if stride < gpn else 1
+    a2a = coeffs.collective("all_to_all")
+    whole = cluster.ring(ep, stride)
+    lat = whole.latency * coeffs.latency_scale
+    if per_node >= ep:  # inside one node
+        return whole.bandwidth * coeffs.link(whole.kind) * a2a, np.inf, lat, per_node
+    intra = cluster.ring(per_node, stride) if per_node > 1 else None
+    intra_bw = intra.bandwidth * coeffs.link(intra.kind) * a2a if intra is not None else np.inf
+    return intra_bw, whole.bandwidth * coeffs.link(whole.kind) * a2a, lat, per_node
+
+
+# -- per plan ---------------------------------------------------------------------------------------
+def _ep(pa) -> np.ndarray:
+    """The plans' expert-parallel degrees (1 where the space has no ep axis)."""
+    return np.asarray(getattr(pa, "ep", np.ones(len(pa), dtype=int)), dtype=int)
+
+
+def _group_links(workload, pa, coeffs) -> dict[str, np.ndarray]:
+    """Per plan: the ep group's NVLink and NIC rates, latency and ranks per node, and the expert-data-
+    parallel group's ring (dp / ep ranks, ep x the dp stride apart), once per distinct layout."""
+    from autopar import axes  # contract layer (kept local: only MoE workloads ask)
+    from autopar.cost.arrays import mesh_order_of, unique_rows
+
+    names = tuple(axes.AXES)
+    ep = _ep(pa)
+    first, inverse = unique_rows([getattr(pa, a) for a in names] + [pa.mesh_order, ep])
+    table = np.zeros((len(first), 6))
+    cluster = workload.cluster
+    for row, i in enumerate(first):
+        dims = axes.ParallelDims({a: int(getattr(pa, a)[i]) for a in names}, mesh_order_of(pa.mesh_order[i]))
+        stride, dp, e = dims.strides()[axes.derived_axis()], dims.degrees[axes.derived_axis()], int(ep[i])
+        table[row, :4] = ep_links(cluster, e, stride, coeffs)
+        edp = dp // e
+        if edp > 1:
+            ring = cluster.ring(edp, stride * e)
+            table[row, 4:] = (ring.bandwidth * coeffs.link(ring.kind), ring.latency * coeffs.latency_scale)
+        else:
+            table[row, 4:] = (np.inf, 0.0)
+    t = table[inverse.reshape(-1)]
+    return {"intra_bw": t[:, 0], "inter_bw": t[:, 1], "lat": t[:, 2], "per_node": t[:, 3],
+            "edp_bw": t[:, 4], "edp_lat": t[:, 5]}
+
+
+def imbalance(workload) -> float:
+    """Tokens on the busiest expert-parallel rank over the balanced share (1.0: force-balanced)."""
+    return float(getattr(workload, "expert_imbalance", 1.0) or 1.0)
+
+
+def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict[str, np.ndarray]:
+    """Per plan and block kind (G, K), one micro-batch on the slowest expert-parallel rank: the
+    routed experts' forward and backward GEMM seconds, the dispatch + combine all-to-all seconds of
+    forward and of backward (what an overlap switch leaves exposed), and the expert parameters a
+    rank holds. Arguments are (G, 1) columns of the core model's `_pipeline`."""
+    profile, cluster = workload.profile, workload.cluster
+    kinds = moe_kinds(profile)
+    zeros = np.zeros((len(g), len(kinds)))
+    if not any(kinds):
+        return {"expert_f": zeros, "expert_b": zeros, "a2a_f": zeros, "a2a_b": zeros, "expert_params": zeros}
+    ep = _ep(g)[:, None].astype(float)
+    links = _group_links(workload, g, c)
+    col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731
+    tokens = micro_batch * profile.seq_len / sp_div  # tokens a rank routes per micro-batch
+    skew = imbalance(workload)
+    out = {name: zeros.copy() for name in ("expert_f", "expert_b", "a2a_f", "a2a_b", "expert_params")}
+    for j, kind in enumerate(kinds):
+        if kind is None:
+            continue
+        local = kind.experts / ep  # experts per rank
+        per_expert = tokens * kind.top_k * skew / local  # tokens of the busiest rank's experts
+        flops = kind.fwd_flops(tokens) * skew
+        shape = grouped_efficiency(per_expert, kind.ffn, kind.hidden, local, cluster.gpu.sms)
+        rate = peak * np.maximum(c.gemm_efficiency * shape * flops / (flops + c.gemm_half_flops), 1e-9)
+        out["expert_f"][:, j] = (flops / rate)[:, 0]
+        out["expert_b"][:, j] = (2 * flops / rate)[:, 0]
+        sent = tokens * kind.top_k * kind.hidden * act_bytes * skew  # bytes one all-to-all moves
+        one = all_to_all_time(sent, ep, col(links["per_node"]), col(links["intra_bw"]), col(links["inter_bw"]),
+                              col(links["lat"]), c.collective_latency_s)
+        out["a2a_f"][:, j] = out["a2a_b"][:, j] = (2 * one)[:, 0]  # dispatch + combine
+        out["expert_params"][:, j] = (kind.params / ep)[:, 0]
+    if "moe_a2a_overlap" in workload.switches:  # another micro-batch's compute covers the all-to-all
+        for p, comp in (("a2a_f", "expert_f"), ("a2a_b", "expert_b")):
+            out[p] = np.maximum(out[p] - out[comp], 0.0)
+    return out
+
+
+MEMORY_PARTS = ("expert_weights", "expert_optimizer", "dispatch_buffers")
+
+
+def data_parallel_terms(workload, pa, c, expert_local, zero, nmb, accumulate, prec_bytes, grad_bytes, fp32,
+                        offload, micro_batch, sp_div) -> dict[str, np.ndarray]:
+    """Per plan and representative pipeline rank (N, J): the expert gradients' collectives over the
+    expert-data-parallel group (`edp_s`: all-reduce under DDP / ZeRO-1; reduce-scatter under ZeRO-2
+    and 3, which also all-gathers the experts for every forward and backward unless the pipeline
+    accumulates them), the expert parameters whose optimizer step this rank runs (`opt_params`), and
+    memory by component: expert weights and gradients (1/ep of the experts, sharded over edp by
+    ZeRO-3 / ZeRO-2), their fp32 master weights and Adam moments (sharded over edp from ZeRO-1), and
+    the all-to-all's send and receive buffers of one MoE layer. Arguments are the core model's (N, 1)
+    columns (`grad_bytes`: bytes per gradient element); `expert_local` is (N, J)."""
+    kinds = [k for k in moe_kinds(workload.profile) if k is not None]
+    out = {name: np.zeros_like(expert_local) for name in ("edp_s", "opt_params", *MEMORY_PARTS)}
+    if not kinds:
+        return out
+    links = _group_links(workload, pa, c)
+    edp = (np.asarray(pa.dp, dtype=float) / _ep(pa))[:, None]
+    bw, lat = links["edp_bw"][:, None], links["edp_lat"][:, None]
+    base = c.collective_latency_s
+    grads = expert_local * grad_bytes
+    params = expert_local * prec_bytes
+    scatter = all_gather_time(grads, edp, bw * c.collective("reduce_scatter"), lat, base)
+    gather = all_gather_time(params, edp, bw * c.collective("all_gather"), lat, base)
+    sync = np.select([zero <= 1, zero == 2], [all_reduce_time(grads, edp, bw, lat, base), scatter],
+                     scatter + np.where(accumulate, 1.0, 2 * nmb) * gather)
+    out["edp_s"] = np.where(edp > 1, sync, 0.0)
+    shard_states = np.where(zero >= 1, edp, 1.0)
+    out["opt_params"] = expert_local / shard_states
+    unsharded = accumulate & (zero >= 2)
+    out["expert_weights"] = (params / np.where((zero == 3) & ~unsharded, edp, 1.0)
+                             + params / np.where((zero >= 2) & ~unsharded, edp, 1.0))
+    out["expert_optimizer"] = np.where(offload, 0.0, expert_local * (np.where(fp32, 0.0, 4.0) + 8.0) / shard_states)
+    tokens = micro_batch * workload.profile.seq_len / sp_div
+    widest = max(k.top_k * k.hidden for k in kinds)
+    sent = 2 * tokens * widest * prec_bytes * imbalance(workload)  # send and receive buffers of one layer
+    out["dispatch_buffers"] = np.where(_ep(pa)[:, None] > 1, sent, 0.0) * np.ones_like(expert_local)
+    return out
