@@ -33,8 +33,14 @@ MEGATRON_SWITCHES = {
                            "reduce-scattered) during the last micro-batch's backward",
     "overlap_param_gather": "--overlap-param-gather: the distributed optimizer's parameter all-gather during "
                             "the next forward",
+    "deepep": "--moe-token-dispatcher-type flex --moe-enable-deepep: DeepEP's dispatch and combine kernels, which "
+              "permute and un-permute the routed tokens inside the all-to-all and send a token across nodes once "
+              "per destination node (forwarded over NVLink to its experts there)",
+    "moe_a2a_overlap": "--overlap-moe-expert-parallel-comm: the dispatch and combine all-to-alls of one micro-batch "
+                       "run under another micro-batch's compute (1F1B A2A overlap)",
 }
-NEMO_SWITCHES = tuple(MEGATRON_SWITCHES)
+NEMO_SWITCHES = ("flash_attn", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")  # dense recipes'
+MOE_SWITCHES = ("deepep", "moe_a2a_overlap")  # what changes the price of an MoE model only
 
 
 def check_runtime(runtime: str, switches) -> tuple[str, ...]:

@@ -136,7 +136,7 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     offload): computed once per group of plans sharing degrees, micro-batching, schedule,
     recompute, sequence parallel, precision and mesh order."""
     profile, cluster = workload.profile, workload.cluster
-    k = _attention_as_run(_kind_arrays(profile), workload, c)
+    k = moe.dispatch_as_run(_attention_as_run(_kind_arrays(profile), workload, c), workload)
     tp_overlap = "tp_comm_overlap" in workload.switches
     col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (G,) -> (G, 1)
 

@@ -38,57 +38,66 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar import axes
+from autopar.cost.arrays import mesh_order_of, unique_rows
 from autopar.cost.collectives import all_gather_time, all_reduce_time, all_to_all_time
 from autopar.cost.gemm import TILES
 
-SWIGLU_MATRICES = 3  # w1, w3 (gate, up) and w2 (down) per expert
-ROUTING_INDEX_BYTES = 8  # an int64 index per routed copy (the permutation), read and written
 
 
 @dataclass(frozen=True)
 class MoeKind:
-    """One block kind's routed experts: `experts` SwiGLU FFNs of `ffn` x `hidden`, `top_k` per token."""
+    """One block kind's routed experts (the profile's MoE fields): `experts` SwiGLU FFNs of
+    `ffn` x `hidden`, `top_k` per token, `params` of them all, `flops` forward per sample
+    (force-balanced)."""
 
     experts: int
     top_k: int
     hidden: int
     ffn: int
-
-    @property
-    def params(self) -> float:
-        """Parameters of the routed experts of one block (all experts)."""
-        return float(SWIGLU_MATRICES * self.experts * self.hidden * self.ffn)
-
-    def fwd_flops(self, tokens: float) -> float:
-        """Forward FLOPs of the routed experts for `tokens` tokens, balanced: 2 per multiply-add."""
-        return 2.0 * SWIGLU_MATRICES * tokens * self.top_k * self.hidden * self.ffn
+    params: float
+    flops: float
 
 
 def moe_kinds(profile) -> list[MoeKind | None]:
     """Per block kind of the profile (embed, layer kinds, head): its routed experts, or None."""
-    out: list[MoeKind | None] = []
-    for block in profile.blocks:
-        shape = getattr(block, "moe", None) or {}
-        if shape.get("experts", 0) > 0:
-            out.append(MoeKind(int(shape["experts"]), int(shape["top_k"]), int(shape["hidden"]),
-                               int(shape["expert_ffn"])))
-        else:
-            out.append(None)
-    return out
-
-
-def is_moe(profile) -> bool:
-    return any(k is not None for k in moe_kinds(profile))
+    hidden = int(profile.dims.get("hidden", 0))
+    return [MoeKind(b.experts, b.top_k, hidden, b.expert_ffn, float(b.expert_params), float(b.expert_flops))
+            if getattr(b, "experts", 0) else None for b in profile.blocks]
 
 
 def expert_kind_arrays(profile) -> dict[str, np.ndarray]:
     """Per block kind (K,): the routed experts' share of the profile's figures (per sample, balanced),
     which the core model removes from the dense pricing: params, forward and backward FLOPs."""
     kinds = moe_kinds(profile)
-    s = float(profile.seq_len)
     params = np.array([k.params if k else 0.0 for k in kinds])
-    fwd = np.array([k.fwd_flops(s) if k else 0.0 for k in kinds])
+    fwd = np.array([k.flops if k else 0.0 for k in kinds])
     return {"expert_params": params, "expert_fwd_flops": fwd, "expert_bwd_flops": 2.0 * fwd}
+
+
+# A dropless MoE written in eager torch (autopar/zoo/moe.py, torchtitan's MoE alike) passes over the
+# routed tokens (seq x top_k x hidden values, the profile's `dispatch_bytes` a sample) ten times in HBM
+# per forward: the gather into expert order (read + write), the concatenation of the experts' outputs
+# (2), the zero-filled buffer (1), the scatter back to token order (2), the routing weights' product (2)
+# and the sum over top_k (1 + 1/k, taken as 1). A fused dispatcher (DeepEP, Megatron-Core's
+# --moe-permute-fusion) does them inside the all-to-all's own copies.
+EAGER_PERMUTE_PASSES = 10.0
+
+
+def dispatch_as_run(k: dict[str, np.ndarray], workload) -> dict[str, np.ndarray]:
+    """The per-kind figures with the routing's permutation passes taken out of the elementwise traffic
+    where the runtime's dispatcher fuses them (the `deepep` switch); as profiled otherwise."""
+    if "deepep" not in workload.switches:
+        return k
+    routed = np.array([float(getattr(b, "dispatch_bytes", 0.0)) for b in workload.profile.blocks])
+    return {**k, "io_bytes": np.maximum(k["io_bytes"] - EAGER_PERMUTE_PASSES * routed, 0.0)}
+
+
+def distinct(top_k: int, bins):
+    """Expected distinct bins (ranks, nodes) a token's top_k experts fall in, drawn uniformly over
+    `bins` bins: bins x (1 - (1 - 1/bins)^top_k)."""
+    bins = np.maximum(np.asarray(bins, dtype=float), 1.0)
+    return bins * (1.0 - (1.0 - 1.0 / bins) ** top_k)
 
 
 # -- the grouped GEMM -------------------------------------------------------------------------------
@@ -116,19 +125,23 @@ def grouped_efficiency(m: np.ndarray, n: float, k: float, groups: np.ndarray, sm
 # -- the all-to-all ---------------------------------------------------------------------------------
 def ep_links(cluster, ep: int, stride: int, coeffs) -> tuple[float, float, float, int]:
     """(NVLink bytes/s, NIC bytes/s, latency, ranks per node) of an ep group of `ep` ranks `stride`
-    apart, from the cluster graph, efficiencies applied."""
+    apart, efficiencies applied. Inside a node: the group's ring on the cluster graph. Across nodes
+    the all-to-all is not a ring: every rank sends its own off-node share through the node's NICs,
+    which the group's ranks on that node share (at most one NIC each: rail-optimised fabrics keep a
+    GPU on its own rail)."""
     if ep <= 1:
         return np.inf, np.inf, 0.0, 1
     gpn = cluster.gpus_per_node
     per_node = max(1, min(ep, gpn // stride)) if stride < gpn else 1
     a2a = coeffs.collective("all_to_all")
-    whole = cluster.ring(ep, stride)
-    lat = whole.latency * coeffs.latency_scale
-    if per_node >= ep:  # inside one node
-        return whole.bandwidth * coeffs.link(whole.kind) * a2a, np.inf, lat, per_node
     intra = cluster.ring(per_node, stride) if per_node > 1 else None
     intra_bw = intra.bandwidth * coeffs.link(intra.kind) * a2a if intra is not None else np.inf
-    return intra_bw, whole.bandwidth * coeffs.link(whole.kind) * a2a, lat, per_node
+    if per_node >= ep:  # inside one node
+        return intra_bw, np.inf, intra.latency * coeffs.latency_scale, per_node
+    whole = cluster.ring(ep, stride)
+    nic = cluster.links[cluster.node.nic_kind]
+    inter_bw = nic.bandwidth * min(1.0, cluster.node.nics / per_node) * coeffs.link(nic.kind) * a2a
+    return intra_bw, inter_bw, whole.latency * coeffs.latency_scale, per_node
 
 
 # -- per plan ---------------------------------------------------------------------------------------
@@ -140,9 +153,6 @@ def _ep(pa) -> np.ndarray:
 def _group_links(workload, pa, coeffs) -> dict[str, np.ndarray]:
     """Per plan: the ep group's NVLink and NIC rates, latency and ranks per node, and the expert-data-
     parallel group's ring (dp / ep ranks, ep x the dp stride apart), once per distinct layout."""
-    from autopar import axes  # contract layer (kept local: only MoE workloads ask)
-    from autopar.cost.arrays import mesh_order_of, unique_rows
-
     names = tuple(axes.AXES)
     ep = _ep(pa)
     first, inverse = unique_rows([getattr(pa, a) for a in names] + [pa.mesh_order, ep])
@@ -183,20 +193,29 @@ def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict
     col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731
     tokens = micro_batch * profile.seq_len / sp_div  # tokens a rank routes per micro-batch
     skew = imbalance(workload)
+    deepep = "deepep" in workload.switches
     out = {name: zeros.copy() for name in ("expert_f", "expert_b", "a2a_f", "a2a_b", "expert_params")}
     for j, kind in enumerate(kinds):
         if kind is None:
             continue
         local = kind.experts / ep  # experts per rank
         per_expert = tokens * kind.top_k * skew / local  # tokens of the busiest rank's experts
-        flops = kind.fwd_flops(tokens) * skew
+        flops = kind.flops * tokens / profile.seq_len * skew
         shape = grouped_efficiency(per_expert, kind.ffn, kind.hidden, local, cluster.gpu.sms)
         rate = peak * np.maximum(c.gemm_efficiency * shape * flops / (flops + c.gemm_half_flops), 1e-9)
         out["expert_f"][:, j] = (flops / rate)[:, 0]
         out["expert_b"][:, j] = (2 * flops / rate)[:, 0]
-        sent = tokens * kind.top_k * kind.hidden * act_bytes * skew  # bytes one all-to-all moves
-        one = all_to_all_time(sent, ep, col(links["per_node"]), col(links["intra_bw"]), col(links["inter_bw"]),
-                              col(links["lat"]), c.collective_latency_s)
+        token_bytes = tokens * kind.hidden * act_bytes * skew  # one copy of the rank's tokens
+        per_node = col(links["per_node"])
+        on_node = off_node = None
+        if deepep:  # one copy per destination rank, and across the fabric one per destination node
+            nodes = ep / per_node
+            ranks = distinct(kind.top_k, np.minimum(ep, per_node * (profile.node_limit or np.inf)))
+            on_node = token_bytes * ranks * (ep - 1) / ep  # every remote copy crosses NVLink once
+            off_node = token_bytes * np.minimum(distinct(kind.top_k, nodes), profile.node_limit or np.inf) \
+                * (nodes - 1) / nodes
+        one = all_to_all_time(token_bytes * kind.top_k, ep, per_node, col(links["intra_bw"]), col(links["inter_bw"]),
+                              col(links["lat"]), c.collective_latency_s, on_node, off_node)
         out["a2a_f"][:, j] = out["a2a_b"][:, j] = (2 * one)[:, 0]  # dispatch + combine
         out["expert_params"][:, j] = (kind.params / ep)[:, 0]
     if "moe_a2a_overlap" in workload.switches:  # another micro-batch's compute covers the all-to-all
