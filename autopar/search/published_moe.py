@@ -1,0 +1,107 @@
+"""Published mixture-of-experts training throughput the cost model is checked against
+(`data/published/moe_automodel_dgx_h100_bf16.csv`, docs/references.md §10).
+
+NVIDIA NeMo AutoModel's DGX-H100 BF16 table: PyTorch FSDP2 with expert parallelism, Transformer
+Engine's kernels (linear, RMSNorm, fused attention), DeepEP's dispatcher, torch.distributed.pipelining
+(interleaved 1F1B), a force-balanced gate. autopar prices a row as that software runs it: runtime
+``megatron`` for TE's kernel regime and fused attention (the runtime whose coefficients describe TE's
+kernels), the overlap switches for FSDP2's prefetched all-gathers and overlapped reduce-scatters, and
+``deepep``; the model is the zoo's shape of the same name (`autopar/zoo/moe.py`; DeepSeek-V3's MLA is
+approximated there). Nothing is fitted to these rows: every coefficient is the H100's (derived from
+the A100 fit, docs/hardware.md).
+
+The benchmark's gate sends a token to k consecutive experts (SOURCE.md): on one node, so the rows are
+priced with node-limited routing of one node per token (the zoo's ``route_group_limit=1`` over one
+expert group per node). A row's local batch runs as one pipeline schedule of local_batch / micro_batch
+micro-batches, repeated grad_accum times per step (AutoModel's gradient accumulation wraps the
+schedule): autopar prices one schedule, so tokens/s per GPU is that schedule's. Without pipeline
+parallelism the accumulation is the micro-batches themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cluster import load_cluster
+from autopar.cost import estimate
+from autopar.plan import Plan, balanced_split
+from autopar.profile import profile_model
+from autopar.search.published import read_table
+from autopar.workload import Workload
+from autopar.zoo import path as zoo_path
+
+TABLE = "moe_automodel_dgx_h100_bf16.csv"
+ZOO_SIZES = {"Qwen3-30B-A3B": "qwen3-30b-a3b", "GPT-OSS-120B": "gpt-oss-120b", "DeepSeek-V3-671B": "deepseek-v3"}
+# TE's fused attention, FSDP2's overlapped reduce-scatter and prefetched all-gather, DeepEP
+AUTOMODEL_SWITCHES = ("flash_attn", "overlap_grad_reduce", "overlap_param_gather", "deepep")
+EXPERT_GROUPS = 8  # one expert group per node of the ep group (every row's ep spans 1 or 8 nodes)
+
+
+@dataclass(frozen=True)
+class MoeRow:
+    """One row of the AutoModel table that autopar can express: a zoo shape, degrees, batches."""
+
+    model: str
+    gpus: int
+    global_batch: int
+    micro_batch: int
+    local_batch: int
+    grad_accum: int
+    tp: int
+    pp: int
+    ep: int
+    vp: int
+    recompute: bool
+    reshard: bool
+    tokens_per_s_per_gpu: float
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} on {self.gpus} GPUs"
+
+
+def _row(r: dict[str, str]) -> MoeRow:
+    return MoeRow(r["model"], int(r["gpus"]), int(r["global_batch"]), int(r["micro_batch"]), int(r["local_batch"]),
+                  int(r["grad_accum"]), int(r["tp"]), int(r["pp"]), int(r["ep"]), int(r["vp"]),
+                  r["activation_checkpointing"] == "true", r["reshard_after_forward"] == "true",
+                  float(r["tokens_per_s_per_gpu"]))
+
+
+# rows of a zoo model whose degrees and configs the table and its configs give (Kimi K2, GPT-OSS-20B: not
+# zoo shapes)
+MOE_ROWS = tuple(_row(r) for r in read_table(TABLE) if r["model"] in ZOO_SIZES and r["ep"])
+
+
+def moe_workload(row: MoeRow) -> Workload:
+    """The row's model on dgx-h100 nodes, as AutoModel runs it; its global batch is one schedule's."""
+    size = ZOO_SIZES[row.model]
+    routing = {"route_groups": EXPERT_GROUPS, "route_group_limit": 1} if row.ep > 8 else {}
+    profile = profile_model(zoo_path("moe"), {"size": size, **routing}, dtype="bf16")
+    batch = row.global_batch if row.pp == 1 else row.dp * row.local_batch
+    return Workload(profile, load_cluster("dgx-h100", nodes=max(1, row.gpus // 8)), batch, runtime="megatron",
+                    switches=AUTOMODEL_SWITCHES)
+
+
+def moe_plan(row: MoeRow, workload: Workload) -> Plan:
+    """The row's plan: its degrees and micro-batch, full recompute where it checkpoints, ZeRO-3 where FSDP2
+    reshards after forward (else ZeRO-2), interleaved 1F1B with its virtual stages under pp."""
+    layers = workload.profile.num_layers
+    per_rank = workload.global_batch // row.dp
+    return Plan(dp=row.dp, tp=row.tp, pp=row.pp, ep=row.ep, micro_batch_size=row.micro_batch,
+                num_micro_batches=per_rank // row.micro_batch, zero=3 if row.reshard else 2,
+                recompute="full" if row.recompute else "none",
+                recompute_blocks=-(-layers // row.pp) if row.recompute else 0,
+                schedule="interleaved" if row.vp > 1 else "1f1b", virtual_stages=row.vp,
+                layer_split=balanced_split(layers, row.pp * row.vp))
+
+
+def predicted_tokens_per_s(row: MoeRow):
+    """(plan, estimate, tokens/s per GPU) the cost model gives the row."""
+    w = moe_workload(row)
+    plan = moe_plan(row, w)
+    est = estimate(w, plan)
+    return plan, est, w.global_batch * w.profile.seq_len / est.iteration_time_s / row.gpus
