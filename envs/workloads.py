@@ -1,6 +1,6 @@
 """Workloads to train and evaluate policies on: a sampler over the zoo, and a fixed held-out set.
 
-Training draws the zoo's named sizes (GPT, Llama, BERT, ViT, ResNet) at several sequence lengths
+Training draws the zoo's named sizes (GPT, Llama, BERT, ViT, ResNet, MoE) at several sequence lengths
 on five cluster presets, single nodes of 1-8 GPUs or 2-64 nodes (non-powers of two included),
 with global batches of 1/8 to 32 samples per GPU (at least 16). Node counts are capped so that the exhaustive
 oracle, which the reward needs once per workload, stays around a second.
@@ -56,6 +56,8 @@ TRAIN_MODELS = {  # family -> (named sizes, sequence lengths; None: fixed by the
     "bert": (("bert-base", "bert-large", "megatron-bert-1.3b", "megatron-bert-3.9b"), (128, 512)),
     "vit": (("vit-b16", "vit-l16", "vit-h14", "vit-g14", "vit-G14", "vit-22b"), None),
     "resnet": (("resnet50", "resnet101", "resnet152", "wide_resnet50_2", "wide_resnet101_2", "resnet152x4"), None),
+    # mixtures of experts (autopar/zoo/moe.py): their plans add the expert-parallel degree
+    "moe": (("small", "mixtral-8x7b", "qwen3-30b-a3b", "gpt-oss-120b", "deepseek-v3"), (2048, 4096)),
 }
 
 
