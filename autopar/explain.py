@@ -119,34 +119,38 @@ def explain(workload, plan: Plan, coeffs=None) -> list[Reason]:
             i = min(rows, key=lambda j: res["peak_memory"][j])
             text = (f"no other choice fits in memory: the leanest, {flat[i - 1][1]}, needs "
                     f"{res['peak_memory'][i] / 1e9:.1f} GB > {memory / 1e9:.1f} GB usable")
-        if knob in axes.FOLDED:  # a degree: against 1 and the neighbouring degree, whatever is fastest
-            text = _against_neighbours(plan, knob, [(flat[i - 1][2], i) for i in rows], res) + "; " + text
+        if knob in axes.FOLDED:  # a degree: against 1 and the neighbouring degree, then the fastest
+            text = _against_neighbours(plan, knob, [(flat[i - 1][2], i) for i in rows], res, text)
         reasons.append(Reason(knob, _chosen(plan, knob), text))
     return reasons + _excluded(workload.profile)
 
 
-def _against_neighbours(plan: Plan, name: str, alternatives: list[tuple[Plan, int]], res) -> str:
+PART_WORDS = {"ep_comm": "all-to-all", "compute": "compute", "dp_comm": "gradient sync", "pp_bubble": "bubble"}
+
+
+def _against_neighbours(plan: Plan, name: str, alternatives: list[tuple[Plan, int]], res, text: str) -> str:
     """A folded axis's degree (expert parallelism) against degree 1 and the next degree up (or down,
-    at the largest): each one's time against the plan's, or that it does not fit, and the term
-    that moves most (e.g. the all-to-all against the experts' memory)."""
+    at the largest): each one's time against the plan's and the term that moves most (the
+    all-to-all, the experts' compute), or that it does not fit; then `text` (the best alternative)
+    where that is another degree."""
     mine = getattr(plan, name)
     by_degree = {getattr(p, name): i for p, i in alternatives}
     above = sorted(d for d in by_degree if d > mine)
     below = sorted(d for d in by_degree if 1 < d < mine)
-    picks = [1] if 1 in by_degree else []
-    picks += above[:1] or below[-1:]
+    picks = ([1] if 1 in by_degree else []) + (above[:1] or below[-1:])
     parts = []
     for degree in picks:
         i = by_degree[degree]
-        ratio = res["iteration_time"][i] / res["iteration_time"][0]
-        moved = max(("ep_comm", "compute", "dp_comm", "pp_bubble"),
-                    key=lambda part: abs(res[part][i] - res[part][0]) if part in res else 0.0)
-        delta = res[moved][i] - res[moved][0]
-        how = f"{ratio - 1:+.1%} time, {moved.replace('_', ' ')} {delta:+.3g} s"
         if not res["fits"][i]:
-            how = f"does not fit ({res['peak_memory'][i] / 1e9:.1f} GB)"
-        parts.append(f"{name}={degree}: {how}")
-    return ", ".join(parts)
+            parts.append(f"{name}{degree} does not fit ({res['peak_memory'][i] / 1e9:.1f} GB)")
+            continue
+        moved = max(PART_WORDS, key=lambda part: abs(res[part][i] - res[part][0]))
+        delta = (res[moved][i] - res[moved][0]) * 1e3
+        parts.append(f"{name}{degree} is {res['iteration_time'][i] / res['iteration_time'][0] - 1:+.1%} "
+                     f"({PART_WORDS[moved]} {delta:+,.0f} ms)")
+    named = [f"{name}{d}" for d in picks]
+    rest = [clause for clause in text.split("; ") if not any(n in clause for n in named)]
+    return "; ".join([", ".join(parts)] + rest)
 
 
 def _excluded(profile) -> list[Reason]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from conftest import workload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autopar import axes
 from autopar.cluster import load_cluster
 from autopar.cost import estimate
 from autopar.cost.coefficients import Coefficients
@@ -84,7 +87,7 @@ def test_expert_parallelism_pays_all_to_all_and_shards_the_experts(moe16):
     # ZeRO 0: each rank holds its 1/ep of the experts' 16-bit weights and gradients
     assert one.memory["expert_weights"] == pytest.approx(2 * 2 * experts)
     assert eight.memory["expert_weights"] == pytest.approx(2 * 2 * experts / 8)
-    assert eight.memory["dispatch_buffers"] > 0 == one.memory["dispatch_buffers"]
+    assert eight.memory["dispatch_buffers"] == one.memory["dispatch_buffers"] > 0  # balanced: the same pair
     # across nodes (ep 16) the all-to-all is NIC-bound: slower than inside one node (ep 8)
     assert estimate(moe16, _plan(16)).breakdown["ep_comm"] > eight.breakdown["ep_comm"]
 
@@ -101,7 +104,8 @@ def test_optimizer_states_shard_over_the_expert_data_parallel_group(moe16):
 def test_imbalance_slows_the_busiest_rank(moe16):
     skewed = Workload(moe16.profile, moe16.cluster, moe16.global_batch, expert_imbalance=1.5)
     even, busy = estimate(moe16, _plan(8)), estimate(skewed, _plan(8))
-    assert busy.breakdown["ep_comm"] == pytest.approx(1.5 * even.breakdown["ep_comm"], rel=0.02)
+    # the bytes scale by 1.5; the per-call latency does not
+    assert 1.3 * even.breakdown["ep_comm"] < busy.breakdown["ep_comm"] <= 1.5 * even.breakdown["ep_comm"]
     assert busy.breakdown["compute"] > even.breakdown["compute"]
 
 
@@ -126,5 +130,27 @@ def test_published_moe_rows(published_errors):
     docs/moe-cost.md for what is left)."""
     errors = np.abs(list(published_errors.values()))
     assert len(errors) >= 4
-    assert np.median(errors) <= 0.20, published_errors
-    assert errors.max() <= 0.35, published_errors
+    assert np.median(errors) <= 0.17, published_errors  # 16.4% today: the issue's 15% is not met
+    assert errors.max() <= 0.25, published_errors  # 21.7% today: the issue's bound holds
+
+
+# -- search and the Why table -----------------------------------------------------------------------------
+def test_search_deepseek_v3_on_32_dgx_h100_picks_expert_parallelism_and_says_why(capsys):
+    """Issue 14's acceptance: `autopar search` on the zoo's DeepSeek-V3-like model on 32 DGX H100 nodes
+    (256 GPUs) returns a plan with ep > 1, and its Why table compares that degree with ep 1 and the next
+    one. Exhaustive method: the shipped policy predates the ep decision until the lead retrains it."""
+    import json
+
+    from autopar.cli import main
+
+    assert main(["search", "moe", "--model-arg", "size=deepseek-v3", "--cluster", "dgx-h100", "--nodes", "32",
+                 "--method", "exhaustive", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ep = out["plan"]["ep"]
+    assert ep > 1
+    row = next(r for r in out["why"] if r["knob"] == "ep")
+    assert row["chosen"] == f"ep{ep}"
+    compared = [int(d) for d in re.findall(r"\bep(\d+) (?:is [+-]|does not fit)", row["instead"])]
+    degrees = [d for d in axes.divisors(out["plan"]["dp"]) if 256 % d == 0]  # the experts' divisors too
+    nxt = min((d for d in degrees if d > ep), default=max(d for d in degrees if d < ep))
+    assert compared == [1, nxt], row

@@ -235,7 +235,8 @@ def data_parallel_terms(workload, pa, c, expert_local, zero, nmb, accumulate, pr
     accumulates them), the expert parameters whose optimizer step this rank runs (`opt_params`), and
     memory by component: expert weights and gradients (1/ep of the experts, sharded over edp by
     ZeRO-3 / ZeRO-2), their fp32 master weights and Adam moments (sharded over edp from ZeRO-1), and
-    the all-to-all's send and receive buffers of one MoE layer. Arguments are the core model's (N, 1)
+    one MoE layer's routed tokens in expert order and the experts' output before the combine (the
+    dispatch buffers; ep 1 permutes locally into the same pair). Arguments are the core model's (N, 1)
     columns (`grad_bytes`: bytes per gradient element); `expert_local` is (N, J)."""
     kinds = [k for k in moe_kinds(workload.profile) if k is not None]
     out = {name: np.zeros_like(expert_local) for name in ("edp_s", "opt_params", *MEMORY_PARTS)}
@@ -260,6 +261,8 @@ def data_parallel_terms(workload, pa, c, expert_local, zero, nmb, accumulate, pr
     out["expert_optimizer"] = np.where(offload, 0.0, expert_local * (np.where(fp32, 0.0, 4.0) + 8.0) / shard_states)
     tokens = micro_batch * workload.profile.seq_len / sp_div
     widest = max(k.top_k * k.hidden for k in kinds)
-    sent = 2 * tokens * widest * prec_bytes * imbalance(workload)  # send and receive buffers of one layer
-    out["dispatch_buffers"] = np.where(_ep(pa)[:, None] > 1, sent, 0.0) * np.ones_like(expert_local)
+    # the routed tokens in expert order and the experts' output before the combine: one layer's pair,
+    # with or without an all-to-all (ep 1 permutes locally), the busiest rank's share under ep
+    skew = np.where(_ep(pa)[:, None] > 1, imbalance(workload), 1.0)
+    out["dispatch_buffers"] = 2 * tokens * widest * prec_bytes * skew * np.ones_like(expert_local)
     return out
