@@ -109,6 +109,30 @@ def test_imbalance_slows_the_busiest_rank(moe16):
     assert busy.breakdown["compute"] > even.breakdown["compute"]
 
 
+def test_a_capacity_factor_caps_the_busiest_rank(moe16):
+    """With capacity factor 1.25 an expert drops what exceeds 1.25x its balanced share: an imbalance
+    of 2 costs what 1.25 does."""
+    import dataclasses
+
+    capped = dataclasses.replace(moe16.profile, capacity_factor=1.25)
+    at = lambda profile, skew: estimate(Workload(profile, moe16.cluster, moe16.global_batch,  # noqa: E731
+                                                 expert_imbalance=skew), _plan(8)).iteration_time_s
+    assert at(capped, 2.0) == pytest.approx(at(capped, 1.25)) == pytest.approx(at(moe16.profile, 1.25))
+    assert at(moe16.profile, 2.0) > at(capped, 2.0)
+
+
+def test_deepep_and_the_a2a_overlap_switch_shrink_the_exposed_all_to_all(moe16):
+    """Megatron-Core runtime: DeepEP sends a token once per destination rank (top-2 of 16 experts: fewer
+    copies across the 2 nodes), and --overlap-moe-expert-parallel-comm hides it under expert compute."""
+    def ep_comm(*switches):
+        w = Workload(moe16.profile, moe16.cluster, moe16.global_batch, runtime="megatron", switches=switches)
+        return estimate(w, _plan(16)).breakdown["ep_comm"]
+
+    plain = ep_comm()
+    assert 0 < ep_comm("deepep") < plain
+    assert ep_comm("moe_a2a_overlap") < plain
+
+
 def test_dense_models_have_no_expert_terms():
     dense = workload("llama", cluster="dgx-h100", nodes=1, global_batch=16, size="tiny")
     est = estimate(dense, Plan(dp=8, tp=1, pp=1, micro_batch_size=1, num_micro_batches=2))

@@ -174,8 +174,12 @@ def _group_links(workload, pa, coeffs) -> dict[str, np.ndarray]:
 
 
 def imbalance(workload) -> float:
-    """Tokens on the busiest expert-parallel rank over the balanced share (1.0: force-balanced)."""
-    return float(getattr(workload, "expert_imbalance", 1.0) or 1.0)
+    """Tokens on the busiest expert-parallel rank over the balanced share: the workload's imbalance
+    (1.0: force-balanced), capped by the model's capacity factor where it has one (an expert takes at
+    most that multiple of its balanced share and drops the rest; 0: dropless, no cap)."""
+    skew = workload.expert_imbalance
+    capacity = workload.profile.capacity_factor
+    return min(skew, max(capacity, 1.0)) if capacity > 0 else skew
 
 
 def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict[str, np.ndarray]:
