@@ -104,5 +104,5 @@ def from_estimate(plan, est, forward_share: float, step_overhead_s: float) -> li
     m, bd = plan.num_micro_batches, est.breakdown
     compute = (bd["compute"] + bd["overhead"] - step_overhead_s) / m
     return simulate(plan, forward=compute * forward_share, backward=compute * (1 - forward_share),
-                    recompute=bd["recompute"] / m, comm=(bd["tp_comm"] + bd["pp_p2p"]) / m,
+                    recompute=bd["recompute"] / m, comm=(bd["tp_comm"] + bd["ep_comm"] + bd["pp_p2p"]) / m,
                     dp_comm=bd["dp_comm"], optimizer=bd["optimizer"] + step_overhead_s)
