@@ -152,25 +152,28 @@ def _ep(pa) -> np.ndarray:
 
 def _group_links(workload, pa, coeffs) -> dict[str, np.ndarray]:
     """Per plan: the ep group's NVLink and NIC rates, latency and ranks per node, and the expert-data-
-    parallel group's ring (dp / ep ranks, ep x the dp stride apart), once per distinct layout."""
+    parallel group's degree (the ranks ep splits, dp x cp, over ep) and ring (ep x the ep stride
+    apart), once per distinct layout."""
     names = tuple(axes.AXES)
+    folded = axes.FOLDED["ep"]
     ep = _ep(pa)
     first, inverse = unique_rows([getattr(pa, a) for a in names] + [pa.mesh_order, ep])
-    table = np.zeros((len(first), 6))
+    table = np.zeros((len(first), 7))
     cluster = workload.cluster
     for row, i in enumerate(first):
         dims = axes.ParallelDims({a: int(getattr(pa, a)[i]) for a in names}, mesh_order_of(pa.mesh_order[i]))
-        stride, dp, e = dims.strides()[axes.derived_axis()], dims.degrees[axes.derived_axis()], int(ep[i])
+        stride, e = folded.stride(dims), int(ep[i])
         table[row, :4] = ep_links(cluster, e, stride, coeffs)
-        edp = dp // e
+        edp = folded.whole(dims.degrees) // e
+        table[row, 6] = edp
         if edp > 1:
             ring = cluster.ring(edp, stride * e)
-            table[row, 4:] = (ring.bandwidth * coeffs.link(ring.kind), ring.latency * coeffs.latency_scale)
+            table[row, 4:6] = (ring.bandwidth * coeffs.link(ring.kind), ring.latency * coeffs.latency_scale)
         else:
-            table[row, 4:] = (np.inf, 0.0)
+            table[row, 4:6] = (np.inf, 0.0)
     t = table[inverse.reshape(-1)]
     return {"intra_bw": t[:, 0], "inter_bw": t[:, 1], "lat": t[:, 2], "per_node": t[:, 3],
-            "edp_bw": t[:, 4], "edp_lat": t[:, 5]}
+            "edp_bw": t[:, 4], "edp_lat": t[:, 5], "edp": t[:, 6]}
 
 
 def imbalance(workload) -> float:
@@ -247,7 +250,7 @@ def data_parallel_terms(workload, pa, c, expert_local, zero, nmb, accumulate, pr
     if not kinds:
         return out
     links = _group_links(workload, pa, c)
-    edp = (np.asarray(pa.dp, dtype=float) / _ep(pa))[:, None]
+    edp = links["edp"][:, None]
     bw, lat = links["edp_bw"][:, None], links["edp_lat"][:, None]
     base = c.collective_latency_s
     grads = expert_local * grad_bytes
