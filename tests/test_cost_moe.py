@@ -101,6 +101,16 @@ def test_optimizer_states_shard_over_the_expert_data_parallel_group(moe16):
         assert est.memory["expert_optimizer"] == pytest.approx(12 * experts / ep / (16 // ep))
 
 
+@settings(max_examples=20, deadline=None)
+@given(zero=st.sampled_from([0, 1, 2, 3]), micro_batch=st.sampled_from([1, 2, 4]))
+def test_memory_never_grows_with_ep(moe16, zero, micro_batch):
+    """The RL masks complete a partial plan with the largest ep as the leanest (the ep knob's `lean`):
+    at balance, a larger ep never needs more memory per GPU."""
+    peaks = [estimate(moe16, Plan(dp=16, tp=1, pp=1, ep=ep, zero=zero, micro_batch_size=micro_batch,
+                                  num_micro_batches=4 // micro_batch)).peak_memory_bytes for ep in (1, 2, 4, 8, 16)]
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(peaks, peaks[1:])), peaks
+
+
 def test_imbalance_slows_the_busiest_rank(moe16):
     skewed = Workload(moe16.profile, moe16.cluster, moe16.global_batch, expert_imbalance=1.5)
     even, busy = estimate(moe16, _plan(8)), estimate(skewed, _plan(8))
