@@ -8,8 +8,9 @@ What the core model (`cost/model.py`) gets from here, per plan and block kind:
   expert-parallel rank: tokens per local expert = tokens x top_k x ep / experts x imbalance, the
   three SwiGLU GEMMs (forward M x N x K = tokens x ffn x hidden, and the two backward GEMMs) as one
   grouped GEMM, its tile quantisation per expert and its wave quantisation over all local experts
-  (`grouped_efficiency`, the tile/wave model of `cost/gemm.py`), plus the permutation copies of
-  the dispatched tokens through HBM.
+  (`grouped_efficiency`, the tile/wave model of `cost/gemm.py`). The permutation of the routed
+  tokens stays in the layer's elementwise traffic as profiled, unless a fused dispatcher does it
+  (`dispatch_as_run`).
 - Dispatch and combine: one all-to-all each per MoE layer in forward, and again in backward (the
   backward of a dispatch is a combine and the reverse), of tokens x top_k x hidden 16-bit values
   per rank (`all_to_all_time`). Nothing hides them: torch's executor (and torchtitan, AutoModel
@@ -18,8 +19,9 @@ What the core model (`cost/model.py`) gets from here, per plan and block kind:
   `moe_a2a_overlap` runtime switch models Megatron-Core's 1F1B A2A overlap (one micro-batch's
   all-to-all under another's compute) as hiding what the layer's compute can cover.
 - The expert parameters live 1/ep on each rank; their gradients reduce over the expert-data-
-  parallel group (dp / ep ranks, `edp_time`), their optimizer states shard over it; the dispatch
-  buffers (received tokens and the expert activations) are memory of their own.
+  parallel group (dp x cp / ep ranks, `data_parallel_terms`), their optimizer states shard over it;
+  the dispatch buffers (the routed tokens in expert order and the experts' output) are memory of
+  their own.
 
 The group's links come from the cluster graph: ep ranks are the innermost of the data-parallel
 ranks (`autopar.axes.FoldedAxis`), so an ep group of n ranks spaced `stride` apart has
@@ -28,8 +30,8 @@ NVLink and (n - per_node)/n over the node's NICs, at the same time.
 
 nccl-tests' all-to-all convention (docs/references.md §3): busbw = algbw x (n - 1)/n, so the time of
 an all-to-all of S bytes per rank is S (n - 1)/n / busbw; we take busbw as the link's efficiency
-times its datasheet rate, as for every other collective of the cost model, and `collective_efficiency
-["all_to_all"]` when a cluster measured it.
+times its datasheet rate, as for every other collective of the cost model (no all-to-all curve is
+measured yet: `autopar profile-cluster` times all-reduce, reduce-scatter, all-gather, broadcast).
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ from autopar import axes
 from autopar.cost.arrays import mesh_order_of, unique_rows
 from autopar.cost.collectives import all_gather_time, all_reduce_time, all_to_all_time
 from autopar.cost.gemm import TILES
-
 
 
 @dataclass(frozen=True)
@@ -133,21 +134,20 @@ def ep_links(cluster, ep: int, stride: int, coeffs) -> tuple[float, float, float
         return np.inf, np.inf, 0.0, 1
     gpn = cluster.gpus_per_node
     per_node = max(1, min(ep, gpn // stride)) if stride < gpn else 1
-    a2a = coeffs.collective("all_to_all")
     intra = cluster.ring(per_node, stride) if per_node > 1 else None
-    intra_bw = intra.bandwidth * coeffs.link(intra.kind) * a2a if intra is not None else np.inf
+    intra_bw = intra.bandwidth * coeffs.link(intra.kind) if intra is not None else np.inf
     if per_node >= ep:  # inside one node
         return intra_bw, np.inf, intra.latency * coeffs.latency_scale, per_node
     whole = cluster.ring(ep, stride)
     nic = cluster.links[cluster.node.nic_kind]
-    inter_bw = nic.bandwidth * min(1.0, cluster.node.nics / per_node) * coeffs.link(nic.kind) * a2a
+    inter_bw = nic.bandwidth * min(1.0, cluster.node.nics / per_node) * coeffs.link(nic.kind)
     return intra_bw, inter_bw, whole.latency * coeffs.latency_scale, per_node
 
 
 # -- per plan ---------------------------------------------------------------------------------------
 def _ep(pa) -> np.ndarray:
-    """The plans' expert-parallel degrees (1 where the space has no ep axis)."""
-    return np.asarray(getattr(pa, "ep", np.ones(len(pa), dtype=int)), dtype=int)
+    """The plans' expert-parallel degrees."""
+    return np.asarray(pa.ep, dtype=int)
 
 
 def _group_links(workload, pa, coeffs) -> dict[str, np.ndarray]:
