@@ -9,6 +9,8 @@ The held-out set is what no training run sees: model shapes drawn off the zoo's 
 hidden/heads/layers proportions, head sizes, GQA ratios, vocabularies, sequence lengths, image and
 patch sizes, ResNet depths), on presets that are not trained on (dgx-h200, l40s-pcie) or trained
 presets at node counts that are not (5, 7, 10, 20, 24, 40, 96). It is deterministic from its seed.
+A second held-out set holds mixtures of experts only (`heldout_moe_specs`: expert counts, top-k and
+expert widths off the zoo's), drawn the same way.
 """
 
 from __future__ import annotations
@@ -233,3 +235,46 @@ def heldout_specs(seed: int = HELDOUT_SEED, n: int = HELDOUT_SIZE, progress: boo
 def heldout_workloads(seed: int = HELDOUT_SEED, n: int = HELDOUT_SIZE, progress: bool = False) -> list:
     """The fixed held-out set: shapes and clusters no training run sees."""
     return [w for _, w in _collect(sample_heldout_spec, n, seed, progress)]
+
+
+# -- the held-out mixtures of experts ------------------------------------------------------------------
+HELDOUT_MOE_SEED = 20_261_201
+HELDOUT_MOE_SIZE = 32
+
+
+def _heldout_moe_shape(rng: np.random.Generator) -> dict:
+    """MoE arguments off the zoo's shapes (autopar/zoo/moe.py): expert counts, top-k, expert widths,
+    shared experts and leading dense layers drawn independently of the named sizes."""
+    heads = int(_pick(rng, (16, 24, 40, 48, 64)))
+    hidden = heads * int(_pick(rng, (64, 96, 128)))
+    experts = int(_pick(rng, (24, 32, 48, 96, 160, 192)))
+    dense = int(_pick(rng, (0, 0, 1, 2)))
+    return {"size": "small", "hidden": hidden, "heads": heads, "kv_heads": heads // int(_pick(rng, (2, 4, 8))),
+            "layers": int(rng.integers(12, 64)), "experts": experts,
+            "top_k": int(_pick(rng, [k for k in (2, 3, 4, 6, 8) if k < experts])),
+            "expert_ffn": 128 * max(1, round(hidden * float(_pick(rng, (0.25, 0.4, 0.75, 1.5, 3.5))) / 128)),
+            "shared_experts": int(_pick(rng, (0, 0, 1, 2))), "dense_layers": dense,
+            "dense_ffn": 256 * round(hidden * 3.5 / 256) if dense else 0,
+            "vocab": int(_pick(rng, (32_000, 100_352, 151_936))), "seq_len": int(_pick(rng, (2048, 3072, 4096)))}
+
+
+def sample_heldout_moe_spec(rng: np.random.Generator) -> WorkloadSpec | None:
+    """One held-out MoE workload: a shape off the zoo's on a held-out preset, or on a trained preset at
+    a node count training never uses (as `sample_heldout_spec`)."""
+    shape = _heldout_moe_shape(rng)
+    if rng.random() < 0.5:
+        cluster, node_counts = str(_pick(rng, HELDOUT_CLUSTERS)), TRAIN_NODES + HELDOUT_NODES
+    else:
+        cluster, node_counts = str(_pick(rng, TRAIN_CLUSTERS)), HELDOUT_NODES
+    spec = WorkloadSpec("moe", tuple(sorted(shape.items())), cluster, precision=_precision(rng, cluster))
+    sized = _size_cluster(rng, spec, _approx_params(spec), node_counts, max_gpus=1024)
+    if sized is None or (cluster in TRAIN_CLUSTERS and sized.nodes not in HELDOUT_NODES):
+        return None
+    return sized
+
+
+def heldout_moe_specs(seed: int = HELDOUT_MOE_SEED, n: int = HELDOUT_MOE_SIZE,
+                      progress: bool = False) -> list[WorkloadSpec]:
+    """The fixed held-out MoE set (issue 14 asks the RL planner's quality on 32 of them)."""
+    return [spec for spec, _ in _collect(sample_heldout_moe_spec, n, seed, progress)]
+

@@ -54,3 +54,18 @@ def test_training_mix_draws_moe_workloads(monkeypatch):
     moe = [s for s in drawn if s.model == "moe"]
     assert len(drawn) / len(TRAIN_MODELS) / 2 < len(moe) < 2 * len(drawn) / len(TRAIN_MODELS)
     assert {dict(s.model_args)["size"] for s in moe} <= set(TRAIN_MODELS["moe"][0])
+
+
+def test_heldout_moe_shapes_are_valid_and_off_the_zoo():
+    """The held-out MoE shapes build a valid MoE config and are none of the named sizes; the draw is
+    fixed by its seed."""
+    from autopar.envs.workloads import _heldout_moe_shape
+    from autopar.zoo import moe
+
+    shapes = [_heldout_moe_shape(np.random.default_rng(s)) for s in range(40)]
+    assert shapes == [_heldout_moe_shape(np.random.default_rng(s)) for s in range(40)]
+    named = {(c["experts"], c["top_k"], c["hidden"]) for c in moe.SIZES.values()}
+    for shape in shapes:
+        cfg = moe.config(**shape)
+        assert (cfg.experts, cfg.top_k, cfg.hidden) not in named and 1 <= cfg.top_k < cfg.experts
+
