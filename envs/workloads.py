@@ -216,7 +216,11 @@ def _heldout_shape(rng: np.random.Generator, family: str) -> dict:
 
 def sample_heldout_spec(rng: np.random.Generator) -> WorkloadSpec | None:
     family = str(_pick(rng, ("gpt", "gpt", "llama", "llama", "bert", "vit", "resnet")))
-    shape = _heldout_shape(rng, family)
+    return _heldout_sized(rng, family, _heldout_shape(rng, family))
+
+
+def _heldout_sized(rng: np.random.Generator, family: str, shape: dict) -> WorkloadSpec | None:
+    """A held-out shape on a held-out preset, or on a trained preset at a node count training never uses."""
     if rng.random() < 0.5:
         cluster, node_counts = str(_pick(rng, HELDOUT_CLUSTERS)), TRAIN_NODES + HELDOUT_NODES
     else:
@@ -259,18 +263,8 @@ def _heldout_moe_shape(rng: np.random.Generator) -> dict:
 
 
 def sample_heldout_moe_spec(rng: np.random.Generator) -> WorkloadSpec | None:
-    """One held-out MoE workload: a shape off the zoo's on a held-out preset, or on a trained preset at
-    a node count training never uses (as `sample_heldout_spec`)."""
-    shape = _heldout_moe_shape(rng)
-    if rng.random() < 0.5:
-        cluster, node_counts = str(_pick(rng, HELDOUT_CLUSTERS)), TRAIN_NODES + HELDOUT_NODES
-    else:
-        cluster, node_counts = str(_pick(rng, TRAIN_CLUSTERS)), HELDOUT_NODES
-    spec = WorkloadSpec("moe", tuple(sorted(shape.items())), cluster, precision=_precision(rng, cluster))
-    sized = _size_cluster(rng, spec, _approx_params(spec), node_counts, max_gpus=1024)
-    if sized is None or (cluster in TRAIN_CLUSTERS and sized.nodes not in HELDOUT_NODES):
-        return None
-    return sized
+    """One held-out MoE workload, placed as `sample_heldout_spec` places the dense ones."""
+    return _heldout_sized(rng, "moe", _heldout_moe_shape(rng))
 
 
 def heldout_moe_specs(seed: int = HELDOUT_MOE_SEED, n: int = HELDOUT_MOE_SIZE,
