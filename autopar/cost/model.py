@@ -35,6 +35,7 @@ import numpy as np
 from autopar import axes
 from autopar.cost.arrays import PlanArrays, mesh_order_of, unique_rows
 from autopar.cost.coefficients import Coefficients
+from autopar.cost.collectives import all_gather_time, all_reduce_time
 from autopar.cost.gemm import kind_efficiency
 from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, knobs
 
@@ -124,19 +125,6 @@ def _links(cluster, pa: PlanArrays, coeffs: Coefficients) -> dict[str, np.ndarra
     t = table[inverse.reshape(-1)]
     return {"tp_bw": t[:, 0], "tp_lat": t[:, 1], "dp_bw": t[:, 2], "dp_lat": t[:, 3],
             "pp_bw": t[:, 4], "pp_lat": t[:, 5]}
-
-
-def all_reduce_time(nbytes, n, bw, lat, base=0.0):
-    """Ring all-reduce: 2(n-1)/n of the data crosses each link, 2(n-1) latency steps, plus the
-    fixed cost of one collective call (NCCL's base latency: launch and rendezvous)."""
-    t = 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
-    return t + base if base else t
-
-
-def all_gather_time(nbytes, n, bw, lat, base=0.0):
-    """Ring all-gather or reduce-scatter of `nbytes` in total: (n-1)/n of it per link."""
-    t = (n - 1) / n * nbytes / bw + (n - 1) * lat
-    return t + base if base else t
 
 
 def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]:
