@@ -22,7 +22,7 @@ from __future__ import annotations
 # efficiency was fitted to Megatron-LM's multi-node rows (experiments/cost_vs_published.py --fit),
 # measured on NVIDIA's Selene: it belongs to the `selene` preset alone, never to another cluster.
 DGX_A100_NVLINK_EFFICIENCY = 0.78
-SELENE_IB_EFFICIENCY = 0.889
+SELENE_IB_EFFICIENCY = 0.5
 _LATENCY = {"nvlink": 1e-6, "pcie": 1.5e-6, "upi": 1e-6, "ib": 2.5e-6, "ethernet": 5e-6, "shm": 10e-6}
 
 
