@@ -102,8 +102,8 @@ def best(workload, candidates, coeffs=None):
 
 
 def megatron_candidates(row: MegatronRow, model=ZOO_GPT):
-    """(workload, plans) with the paper's tp, pp and full recompute; micro-batch and
-    interleaving open."""
+    """(workload, plans) with the paper's tp, pp and full recompute, gradients all-reduced in 16 bits
+    (Megatron-LM 2021 under --fp16); micro-batch and interleaving open."""
 
     w = _workload(row.size, row.gpus, row.global_batch, model)
     s = enumerate_plans(w)
