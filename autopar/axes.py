@@ -11,7 +11,8 @@ Data parallelism is the derived axis: its degree is the world size over the prod
 others. A *folded* axis (`FoldedAxis`) is not one more axis to permute but a second split of
 some axes' ranks: expert parallelism carves ep ranks out of dp (x cp), and HSDP splits dp into
 replicate x shard, as torchtitan and Megatron-Core do. Folded axes have no mesh position of
-their own; they are declared with the axes they split (none is declared yet).
+their own; they are declared with the axes they split: ep, expert parallelism, within dp (x cp
+where a cp axis is declared), the one declared today.
 
 Mesh orders are the few that matter, declared (`mesh_orders`), not every permutation: the
 default (axes by mesh position) and the one with data parallelism innermost. This module
@@ -57,9 +58,14 @@ class FoldedAxis:
     label: str
     within: tuple[str, ...]
     help: str = ""
+    allowed: Check = lambda workload, degree: None  # the model's rule on the degree (ep divides the experts)
+
+    def whole(self, degrees: dict[str, int]) -> int:
+        """The ranks it splits: the product of the degrees of `within`."""
+        return math.prod(degrees.get(a, 1) for a in self.within)
 
     def check(self, degrees: dict[str, int], degree: int) -> None:
-        whole = math.prod(degrees[a] for a in self.within)
+        whole = self.whole(degrees)
         if degree < 1 or whole % degree:
             raise PlanError(f"{self.name}={degree} must divide {' x '.join(self.within)} = {whole}; "
                             f"use a {self.name} that divides {whole}")
@@ -276,3 +282,25 @@ def _tp_allowed(workload, tp: int) -> str | None:
 declare_axis(Axis("dp", "data", 1, _dp_allowed, derived=True, help="data-parallel degree"))
 declare_axis(Axis("tp", "tensor", 2, _tp_allowed, help="tensor-parallel degree"))
 declare_axis(Axis("pp", "pipeline", 0, _pp_allowed, help="pipeline-parallel degree"))
+
+
+def _ep_allowed(workload, ep: int) -> str | None:
+    profile = workload.profile
+    experts = getattr(profile, "num_experts", 0)
+    if ep == 1:
+        return None
+    if "ep" in getattr(profile, "limits", {}):  # what the executor cannot run for this model (autopar.capability)
+        return f"ep={ep} but {profile.limits['ep']}"
+    if not experts:
+        return (f"ep={ep} but {profile.name} is a dense model (no experts to shard); use ep 1, or an MoE model "
+                f"for expert parallelism")
+    if experts % ep:
+        return f"ep={ep} does not divide the model's {experts} experts; use an ep that divides {experts}"
+    return None
+
+
+# expert parallelism: the innermost ranks of dp (x cp, when a context-parallel axis is declared) hold
+# experts / ep experts each, as Megatron-Core's and torchtitan's EP; expert-data-parallel = dp x cp / ep
+declare_folded(FoldedAxis("ep", "expert", ("dp",) + tuple(a for a in ("cp",) if a in AXES),
+                          help="expert-parallel degree (MoE): experts sharded over ep ranks carved out of dp",
+                          allowed=_ep_allowed))

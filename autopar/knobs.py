@@ -154,10 +154,12 @@ _axes.on_change(_invalidate)
 
 @cache
 def knobs() -> tuple[Knob, ...]:
-    """Every knob in decision order: the free axes, the derived axis, then the declared knobs."""
+    """Every knob in decision order: the free axes, the derived axis, the folded axes (splits of
+    the axes before them), then the declared knobs."""
     free = [_axis_knob(a) for a in _axes.AXES.values() if not a.derived]
     dp = _axes.AXES[_axes.derived_axis()]
-    return (_PRECISION, *free, _axis_knob(dp), *_declared)
+    folded = [_folded_knob(f) for f in _axes.FOLDED.values()]
+    return (_PRECISION, *free, _axis_knob(dp), *folded, *_declared)
 
 
 def decisions() -> tuple[Knob, ...]:
@@ -233,6 +235,21 @@ def _axis_knob(axis: _axes.Axis) -> Knob:
     return Knob(axis.name, (Field(axis.name, int, 1),), choices, depends=earlier, label=f"{axis.label} parallel",
                 text=lambda v: f"{axis.name}{v}", decision=not axis.derived, flag_help=axis.help,
                 time_term=axis.time_term, memory_term=axis.memory_term, parse=int)
+
+
+def _folded_knob(folded: _axes.FoldedAxis) -> Knob:
+    """A folded axis's degree: the divisors of the ranks it splits that the model allows (1 always)."""
+
+    def choices(workload, decided) -> list[int]:
+        return [d for d in _axes.divisors(folded.whole(decided)) if folded.allowed(workload, d) is None]
+
+    def check(plan) -> None:
+        folded.check({a: getattr(plan, a) for a in folded.within}, getattr(plan, folded.name))
+
+    return Knob(folded.name, (Field(folded.name, int, 1),), choices, depends=folded.within,
+                label=f"{folded.label} parallel", text=lambda v: f"{folded.name}{v}",
+                short=lambda v: f"{folded.name}{v}" if v > 1 else None, lean=lambda c: c[-1:],
+                check=check, flag_help=folded.help, parse=int)
 
 
 _PRECISION = Knob("precision", (Field("precision", str, "bf16", PRECISIONS),),

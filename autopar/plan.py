@@ -151,6 +151,10 @@ class Plan:
             raise PlanError(f"pp x virtual_stages = {self.stages} exceeds the model's {layers} blocks; "
                             f"use fewer pipeline stages")
         self.dims.check_workload(workload)
+        for folded in axes.FOLDED.values():  # ep: divides the experts, 1 for a dense model
+            why = folded.allowed(workload, getattr(self, folded.name))
+            if why:
+                raise PlanError(why)
         check_plan(self, profile)
         if self.layer_split and sum(self.layer_split) != layers:
             raise PlanError(f"layer_split sums to {sum(self.layer_split)} but the model has {layers} blocks")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from autopar.errors import AutoparError
 from autopar.runtime import check_runtime
 
 if TYPE_CHECKING:
@@ -26,9 +27,14 @@ class Workload:
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM
     runtime: str = "torch"  # what runs the plan (autopar.runtime.RUNTIMES): it schedules the overlaps
     switches: tuple[str, ...] = ()  # Megatron-Core switches on (autopar.runtime.MEGATRON_SWITCHES)
+    # mixture of experts: tokens on the busiest expert-parallel rank over the mean (1.0: force-balanced,
+    # as published MoE benchmarks run); ignored for a dense model
+    expert_imbalance: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "switches", check_runtime(self.runtime, self.switches))
+        if not 1.0 <= self.expert_imbalance <= 1e3:
+            raise AutoparError(f"expert_imbalance {self.expert_imbalance} must be at least 1.0 (1.0: force-balanced)")
 
     @property
     def memory_budget(self) -> float:

@@ -164,15 +164,16 @@ def test_strides_make_every_rank_one_coordinate(degrees, inner):
 
 
 def test_a_folded_axis_splits_the_ranks_of_the_axes_it_folds():
-    """Expert parallelism's shape: ep ranks carved out of dp, no mesh order of its own."""
-    ep = axes.declare_folded(axes.FoldedAxis("ep", "expert", ("dp",)))
+    """Expert parallelism's shape (a throwaway twin of the declared ep): ranks carved out of dp,
+    no mesh order of its own."""
+    ep = axes.declare_folded(axes.FoldedAxis("xp", "expert", ("dp",)))
     try:
         dims = axes.ParallelDims({"dp": 4, "tp": 2, "pp": 2}, ("pp", "dp", "tp"))
         ep.check(dims.degrees, 2)
         assert ep.stride(dims) == dims.strides()["dp"] == 2
         assert axes.mesh_orders() == (("pp", "dp", "tp"), ("pp", "tp", "dp"))
-        with pytest.raises(PlanError, match=r"ep=3 must divide dp = 4; use a ep that divides 4"):
+        with pytest.raises(PlanError, match=r"xp=3 must divide dp = 4; use a xp that divides 4"):
             ep.check(dims.degrees, 3)
     finally:
-        axes.undeclare("ep")
-    assert "ep" not in axes.FOLDED
+        axes.undeclare("xp")
+    assert "xp" not in axes.FOLDED and "ep" in axes.FOLDED

@@ -25,13 +25,15 @@ from autopar.errors import PlanError
 from autopar.executor.checkpointing import apply_ac
 from autopar.executor.data import local_share
 from autopar.executor.data_parallel import apply_dp, build_optimizer, localised_tp_leaves
+from autopar.executor.expert_parallel import (ExpertGrads, expert_mesh, expert_shapes, fill_experts, ignore_in_ddp,
+                                              shard_experts)
 from autopar.executor.mesh import Topology, build_mesh, current_backend, init_distributed
 from autopar.executor.pipeline import blocks_name, build_schedule, cut_stages, rank_view, stage_ids
 from autopar.executor.precision import autocast, autocast_calls, autocast_forward, grad_scaler
 from autopar.executor.support import check_supported
 from autopar.executor.tensor_parallel import apply_tp
 from autopar.executor.tied import TiedGrads, tied_grads, tied_names
-from autopar.executor.weights import build_skeleton, build_source, materialise, unsaved_buffers
+from autopar.executor.weights import build_skeleton, build_source, materialise, unsaved_buffers, unwrapped
 from autopar.modelfile import resolve_tp_plan
 from autopar.plan import Plan
 
@@ -80,6 +82,7 @@ class ParallelModel:
     has_last_stage: bool = True
     tp_leaves: list = field(default_factory=list)  # DDP + TP: see data_parallel.localised_tp_leaves
     tied: TiedGrads | None = None  # tied embeddings split across pipeline stages
+    experts: ExpertGrads | None = None  # expert-parallel experts: reduced over the expert-data-parallel group
 
     @property
     def device(self) -> torch.device:
@@ -99,6 +102,8 @@ class ParallelModel:
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._pipeline_step(inputs, targets) if self.schedule is not None else self._plain_step(inputs, targets)
+        if self.experts is not None:
+            self.experts.sync()
         if self.tied is not None:
             self.tied.sync()
         if self.scaler is not None:
@@ -197,6 +202,8 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
     find_blocks = blocks or _default_blocks
     block_list = find_blocks(model)
     tied = tied_names(model)
+    expert_groups = expert_mesh(plan, device.type) if plan.ep > 1 else None
+    experts = expert_shapes(model) if expert_groups is not None else {}  # the whole model's, before the cut
     tp_map = {}
     if plan.tp > 1:
         if tp_plan is None:
@@ -217,14 +224,20 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
     del model
     torch.manual_seed(seed + 1 + pp_rank + plan.pp * topo.rank("dp"))  # dropout: same on tp peers
     for part, container in zip(inner, containers):
+        if expert_groups is not None:  # on the skeleton: each rank allocates its experts only
+            shard_experts(part, plan.ep, expert_groups["ep"].get_group())
         if plan.tp > 1:  # on the skeleton: only this rank's shards will get storage
             apply_tp(part, topo.mesh["tp"], tp_map, container, plan.sequence_parallel)
         if plan.pp > 1:  # the schedule runs forward and backward in one call: autocast the forward only
             autocast_forward(part, plan, device)
     apply_ac([held for container in containers for held in _real_blocks(container)], plan)
-    weights = (inner, source, unsaved, device, plan.offload_optimizer and plan.zero >= 2)
+    weights = (inner, source, unsaved, device, plan.offload_optimizer and plan.zero >= 2, frozenset(experts))
     if plan.zero < 2:  # DDP needs real parameters; FSDP2 shards the skeleton first
         materialise(*weights)
+    if expert_groups is not None:
+        fill_experts(inner, source, experts, expert_groups["ep"].get_local_rank(), plan.ep, device, unwrapped)
+        for part in inner:
+            ignore_in_ddp(part)
     parts = [apply_dp(part, [c[i] for c, i in _real_blocks(container)], plan, topo)
              for part, container in zip(inner, containers)]
     if plan.zero >= 2:
@@ -234,7 +247,8 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
     opt = build_optimizer(list(view.parameters()), optimizer, plan, topo)
     scaler = grad_scaler(plan, device)
     result = ParallelModel(plan, topo, view, parts, opt, loss_fn, scaler=scaler, tp_leaves=localised_tp_leaves(view),
-                           tied=tied_grads(view, tied, plan, topo))
+                           tied=tied_grads(view, tied, plan, topo),
+                           experts=ExpertGrads(inner, plan, expert_groups["edp"].get_group()) if expert_groups else None)
     if plan.pp > 1:
         ids = stage_ids(plan, pp_rank)
         result.has_first_stage = 0 in ids

@@ -59,21 +59,22 @@ def unsaved_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: b for name, b in model.named_buffers(remove_duplicate=False) if name not in saved}
 
 
-def _unwrapped(name: str) -> str:
+def unwrapped(name: str) -> str:
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
 
 
 def _fill(part: nn.Module, source: nn.Module | None, unsaved: dict[str, torch.Tensor],
-          device: torch.device) -> None:
+          device: torch.device, skip: frozenset = frozenset()) -> None:
     """Copy the source rank's weights into `part`, an allocated part under the whole model's
-    names. `unsaved`: the skeleton's non-persistent buffers."""
-    full = source.state_dict() if source is not None else {}
+    names. `unsaved`: the skeleton's non-persistent buffers; `skip`: entries filled otherwise
+    (expert-parallel shards: `autopar.executor.expert_parallel.fill_experts`)."""
+    full = {k: v for k, v in source.state_dict().items() if k not in skip} if source is not None else {}
     # strict=False: a pipeline stage holds only some of the whole model's entries
     set_model_state_dict(part, dict(full), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                                                      strict=False))
-    local = {_unwrapped(name): b for name, b in part.named_buffers(remove_duplicate=False)}
+    local = {unwrapped(name): b for name, b in part.named_buffers(remove_duplicate=False)}
     with torch.no_grad():
         for name, like in unsaved.items():  # the same names, in the same order, on every rank
             value = (source.get_buffer(name).to(device) if source is not None
@@ -84,7 +85,7 @@ def _fill(part: nn.Module, source: nn.Module | None, unsaved: dict[str, torch.Te
 
 
 def materialise(parts: list[nn.Module], source: nn.Module | None, unsaved: dict[str, torch.Tensor],
-                device: torch.device, offload: bool) -> None:
+                device: torch.device, offload: bool, skip: frozenset = frozenset()) -> None:
     """Give this rank's skeleton parts (laid out already: only shards get storage) their storage
     and rank 0's weights. A collective: every rank calls it at the same point of `apply`, and
     every rank holds as many parts (one per virtual pipeline stage).
@@ -95,7 +96,7 @@ def materialise(parts: list[nn.Module], source: nn.Module | None, unsaved: dict[
     buffers on the device (moved after the weights arrive: DCP loads a state dict on one device)."""
     for part in parts:
         part.to_empty(device="cpu" if offload else device)
-        _fill(part, source, unsaved, device)
+        _fill(part, source, unsaved, device, skip)
     if offload:
         for module in (m for part in parts for m in part.modules()):
             for name, buf in module._buffers.items():

@@ -3,6 +3,29 @@
 All per-sample figures are for one sample (micro-batch 1) at the profiled sequence length and
 dtype; the cost model scales them linearly with the micro-batch size (exact for transformers,
 whose attention term is quadratic in sequence length, not in batch).
+
+Mixture-of-experts fields (`autopar.profile.moe` fills them; 0 in every dense block, so a dense
+model has none). Per block instance:
+
+- ``experts``: routed experts of the block (0: a dense block); ``top_k``: routed experts per token;
+- ``expert_params``: parameters of all its routed experts (part of ``params``): what expert
+  parallelism shards (each ep rank holds ``expert_params / ep``) and what ZeRO/FSDP shards over the
+  expert-data-parallel group (dp x cp / ep); the rest of ``params`` shards over dp (x cp);
+- ``expert_ffn``: the hidden size of one expert's SwiGLU (the grouped GEMM's n and k, with the
+  model hidden size ``dims["hidden"]``); ``shared_params``: parameters of its shared (always-on)
+  experts (part of ``params``, not of ``expert_params``);
+- ``router_flops``: forward FLOPs of the router per sample (part of ``fwd_flops``);
+- ``expert_flops``: forward FLOPs of the routed experts per sample for the routed tokens,
+  seq x top_k tokens force-balanced over the experts (part of ``fwd_flops``; backward 2x);
+- ``dispatch_bytes``: bytes one sample's tokens send in one dispatch all-to-all of the block,
+  seq x top_k x hidden x dtype bytes; the combine sends as many back; backward repeats both.
+
+Per model: ``capacity_factor`` (0.0: dropless routing, every token reaches its top-k experts; a
+positive value caps each expert at factor x tokens x top_k / experts) and ``node_limit`` (at most
+that many expert groups, nodes under expert parallelism, per token; 0: no limit), and the
+properties ``is_moe``, ``num_experts``, ``top_k``, ``expert_params``, ``active_params``. The
+expert-load imbalance factor is a workload setting (`Workload.expert_imbalance`), not a profile
+figure: the profile is force-balanced.
 """
 
 from __future__ import annotations
@@ -39,6 +62,15 @@ class BlockProfile:
     attn_flops: float = 0.0  # forward FLOPs of attention's score and value products, fused kernel or not
     attn_core_io_bytes: float = 0.0  # part of io_bytes moved by the core's elementwise ops (unfused softmax)
     attn_scores: float = 0.0  # attention score elements per sample (heads x seq x seq), fused kernel or not
+    # mixture of experts (module docstring); all 0 in a dense block
+    experts: int = 0  # routed experts
+    top_k: int = 0  # routed experts per token
+    expert_params: int = 0  # parameters of the routed experts (part of params): sharded by ep
+    shared_params: int = 0  # parameters of the shared experts (part of params)
+    expert_ffn: int = 0  # hidden size of one expert's SwiGLU
+    router_flops: float = 0.0  # router forward FLOPs per sample (part of fwd_flops)
+    expert_flops: float = 0.0  # routed experts' forward FLOPs per sample, force-balanced (part of fwd_flops)
+    dispatch_bytes: float = 0.0  # bytes per sample of one dispatch all-to-all (combine: the same)
 
     def __post_init__(self):
         object.__setattr__(self, "tp_units", tuple(int(u) for u in self.tp_units))
@@ -58,6 +90,8 @@ class ModelProfile:
     dims: dict = field(default_factory=dict)  # hidden, heads, layers, vocab ... as found
     limits: dict = field(default_factory=dict)  # knob -> why the executor cannot do it (executor/limits.py)
     notes: tuple[str, ...] = ()  # what the model says about how it is priced (an hf: model's attention)
+    capacity_factor: float = 0.0  # MoE routing: 0.0 dropless, else tokens an expert takes x its balanced share
+    node_limit: int = 0  # MoE routing: at most this many expert groups (nodes) per token; 0: no limit
 
     def __post_init__(self):
         object.__setattr__(self, "blocks", tuple(self.blocks))
@@ -93,6 +127,34 @@ class ModelProfile:
     @property
     def fwd_flops(self) -> float:
         return sum(b.fwd_flops * b.count for b in self.blocks)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(b.experts for b in self.blocks)
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0 for a dense model): what ep must divide."""
+        return max((b.experts for b in self.blocks), default=0)
+
+    @property
+    def top_k(self) -> int:
+        return max((b.top_k for b in self.blocks), default=0)
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(b.count for b in self.blocks if b.experts)
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of all routed experts: sharded over ep (and ZeRO over dp x cp / ep)."""
+        return sum(b.expert_params * b.count for b in self.blocks)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: all but the routed experts, plus top_k / experts of those."""
+        return sum((b.params - b.expert_params + (b.expert_params * b.top_k // b.experts if b.experts else 0))
+                   * b.count for b in self.blocks)
 
     @property
     def tp_units(self) -> tuple[int, ...]:

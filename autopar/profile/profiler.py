@@ -20,6 +20,7 @@ from autopar.modelfile import ModelFile, load_model_file, priced_styles
 from autopar.profile import cache as profile_cache
 from autopar.profile.kernels import CudaKernels, fused_norms
 from autopar.profile.model_profile import BlockProfile, ModelProfile
+from autopar.profile.moe import moe_fields, routing_settings
 from autopar.profile.recorder import Recorder, Tally, storage_key, tensor_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -156,7 +157,8 @@ def _measure(mf: ModelFile, model_args: dict, dtype: str, digest: str) -> ModelP
         owner = _run(mf, model, units, inputs, targets, rec, styles)
 
     def entry(kind, segment, count, modules, params, extra_units=()):
-        return _block_profile(kind, count, rec.tallies[segment], modules, params, sharded, styles, extra_units)
+        moe = moe_fields(modules, seq_len, DTYPES[dtype].itemsize)
+        return _block_profile(kind, count, rec.tallies[segment], modules, params, sharded, styles, extra_units, moe)
 
     # whole heads per rank: the config's head counts bound tp however the attention module names them
     heads = tuple(sorted({dims[d] for d in ("heads", "kv_heads") if d in dims})) if plan else ()
@@ -175,11 +177,12 @@ def _measure(mf: ModelFile, model_args: dict, dtype: str, digest: str) -> ModelP
         tp_note = f"{mf.path.name} defines no tp_plan(model): planned with tp = 1"
     return ModelProfile(name=name, digest=digest, seq_len=seq_len, dtype=dtype, blocks=chain,
                         has_tp_plan=bool(plan), tp_note=tp_note, dims=dims,
-                        limits=model_limits(model, blocks, tp_plan), notes=getattr(mf.module, "notes", ()))
+                        limits=model_limits(model, blocks, tp_plan), notes=getattr(mf.module, "notes", ()),
+                        **routing_settings(model.modules()))
 
 
 def _block_profile(kind: str, count: int, t: Tally, modules, params, sharded: dict, styles: dict,
-                   extra_units: tuple[int, ...] = ()) -> BlockProfile:
+                   extra_units: tuple[int, ...] = (), moe: dict | None = None) -> BlockProfile:
     return BlockProfile(
         kind=kind, count=count, params=sum(p.numel() for p in params),
         tp_params=sum(p.numel() for p in params if id(p) in sharded),
@@ -188,7 +191,8 @@ def _block_profile(kind: str, count: int, t: Tally, modules, params, sharded: di
         attn_core_bytes=t.saved_bytes("core"),
         attn_core_flops=t.attn_core_flops, io_bytes=t.io_bytes, out_bytes=t.out_bytes,
         tp_comm_bytes=t.tp_comm_bytes, tp_units=tuple(sorted({*_tp_units(modules, styles), *extra_units})),
-        attn_flops=t.attn_flops, attn_core_io_bytes=t.attn_core_io_bytes, attn_scores=t.attn_scores)
+        attn_flops=t.attn_flops, attn_core_io_bytes=t.attn_core_io_bytes, attn_scores=t.attn_scores,
+        **(moe or {}))
 
 
 def _run(mf: ModelFile, model, units, inputs, targets, rec: Recorder, styles: dict) -> dict:

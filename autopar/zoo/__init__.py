@@ -1,4 +1,4 @@
-"""Built-in model.py files (GPT, Llama, BERT, ViT, ResNet), each parameterised by a named size,
+"""Built-in model.py files (GPT, Llama, MoE, BERT, ViT, ResNet), each parameterised by a named size,
 and the parts they share.
 
 They are ordinary model.py files: load them by path or by name with
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-MODELS = ("gpt", "llama", "bert", "vit", "resnet")
+MODELS = ("gpt", "llama", "moe", "bert", "vit", "resnet")
 
 
 def path(name: str) -> Path:

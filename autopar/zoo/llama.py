@@ -77,7 +77,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.heads, cfg.kv_heads
-        self.head_dim = cfg.hidden // cfg.heads
+        self.head_dim = getattr(cfg, "head_dim", 0) or cfg.hidden // cfg.heads  # GPT-OSS: 64 x 64 != 2880
         self.rope_theta = cfg.rope_theta
         self.wq = nn.Linear(cfg.hidden, cfg.heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=False)
