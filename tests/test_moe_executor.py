@@ -1,6 +1,7 @@
 """Issue 14, point 6: expert parallelism on 4 gloo ranks, launched by torchrun through `autopar
 run --check-parity`, matches one process within 1e-5 (fp32) for ep2 within dp4, ep4 within dp4
-and ep2 within dp2 x pp2, with routing that is not balanced (a router bias sends most tokens to
+and ep2 within dp2 x pp2 (DDP), and ep2 within dp4 under FSDP2 (experts sharded over their
+expert-data-parallel pair of ranks), with routing that is not balanced (a router bias sends most tokens to
 the first experts), so the all-to-alls run with uneven splits. Plain SGD at a large learning
 rate: a wrong gradient scale of the experts shows in the losses (AdamW would hide it)."""
 
@@ -26,12 +27,13 @@ GLOBAL_BATCH = 16
 SEED = 0  # autopar run's default --seed
 
 
-def _plan(dp, ep, pp=1, n=1) -> Plan:
+def _plan(dp, ep, pp=1, n=1, zero=0) -> Plan:
     return Plan(dp=dp, pp=pp, ep=ep, micro_batch_size=GLOBAL_BATCH // (dp * n), num_micro_batches=n,
-                precision="fp32")
+                precision="fp32", zero=zero)
 
 
-CASES = {"ep2 within dp4": _plan(4, 2), "ep4 within dp4": _plan(4, 4), "ep2 within dp2 x pp2": _plan(2, 2, pp=2, n=2)}
+CASES = {"ep2 within dp4": _plan(4, 2), "ep4 within dp4": _plan(4, 4), "ep2 within dp2 x pp2": _plan(2, 2, pp=2, n=2),
+         "ep2 within dp4, FSDP2": _plan(4, 2, n=2, zero=3)}
 
 
 def _counts() -> list[list[int]]:

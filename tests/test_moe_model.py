@@ -165,6 +165,10 @@ def test_ep_choices_divide_dp_and_the_experts(args, dp, want, tmp_path, monkeypa
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     w = _workload(profile_model("moe", args))
     assert knobs.knob("ep").choices(w, {"dp": dp}) == want
+    if dp > 1:  # what the executor refuses with ep (ZeRO-1, sequence parallelism) is left out
+        assert knobs.knob("zero").choices(w, {"dp": dp, "ep": 2}) == [0, 2, 3]
+        assert knobs.knob("zero").choices(w, {"dp": dp, "ep": 1}) == [0, 1, 2, 3]
+        assert knobs.knob("sequence_parallel").choices(w, {"tp": 2, "ep": 2}) == [False]
 
 
 def test_ep_is_one_for_a_dense_model_and_round_trips_in_plan_json(tmp_path, monkeypatch):
