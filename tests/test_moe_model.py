@@ -2,6 +2,7 @@
 fields, HF MoE configs through hf:, and the ep knob of the plan space."""
 
 import json
+
 import pytest
 import torch
 from hypothesis import given, settings

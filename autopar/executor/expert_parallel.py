@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from autopar.plan import Plan
