@@ -289,6 +289,8 @@ def _ep_allowed(workload, ep: int) -> str | None:
     experts = getattr(profile, "num_experts", 0)
     if ep == 1:
         return None
+    if "ep" in getattr(profile, "limits", {}):  # what the executor cannot run for this model (autopar.capability)
+        return f"ep={ep} but {profile.limits['ep']}"
     if not experts:
         return (f"ep={ep} but {profile.name} is a dense model (no experts to shard); use ep 1, or an MoE model "
                 f"for expert parallelism")

@@ -10,6 +10,12 @@ parallelism is then off, the profile's note says why).
 
 Families: Llama, Mistral, Qwen2, Qwen3 and Gemma/Gemma2 (decoder layers called with rotary
 position embeddings), and GPT-2, whose fused ``c_attn`` is rebuilt per head (:class:`PerHeadQKV`).
+Mixtral and Qwen3-MoE: each sparse MoE block (``mlp``) becomes the zoo's MoE layer
+(`autopar.zoo.moe.MoE`: softmax router, top-k, renormalised as Mixtral and Qwen3-MoE's
+``norm_topk_prob``, dropless SwiGLU experts), the same maths as transformers' block with the
+experts stacked as ``w1``/``w2``/``w3``; transformers' block cannot run on the meta device (its
+expert loop reads the routing's values), and expert parallelism shards the stacked layout. Their
+router and experts are replicated over tp (the config's fused expert styles are left out).
 Tied input/output embeddings stay one parameter in one process; across pipeline stages the
 executor sums their gradients (:mod:`autopar.executor.tied`).
 
@@ -27,12 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.errors import ModelFileError
+from autopar.zoo import moe as zoo_moe
 from autopar.zoo import next_token_batch
 
 PREFIX = "hf:"
-ROTARY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+MOE_FAMILIES = ("mixtral", "qwen3_moe")  # sparse MoE blocks replaced by autopar.zoo.moe.MoE
+ROTARY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", *MOE_FAMILIES)
 FAMILIES = (*ROTARY_FAMILIES, "gpt2")
-ADAPTER_VERSION = "2"  # part of the profile cache key: bump when the built model changes
+ADAPTER_VERSION = "3"  # part of the profile cache key: bump when the built model changes (3: MoE families)
 
 #: transformers' tensor-parallel style names that mean one of autopar's styles (modelfile.TP_STYLES)
 HF_STYLES = {
@@ -144,6 +152,8 @@ class HFCausalLM(nn.Module):
                 layer.self_attn.num_key_value_heads = self.config["kv_heads"]
             if not family.startswith("gemma"):  # Gemma's norms scale by (1 + w): keep them
                 _torch_rms_norms(self)
+            if family in MOE_FAMILIES:
+                _zoo_moe_blocks(self, hf_config)
         self.output = hf_model.lm_head
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._tie()
@@ -207,6 +217,21 @@ class HFCausalLM(nn.Module):
         if window:
             keep &= i[:, None] - i[None, :] < window
         return torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(~keep, float("-inf"))[None, None]
+
+
+def _zoo_moe_blocks(model: HFCausalLM, hf_config) -> None:
+    """Each layer's sparse MoE block as the zoo's MoE layer (module doc); dense layers (Qwen3-MoE's
+    ``mlp_only_layers``) keep their MLP."""
+    experts = getattr(hf_config, "num_local_experts", None) or hf_config.num_experts
+    ffn = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+    cfg = zoo_moe.MoeConfig(hidden=hf_config.hidden_size, layers=1, heads=model.config["heads"],
+                            kv_heads=model.config["kv_heads"], vocab=hf_config.vocab_size, seq_len=model.seq_len,
+                            experts=experts, top_k=hf_config.num_experts_per_tok, expert_ffn=ffn,
+                            head_dim=getattr(hf_config, "head_dim", None) or 0,
+                            norm_topk=bool(getattr(hf_config, "norm_topk_prob", True)))
+    for layer in model.layers:
+        if type(layer.mlp).__name__.endswith("SparseMoeBlock"):
+            layer.mlp = zoo_moe.MoE(cfg)
 
 
 def _window(attention: nn.Module) -> int | None:
@@ -326,6 +351,8 @@ class HFSource:
                     "layers.*.mlp.c_fc": "colwise", "layers.*.mlp.c_proj": "rowwise"}
         else:
             plan = dict(getattr(model.hf_config, "base_model_tp_plan", None) or {})
+        if self.family in MOE_FAMILIES:  # the zoo's MoE layer: router and experts replicated over tp
+            plan = {k: v for k, v in plan.items() if ".mlp.experts" not in k and not k.endswith(".mlp.gate")}
         refused = {k: v for k, v in plan.items() if v not in HF_STYLES}
         if refused:
             key, style = next(iter(refused.items()))

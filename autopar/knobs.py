@@ -413,13 +413,18 @@ def _check_sp(plan) -> None:
 
 
 def _sp_choices(w, d) -> list[bool]:
-    """Off and on under tensor parallelism, as far as the executor can run them for this model."""
-
-    return list(sequence_parallel_options(w.profile, d["tp"]))
+    """Off and on under tensor parallelism, as far as the executor can run them for this model
+    (not with expert parallelism: autopar.executor.support)."""
+    options = sequence_parallel_options(w.profile, d["tp"])
+    return [v for v in options if not v] if d.get("ep", 1) > 1 else list(options)
 
 
 def _zero_choices(w, d) -> list[int]:
-    return [0] if d["dp"] == 1 else list(ZERO_STAGES)
+    """No ZeRO-1 with expert parallelism: its optimizer would broadcast one rank's experts over
+    another's (autopar.executor.support); FSDP2 shards experts over their own group."""
+    if d["dp"] == 1:
+        return [0]
+    return [z for z in ZERO_STAGES if z != 1] if d.get("ep", 1) > 1 else list(ZERO_STAGES)
 
 
 def _offload_choices(w, d) -> list[bool]:
@@ -451,7 +456,7 @@ for _k in (
     Knob("num_micro_batches", (Field("num_micro_batches", int, 1),),
          lambda w, d: [w.global_batch // (d["dp"] * d["micro_batch_size"])], ("dp", "micro_batch_size"),
          label="micro-batches", decision=False, parse=int),
-    Knob("zero", (Field("zero", int, 0, ZERO_STAGES),), _zero_choices, ("dp",), label="ZeRO",
+    Knob("zero", (Field("zero", int, 0, ZERO_STAGES),), _zero_choices, ("dp", "ep"), label="ZeRO",
          text=_zero_text, short=lambda z: f"zero{z}" if z else None, slots=ZERO_STAGES,
          detail=True, parse=int, flag_help="0: DDP, 1: sharded optimizer, 2: + sharded gradients, 3: FSDP2"),
     Knob("recompute", (Field("recompute", str, "none", RECOMPUTE_MODES), Field("recompute_blocks", int, 0)),
@@ -472,7 +477,7 @@ for _k in (
          parse=_parse_schedule, check=_check_schedule,
          flag_help="gpipe | 1f1b | interleaved:V"),
     Knob("sequence_parallel", (Field("sequence_parallel", bool, False),),
-         _sp_choices, ("tp",), label="sequence parallel",
+         _sp_choices, ("tp", "ep"), label="sequence parallel",
          text=_bool_text("sequence parallel"), short=lambda v: "sp" if v else None, slots=(False, True),
          lean=lambda c: c[-1:], parse=_parse_bool, check=_check_sp,
          flag_help="shard the activations outside tensor-parallel regions over tp"),

@@ -87,7 +87,7 @@ def test_pipeline_accumulation_holds_whole_gradients_and_weights_under_fsdp():
 def test_fsdp_reduce_scatters_once_per_micro_batch_unless_the_pipeline_accumulates():
     """ZeRO-2 without pipelining: one all-gather a step, a reduce-scatter after every backward;
     with a pipeline of several micro-batches: one of each. Exact with nothing hidden."""
-    from autopar.cost.model import all_gather_time
+    from autopar.cost.collectives import all_gather_time
 
     c = Coefficients(dp_overlap=0.0, collective_efficiency={"reduce_scatter": 0.5, "all_gather": 0.8})
     dp, link = 16, W.cluster.ring(16, 1)

@@ -44,11 +44,11 @@ def table_errors(request):
 
 
 def test_megatron_and_korthikanti_rows_both_gpt_files(table_errors):
-    """Every one of the 18 figures within 8%, median within 4.5% (issue 10 asks 3%: see docs/hardware.md
+    """Every one of the 18 figures within 8%, median within 3.5% (issue 10 asks 3%: see docs/hardware.md
     for what is left), whichever way the GPT is written."""
     errors = np.abs(list(table_errors.values()))
     assert errors.max() <= 0.08, table_errors
-    assert np.median(errors) <= 0.045, table_errors
+    assert np.median(errors) <= 0.035, table_errors
 
 
 @pytest.mark.parametrize("row", LLAMA3_TABLE4, ids=lambda r: f"{r.gpus}gpus")

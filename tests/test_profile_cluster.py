@@ -10,7 +10,7 @@ import pytest
 from autopar.calibrate.cluster_profile import collective_efficiency, fit_shm
 from autopar.cli import main
 from autopar.cluster import load_cluster
-from autopar.cost.model import all_reduce_time
+from autopar.cost.collectives import all_reduce_time
 
 
 def test_fit_shm_recovers_a_ring():

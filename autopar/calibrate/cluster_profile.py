@@ -30,7 +30,7 @@ from autopar.calibrate.collectives import AllReduceTable, fit_allreduce
 from autopar.cluster import detect, load_cluster
 from autopar.cluster.hardware import Link
 from autopar.cost.coefficients import Coefficients
-from autopar.cost.model import all_reduce_time
+from autopar.cost.collectives import all_reduce_time
 from autopar.errors import AutoparError
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB ... 64 MiB

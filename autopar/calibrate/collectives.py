@@ -27,7 +27,7 @@ import numpy as np
 
 from autopar.calibrate.fit import with_values
 from autopar.cost.coefficients import Coefficients
-from autopar.cost.model import all_reduce_time
+from autopar.cost.collectives import all_reduce_time
 from autopar.errors import AutoparError
 
 

@@ -36,6 +36,9 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
     parser.add_argument("--memory-headroom", type=float, default=DEFAULT_MEMORY_HEADROOM, metavar="F",
                         help="fraction of GPU memory plans leave free for the allocator's fragmentation "
                              f"(default {DEFAULT_MEMORY_HEADROOM:g})")
+    parser.add_argument("--expert-imbalance", type=float, default=1.0, metavar="F",
+                        help="MoE models: tokens on the busiest expert-parallel rank over the mean (default 1.0: "
+                             "force-balanced, as published MoE benchmarks run)")
     parser.add_argument("--runtime", default="torch", metavar="torch|megatron",
                         help="what runs the plan: autopar's torch executor (default) or Megatron-Core with "
                              "Transformer Engine; it decides which communication overlaps")
@@ -113,8 +116,13 @@ def load_workload(args, nodes: int | None = None, global_batch: int | None = Non
     Coefficients.from_dict(cluster.coefficients)  # a bad coefficient fails before the model is profiled
     profile = profile_model(args.model, parse_model_args(args.model_arg, args.seq_len), dtype=args.precision,
                             timeout=check_timeout(args.profile_timeout))
+    imbalance = getattr(args, "expert_imbalance", 1.0)
+    if imbalance != 1.0 and not profile.is_moe:
+        raise AutoparError(f"--expert-imbalance {imbalance:g} applies to mixture-of-experts models, but {profile.name} "
+                           f"is dense; leave it out")
     return Workload(profile=profile, cluster=cluster, global_batch=batch, memory_headroom=args.memory_headroom,
-                    runtime=getattr(args, "runtime", "torch"), switches=tuple(getattr(args, "megatron", ())))
+                    runtime=getattr(args, "runtime", "torch"), switches=tuple(getattr(args, "megatron", ())),
+                    expert_imbalance=imbalance)
 
 
 def print_json(obj) -> None:
@@ -128,4 +136,6 @@ def workload_dict(workload) -> dict:
             "dims": p.dims, "cluster": c.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
             "gpu": c.gpu.name, "global_batch": workload.global_batch, "precision": p.dtype,
             "memory_headroom": workload.memory_headroom, "notes": list(p.notes), "excluded": dict(p.limits),
-            "runtime": workload.runtime, "megatron_switches": list(workload.switches)}
+            "runtime": workload.runtime, "megatron_switches": list(workload.switches),
+            **({"experts": p.num_experts, "top_k": p.top_k, "active_params": p.active_params,
+                "expert_imbalance": workload.expert_imbalance} if p.is_moe else {})}

@@ -22,7 +22,12 @@ from __future__ import annotations
 # efficiency was fitted to Megatron-LM's multi-node rows (experiments/cost_vs_published.py --fit),
 # measured on NVIDIA's Selene: it belongs to the `selene` preset alone, never to another cluster.
 DGX_A100_NVLINK_EFFICIENCY = 0.78
-SELENE_IB_EFFICIENCY = 0.889
+# DGX H100/H200 (NVLink 4, 450 GB/s one way): NCCL's ring collectives reach about 370 GB/s bus bandwidth
+# (NCCL maintainer, NVIDIA/nccl-tests issue 212; docs/references.md §3). All-reduce with NVLink SHARP
+# reaches about 480 GB/s (475 measured on 8 H200, nccl-tests issue 272), which the ring model does not
+# take: Megatron's tensor- and data-parallel collectives are reduce-scatters and all-gathers.
+DGX_H100_NVLINK_EFFICIENCY = 370 / 450
+SELENE_IB_EFFICIENCY = 0.5
 _LATENCY = {"nvlink": 1e-6, "pcie": 1.5e-6, "upi": 1e-6, "ib": 2.5e-6, "ethernet": 5e-6, "shm": 10e-6}
 
 
@@ -60,8 +65,10 @@ PRESETS: dict[str, dict] = {
                "coefficients": {"link_efficiency": {"nvlink": DGX_A100_NVLINK_EFFICIENCY,
                                                     "ib": SELENE_IB_EFFICIENCY}}},
     # Sockets: Xeon with UPI 2.0 at 16 GT/s; 8 x NDR IB, one per GPU.
-    "dgx-h100": _dgx("h100", 8, nvlink=450e9, pcie=64e9, upi=32e9, ib=50e9),
-    "dgx-h200": _dgx("h200", 8, nvlink=450e9, pcie=64e9, upi=32e9, ib=50e9),
+    "dgx-h100": {**_dgx("h100", 8, nvlink=450e9, pcie=64e9, upi=32e9, ib=50e9),
+                 "coefficients": {"link_efficiency": {"nvlink": DGX_H100_NVLINK_EFFICIENCY}}},
+    "dgx-h200": {**_dgx("h200", 8, nvlink=450e9, pcie=64e9, upi=32e9, ib=50e9),
+                 "coefficients": {"link_efficiency": {"nvlink": DGX_H100_NVLINK_EFFICIENCY}}},
     # DGX B200: 2 Xeon sockets, 8 B200 on NVLink5 switches, 8 x 400 Gb/s ConnectX-7 (one per GPU).
     "dgx-b200": _dgx("b200", 8, nvlink=900e9, pcie=64e9, upi=32e9, ib=50e9),
     # GB200 NVL72: one NVLink domain of 72 GPUs (18 compute trays of 2 Grace + 4 B200 joined by 9 NVLink

@@ -94,7 +94,9 @@ def _attention_as_run(k: dict[str, np.ndarray], workload, c: Coefficients) -> di
         return k
     flash = "flash_attn" in workload.switches
     scores = k["attn_scores"] * DTYPE_BYTES[workload.profile.dtype] / 2  # per 16-bit element figures
-    core_io = np.zeros_like(scores) if flash else MEGATRON_SOFTMAX_IO_BYTES * c.elementwise_traffic * scores
+    # io_bytes are priced at elementwise_traffic HBM bytes per profiled byte (the file's own ops, fused or
+    # not); Megatron's 13 bytes per score are already HBM bytes of its fused kernels: undo that scale once
+    core_io = np.zeros_like(scores) if flash else MEGATRON_SOFTMAX_IO_BYTES / c.elementwise_traffic * scores
     core_saved = np.zeros_like(scores) if flash else MEGATRON_SOFTMAX_SAVED_BYTES * scores
     k["io_bytes"] = k["io_bytes"] - k["attn_core_io_bytes"] + core_io
     k["saved_bytes"] = k["saved_bytes"] - k["attn_core_bytes"] + core_saved

@@ -59,8 +59,11 @@ def reattach(leaves: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
             owner._parameters[name] = leaf
 
 
-def apply_fsdp(module: nn.Module, blocks: list[nn.Module], plan: Plan, topo: Topology) -> nn.Module:
-    """FSDP2 over the dp axis, one unit per block and one for the rest (ZeRO 2 and 3)."""
+def apply_fsdp(module: nn.Module, blocks: list[nn.Module], plan: Plan, topo: Topology,
+               own_groups: list | None = None) -> nn.Module:
+    """FSDP2 over the dp axis, one unit per block and one for the rest (ZeRO 2 and 3).
+    `own_groups`: (module, mesh) sharded first over a mesh of their own (expert-parallel experts
+    over the expert-data-parallel ranks)."""
     compute = DTYPES[plan.precision]
     mp = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
                               reduce_dtype=DTYPES[plan.grad_comm_dtype])
@@ -75,14 +78,17 @@ def apply_fsdp(module: nn.Module, blocks: list[nn.Module], plan: Plan, topo: Top
         keep = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=DTYPES[plan.grad_comm_dtype])
         for norm in [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
             fully_shard(norm, **{**kwargs, "mp_policy": keep})
+    for sub, mesh in own_groups or ():
+        fully_shard(sub, **{**kwargs, "mesh": mesh})
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
     return module
 
 
-def apply_dp(module: nn.Module, blocks: list[nn.Module], plan: Plan, topo: Topology) -> nn.Module:
-    return apply_fsdp(module, blocks, plan, topo) if plan.zero >= 2 else apply_ddp(module, plan, topo)
+def apply_dp(module: nn.Module, blocks: list[nn.Module], plan: Plan, topo: Topology,
+             own_groups: list | None = None) -> nn.Module:
+    return apply_fsdp(module, blocks, plan, topo, own_groups) if plan.zero >= 2 else apply_ddp(module, plan, topo)
 
 
 def build_optimizer(params: list[nn.Parameter], optimizer_fn, plan: Plan, topo: Topology) -> torch.optim.Optimizer:

@@ -15,10 +15,14 @@ last micro-batch their gradients are summed over the expert-data-parallel group 
 dp, which is what DDP's mean over dp gives every other parameter (the all-to-all's backward has
 already brought each expert the gradients of its ep peers' tokens).
 
-Works with the zoo's MoE layers (`autopar.zoo.moe`: a module with `moe_shape()` whose
-`experts` is a `GroupedExperts`); ZeRO/FSDP sharding of experts over the expert-data-parallel
-group is planned by the cost model but not run here (`autopar.executor.support` refuses ep > 1
-with zero > 0).
+Under FSDP2 (ZeRO 2 and 3) each layer's experts are their own FSDP unit over the expert-data-
+parallel mesh (torchtitan's layout), their gradients averaged there by FSDP2 and rescaled to the
+same sum / dp; ZeroRedundancyOptimizer
+(ZeRO-1) would broadcast one rank's experts over another's, and sequence parallelism would give
+the experts of tp peers different tokens with no reduction over tp: both are refused with ep > 1
+(`autopar.executor.support`) and left out of the plan space. Works with the zoo's MoE layers
+(`autopar.zoo.moe`, and `hf:` Mixtral / Qwen3-MoE, which use them): a module with `moe_shape()`
+whose `experts` are stacked as `GroupedExperts`.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from autopar.plan import Plan
@@ -139,20 +144,43 @@ def fill_experts(parts: list[nn.Module], source: nn.Module | None, shapes: dict[
             value = full[name].detach().to(device) if source is not None else torch.empty(shape, device=device)
             dist.broadcast(value, 0)
             if name in mine:
-                mine[name].copy_(value.chunk(ep, dim=EXPERT_DIM)[ep_rank])
+                _assign(mine[name], value.chunk(ep, dim=EXPERT_DIM)[ep_rank])
+
+
+def _assign(param: nn.Parameter, local: torch.Tensor) -> None:
+    """Copy this rank's experts into `param`, or (FSDP2 over the expert-data-parallel ranks, a
+    DTensor) its shard of them: every rank holds `local` whole, so no communication."""
+    if isinstance(param, DTensor):
+        shard = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(local)
+
+
+def fsdp_expert_groups(parts: list[nn.Module], meshes: DeviceMesh) -> list:
+    """(experts, expert-data-parallel mesh) for FSDP2: each MoE layer's experts shard over the
+    ranks holding the same experts (their gradients: `ExpertGrads`)."""
+    return [(m, meshes["edp"]) for part in parts for m in part.modules() if isinstance(m, ShardedExperts)]
 
 
 class ExpertGrads:
-    """Sum the expert gradients over the expert-data-parallel group and divide by dp (a collective
-    over that group; call it after the last backward of a step on every rank)."""
+    """The expert gradients' reduction over the expert-data-parallel group: summed there and
+    divided by dp. Under DDP (`sync` all-reduces them); under FSDP2, whose reduce-scatter already
+    averaged them over that group (dp / ep ranks; PREMUL_SUM, FSDP2's custom divide factor, does
+    not exist on gloo), `sync` only rescales the local shards by 1 / ep. Call it on every rank after
+    the last backward of a step."""
 
     def __init__(self, parts: list[nn.Module], plan: Plan, group: dist.ProcessGroup):
         self.params = [p for part in parts for m in part.modules() if isinstance(m, ShardedExperts)
                        for p in m.parameters()]
-        self.dp, self.group = plan.dp, group
+        self.dp, self.ep, self.group, self.fsdp = plan.dp, plan.ep, group, plan.zero >= 2
 
     def sync(self) -> None:
         for p in self.params:
+            if self.fsdp:
+                if p.grad is not None:
+                    p.grad.to_local().div_(self.ep)
+                continue
             if p.grad is None:  # a stage's experts that saw no token still take part
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.group)

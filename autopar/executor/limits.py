@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from autopar.errors import PlanError
+from autopar.executor.expert_parallel import moe_experts
 from autopar.executor.pipeline import check_layout
 from autopar.executor.tensor_parallel import INPUT
 from autopar.modelfile import sequence_parallel_styles
@@ -16,8 +17,13 @@ from autopar.modelfile import sequence_parallel_styles
 
 def model_limits(model: nn.Module, blocks: nn.ModuleList | None, tp_plan: dict) -> dict[str, str]:
     """{knob: why the executor cannot do it for this model}: ``pp`` (pipeline parallelism),
-    ``sp`` (sequence parallelism) and ``sp_off`` (tensor parallelism without it)."""
+    ``sp`` (sequence parallelism), ``sp_off`` (tensor parallelism without it) and ``ep`` (expert
+    parallelism: MoE layers whose experts are not stacked as the zoo's `GroupedExperts`)."""
     limits = {}
+    layers = [m for m in model.modules() if callable(getattr(m, "moe_shape", None))]
+    if layers and len(moe_experts(model)) < len(layers):
+        limits["ep"] = ("expert parallelism shards experts stacked as w1/w2/w3 (autopar.zoo.moe.GroupedExperts); "
+                        "this model's MoE layers hold them otherwise: use ep 1")
     if blocks is None:
         limits["pp"] = "pipeline parallelism needs the model's repeated blocks (an nn.ModuleList); use pp=1"
     else:

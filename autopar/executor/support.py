@@ -24,9 +24,10 @@ def refusal(plan: Plan, backend: str) -> str | None:
     Every other combination of the plan's knobs runs (tests/test_executor_plans.py): fp16 loss
     scaling with tensor parallelism, recompute under bf16/fp16 in pipelines, interleaved
     schedules with FSDP2, optimizer offload with fp16."""
-    if getattr(plan, "ep", 1) > 1 and (plan.zero > 0 or plan.sequence_parallel):
-        return (f"ep={plan.ep} runs with DDP (zero 0) and without sequence parallelism in this executor; ZeRO/FSDP "
-                f"of experts over the expert-data-parallel group is planned, not run: use zero 0 for an ep plan")
+    if getattr(plan, "ep", 1) > 1 and (plan.zero == 1 or plan.sequence_parallel):
+        return (f"ep={plan.ep} runs with zero 0, 2 or 3 and without sequence parallelism (ZeRO-1's optimizer would "
+                f"broadcast one rank's experts over another's; sequence parallelism leaves expert gradients "
+                f"unreduced over tp): use zero 0/2/3 and sequence_parallel false")
     return comm_dtype_problem(plan.grad_comm_dtype, backend)
 
 

@@ -25,8 +25,15 @@ from autopar.errors import PlanError
 from autopar.executor.checkpointing import apply_ac
 from autopar.executor.data import local_share
 from autopar.executor.data_parallel import apply_dp, build_optimizer, localised_tp_leaves
-from autopar.executor.expert_parallel import (ExpertGrads, expert_mesh, expert_shapes, fill_experts, ignore_in_ddp,
-                                              shard_experts)
+from autopar.executor.expert_parallel import (
+    ExpertGrads,
+    expert_mesh,
+    expert_shapes,
+    fill_experts,
+    fsdp_expert_groups,
+    ignore_in_ddp,
+    shard_experts,
+)
 from autopar.executor.mesh import Topology, build_mesh, current_backend, init_distributed
 from autopar.executor.pipeline import blocks_name, build_schedule, cut_stages, rank_view, stage_ids
 from autopar.executor.precision import autocast, autocast_calls, autocast_forward, grad_scaler
@@ -172,6 +179,14 @@ def move_targets(targets, device):
     return type(targets)(t.to(device) for t in targets)
 
 
+def _fill_weights(parts, source, unsaved, device, offload: bool, experts: dict, expert_groups, plan: Plan) -> None:
+    """Storage and rank 0's weights for this rank's parts; under expert parallelism each rank keeps
+    its experts' slice (`experts`: the whole model's expert parameter shapes)."""
+    materialise(parts, source, unsaved, device, offload, frozenset(experts))
+    if expert_groups is not None:
+        fill_experts(parts, source, experts, expert_groups["ep"].get_local_rank(), plan.ep, device, unwrapped)
+
+
 def apply(plan: Plan, build_model: Callable[[], nn.Module],
           optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], loss_fn: LossFn, *,
           tp_plan: dict[str, str] | Callable[[nn.Module], dict[str, str]] | None = None,
@@ -231,24 +246,25 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
         if plan.pp > 1:  # the schedule runs forward and backward in one call: autocast the forward only
             autocast_forward(part, plan, device)
     apply_ac([held for container in containers for held in _real_blocks(container)], plan)
-    weights = (inner, source, unsaved, device, plan.offload_optimizer and plan.zero >= 2, frozenset(experts))
+    weights = (inner, source, unsaved, device, plan.offload_optimizer and plan.zero >= 2, experts, expert_groups)
     if plan.zero < 2:  # DDP needs real parameters; FSDP2 shards the skeleton first
-        materialise(*weights)
-    if expert_groups is not None:
-        fill_experts(inner, source, experts, expert_groups["ep"].get_local_rank(), plan.ep, device, unwrapped)
+        _fill_weights(*weights, plan)
+    if expert_groups is not None and plan.zero == 0:
         for part in inner:
             ignore_in_ddp(part)
-    parts = [apply_dp(part, [c[i] for c, i in _real_blocks(container)], plan, topo)
+    own = fsdp_expert_groups(inner, expert_groups) if expert_groups is not None and plan.zero >= 2 else None
+    parts = [apply_dp(part, [c[i] for c, i in _real_blocks(container)], plan, topo, own)
              for part, container in zip(inner, containers)]
     if plan.zero >= 2:
-        materialise(*weights)
+        _fill_weights(*weights, plan)
     del source, weights
     view = rank_view(inner, name) if plan.pp > 1 else inner[0]
     opt = build_optimizer(list(view.parameters()), optimizer, plan, topo)
     scaler = grad_scaler(plan, device)
     result = ParallelModel(plan, topo, view, parts, opt, loss_fn, scaler=scaler, tp_leaves=localised_tp_leaves(view),
                            tied=tied_grads(view, tied, plan, topo),
-                           experts=ExpertGrads(inner, plan, expert_groups["edp"].get_group()) if expert_groups else None)
+                           experts=ExpertGrads(inner, plan, expert_groups["edp"].get_group())
+                           if expert_groups is not None else None)
     if plan.pp > 1:
         ids = stage_ids(plan, pp_rank)
         result.has_first_stage = 0 in ids

@@ -22,8 +22,8 @@ def moe_fields(modules, seq_len: int, dtype_bytes: int) -> dict:
     layers = moe_layers(modules)
     if not layers:
         return {}
-    out = dict(experts=0, top_k=0, expert_params=0, shared_params=0, expert_ffn=0,
-               router_flops=0.0, expert_flops=0.0, dispatch_bytes=0.0)
+    out = {"experts": 0, "top_k": 0, "expert_params": 0, "shared_params": 0, "expert_ffn": 0,
+           "router_flops": 0.0, "expert_flops": 0.0, "dispatch_bytes": 0.0}
     for layer in layers:
         s = layer.moe_shape()
         routed = seq_len * s["top_k"]  # token copies sent to experts per sample (dropless)
@@ -44,4 +44,4 @@ def routing_settings(modules) -> dict:
     if not layers:
         return {}
     s = layers[0].moe_shape()
-    return dict(capacity_factor=float(s.get("capacity_factor", 0.0)), node_limit=int(s.get("node_limit", 0)))
+    return {"capacity_factor": float(s.get("capacity_factor", 0.0)), "node_limit": int(s.get("node_limit", 0))}

@@ -29,7 +29,7 @@ from autopar.workload import Workload
 
 FULL, SELECTIVE = RECOMPUTE_MODES.index("full"), RECOMPUTE_MODES.index("selective")
 GPIPE, ONE_F_ONE_B, INTERLEAVED = (SCHEDULES.index(s) for s in ("gpipe", "1f1b", "interleaved"))
-FP32 = COMM_DTYPES.index("fp32")
+GRAD16 = COMM_DTYPES.index("bf16")  # Megatron-LM 2021 under --fp16 all-reduced 16-bit gradients
 DEFAULT_ORDER = 0  # mesh order code of the default order (tp innermost; see cost.arrays.mesh_order_code)
 ZOO_GPT = Path(__file__).resolve().parent.parent / "zoo" / "gpt.py"
 DATA = Path(__file__).resolve().parents[2] / "data" / "published"
@@ -102,14 +102,14 @@ def best(workload, candidates, coeffs=None):
 
 
 def megatron_candidates(row: MegatronRow, model=ZOO_GPT):
-    """(workload, plans) with the paper's tp, pp and full recompute; micro-batch and
-    interleaving open."""
+    """(workload, plans) with the paper's tp, pp and full recompute, gradients all-reduced in 16 bits
+    (Megatron-LM 2021 under --fp16); micro-batch and interleaving open."""
 
     w = _workload(row.size, row.gpus, row.global_batch, model)
     s = enumerate_plans(w)
     full_all = s.recompute_blocks == np.array([s.splits.entries[i]["layers"].max() for i in s.split])
     mask = ((s.tp == row.tp) & (s.pp == row.pp) & (s.recompute == FULL) & full_all & (s.zero == 0)
-            & ~s.sequence_parallel & (s.grad_comm_dtype == FP32) & (s.mesh_order == DEFAULT_ORDER)
+            & ~s.sequence_parallel & (s.grad_comm_dtype == GRAD16) & (s.mesh_order == DEFAULT_ORDER)
             & (s.bucket_mb == 25.0) & (s.schedule != GPIPE))
     return w, s.take(np.flatnonzero(mask))
 

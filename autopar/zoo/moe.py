@@ -165,7 +165,9 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         if _grouped_mm_applies(x, self):
             offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            mm = lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)  # noqa: E731
+            def mm(a, w):
+                return torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)
+
             return mm(F.silu(mm(x, self.w1)) * mm(x, self.w3), self.w2)
         outs = [F.linear(F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e]), self.w2[e])
                 for e, xe in enumerate(x.split(counts))]
@@ -205,9 +207,9 @@ class MoE(nn.Module):
 
     def moe_shape(self) -> dict:
         shared = self.shared_experts.w1.out_features if self.shared_experts is not None else 0
-        return dict(experts=self.num_experts, top_k=self.top_k, hidden=self.hidden,
-                    expert_ffn=self.experts.ffn, shared_ffn=shared, capacity_factor=self.capacity_factor,
-                    node_limit=self.node_limit)
+        return {"experts": self.num_experts, "top_k": self.top_k, "hidden": self.hidden,
+                "expert_ffn": self.experts.ffn, "shared_ffn": shared, "capacity_factor": self.capacity_factor,
+                "node_limit": self.node_limit}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
