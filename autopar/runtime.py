@@ -33,14 +33,15 @@ MEGATRON_SWITCHES = {
                            "reduce-scattered) during the last micro-batch's backward",
     "overlap_param_gather": "--overlap-param-gather: the distributed optimizer's parameter all-gather during "
                             "the next forward",
-    "deepep": "--moe-token-dispatcher-type flex --moe-enable-deepep: DeepEP's dispatch and combine kernels, which "
+    "deepep": "--moe-token-dispatcher-type flex --moe-enable-deepep (or a torch runtime's DeepEP, as NeMo "
+              "AutoModel's enable_deepep): DeepEP's dispatch and combine kernels, which "
               "permute and un-permute the routed tokens inside the all-to-all and send a token across nodes once "
               "per destination node (forwarded over NVLink to its experts there)",
     "moe_a2a_overlap": "--overlap-moe-expert-parallel-comm: the dispatch and combine all-to-alls of one micro-batch "
                        "run under another micro-batch's compute (1F1B A2A overlap)",
 }
 NEMO_SWITCHES = ("flash_attn", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")  # dense recipes'
-MOE_SWITCHES = ("deepep", "moe_a2a_overlap")  # what changes the price of an MoE model only
+MOE_SWITCHES = ("deepep", "moe_a2a_overlap")  # MoE only; allowed under the torch runtime too
 
 
 def check_runtime(runtime: str, switches) -> tuple[str, ...]:
@@ -52,7 +53,8 @@ def check_runtime(runtime: str, switches) -> tuple[str, ...]:
     if unknown:
         raise AutoparError(f"unknown Megatron switch(es) {', '.join(unknown)}; use any of "
                            f"{', '.join(MEGATRON_SWITCHES)}")
-    if switches and runtime != "megatron":
-        raise AutoparError(f"{', '.join(switches)}: Megatron-Core switches need runtime 'megatron' "
+    megatron_only = [o for o in switches if o not in MOE_SWITCHES]  # DeepEP also serves torch (AutoModel)
+    if megatron_only and runtime != "megatron":
+        raise AutoparError(f"{', '.join(megatron_only)}: Megatron-Core switches need runtime 'megatron' "
                            "(the torch runtime overlaps as DDP and FSDP2 do)")
     return switches

@@ -4,9 +4,8 @@
 NVIDIA NeMo AutoModel's DGX-H100 BF16 table: PyTorch FSDP2 with expert parallelism, Transformer
 Engine's kernels (linear, RMSNorm, fused attention), DeepEP's dispatcher, torch.distributed.pipelining
 (interleaved 1F1B), a force-balanced gate. autopar prices a row as that software runs it: runtime
-``megatron`` for TE's kernel regime and fused attention (the runtime whose coefficients describe TE's
-kernels), the overlap switches for FSDP2's prefetched all-gathers and overlapped reduce-scatters, and
-``deepep``; the model is the zoo's shape of the same name (`autopar/zoo/moe.py`; DeepSeek-V3's MLA is
+``torch`` (FSDP2 and torch.distributed.pipelining, as autopar's own executor runs them) with the
+``deepep`` switch (DeepEP's dispatch and combine); the model is the zoo's shape of the same name (`autopar/zoo/moe.py`; DeepSeek-V3's MLA is
 approximated there). Nothing is fitted to these rows: every coefficient is the H100's (derived from
 the A100 fit, docs/hardware.md).
 
@@ -35,8 +34,7 @@ TABLE = "moe_automodel_dgx_h100_bf16.csv"
 # huggingface.co/openai/gpt-oss-20b, config.json)
 ZOO_SHAPES = {"Qwen3-30B-A3B": {"size": "qwen3-30b-a3b"}, "GPT-OSS-20B": {"size": "gpt-oss-120b", "layers": 24,
               "experts": 32}, "GPT-OSS-120B": {"size": "gpt-oss-120b"}, "DeepSeek-V3-671B": {"size": "deepseek-v3"}}
-# TE's fused attention, FSDP2's overlapped reduce-scatter and prefetched all-gather, DeepEP
-AUTOMODEL_SWITCHES = ("flash_attn", "overlap_grad_reduce", "overlap_param_gather", "deepep")
+AUTOMODEL_SWITCHES = ("deepep",)  # DeepEP's kernels; the rest is PyTorch's FSDP2 and pipelining
 EXPERT_GROUPS = 8  # one expert group per node of the ep group (every row's ep spans 1 or 8 nodes)
 
 
@@ -94,7 +92,7 @@ def moe_workload(row: MoeRow) -> Workload:
     """The row's model on dgx-h100 nodes, as AutoModel runs it."""
     routing = {"route_groups": EXPERT_GROUPS, "route_group_limit": 1} if row.ep > 8 else {}
     profile = profile_model(zoo_path("moe"), {**ZOO_SHAPES[row.model], **routing}, dtype="bf16")
-    return Workload(profile, load_cluster("dgx-h100", nodes=max(1, row.gpus // 8)), row.global_batch, runtime="megatron",
+    return Workload(profile, load_cluster("dgx-h100", nodes=max(1, row.gpus // 8)), row.global_batch, runtime="torch",
                     switches=AUTOMODEL_SWITCHES)
 
 
