@@ -93,11 +93,12 @@ def test_expert_parallelism_pays_all_to_all_and_shards_the_experts(moe16):
 
 
 def test_optimizer_states_shard_over_the_expert_data_parallel_group(moe16):
-    """ZeRO-1: expert Adam moments and master weights over edp = dp / ep; ep = dp leaves them whole
-    on each rank (1/ep of the experts, no edp sharding), ep 1 shards them over all 16."""
+    """ZeRO-2 (FSDP2's sharding; the executor refuses ZeRO-1 with ep > 1): expert Adam moments and
+    master weights over edp = dp / ep; ep = dp leaves them whole on each rank (1/ep of the experts, no
+    edp sharding), ep 1 shards them over all 16."""
     experts = moe16.profile.expert_params
     for ep in (1, 4, 16):
-        est = estimate(moe16, _plan(ep, zero=1))
+        est = estimate(moe16, _plan(ep, zero=2))
         assert est.memory["expert_optimizer"] == pytest.approx(12 * experts / ep / (16 // ep))
 
 
