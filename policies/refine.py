@@ -54,21 +54,34 @@ def moves(n: int, width: int) -> list[tuple[int, ...]]:
     return [(i,) for i in range(n)] if width == 1 else list(itertools.combinations(range(n), 2))
 
 
-def refine(space: PlanSpace, prefix: tuple, budget: int = BUDGET, rounds: int = MAX_ROUNDS) -> Refined:
+def refine(space: PlanSpace, prefix: tuple, budget: int = BUDGET, rounds: int = MAX_ROUNDS,
+           seen: dict | None = None) -> Refined:
     """Steepest-descent coordinate search from a complete decision sequence: rounds of single
     changes while they help, then a round of pairs of changes (a micro-batch with the recompute
-    it allows, a pipeline degree with the mesh order) when they stop helping."""
-    w, pa = neighbours(space, prefix, ())
-    best, best_time, spent = prefix, _fastest(space, w, pa)[1], len(pa)
+    it allows, a pipeline degree with the mesh order) when they stop helping. `seen` keeps the
+    fastest neighbour of each (plan, change) across calls: starts whose paths meet pay once, and
+    only plans evaluated are counted."""
+    seen = {} if seen is None else seen
+    spent = 0
+
+    def fastest(plan: tuple, changed: tuple[int, ...]) -> tuple[tuple | None, float]:
+        nonlocal spent
+        if (plan, changed) not in seen:
+            w, pa = neighbours(space, plan, changed)
+            spent += len(pa)
+            seen[plan, changed] = _fastest(space, w, pa)
+        return seen[plan, changed]
+
+    best, best_time = prefix, fastest(prefix, ())[1]  # no change: the start itself
     width = 1
     for _ in range(rounds):
+        if not np.isfinite(best_time):
+            break  # the start does not fit: nothing to descend from
         moved = None
         for changed in moves(len(space.names), width):
             if spent >= budget:
                 break
-            w, pa = neighbours(space, best, changed)
-            spent += len(pa)
-            found = _fastest(space, w, pa)
+            found = fastest(best, changed)
             if found[1] < best_time * (1 - GAIN) and (moved is None or found[1] < moved[1]):
                 moved = found
         if moved is None:
