@@ -136,6 +136,17 @@ def readme_table(rows: list[dict], command: str) -> str:
     return "\n".join(lines + [MARKERS[1]])
 
 
+def _replay() -> list[str]:
+    """This run's arguments without --out (where the caches went is not how the table was made)."""
+    out, args = [], iter(sys.argv[1:])
+    for a in args:
+        if a == "--out":
+            next(args, None)
+        elif not a.startswith("--out="):
+            out.append(a)
+    return out
+
+
 def rewrite_readme(path: Path, table: str) -> None:
     """Replace the table between the markers (both must be there: nothing else is touched)."""
     text = path.read_text()
@@ -225,7 +236,7 @@ def main() -> None:
     (args.out / "table.md").write_text(markdown(rows, title))
     figures(results, names, rows, args.out)
     if args.readme:
-        rewrite_readme(args.readme, readme_table(rows, "python experiments/planner_eval.py " + shlex.join(sys.argv[1:])))
+        rewrite_readme(args.readme, readme_table(rows, "python experiments/planner_eval.py " + shlex.join(_replay())))
         console.print(f"planner table in {args.readme} rewritten")
     console.print(f"results, table.md and figures in {args.out}")
 

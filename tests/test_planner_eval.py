@@ -26,7 +26,8 @@ def test_the_readme_table_is_rewritten_between_its_markers_only(tmp_path, monkey
     planner_eval.main()
     text = readme.read_text()
     assert text.startswith("intro\n\n") and text.endswith("\n\nafter\n") and "| old |" not in text
-    assert "written by: python experiments/planner_eval.py --limit 2 --family bert" in text
+    assert "written by: python experiments/planner_eval.py --limit 2 --family bert --planners rl,rl-greedy,rules --readme" in text
+    assert str(out) not in text
     rows = [line for line in text.splitlines() if line.startswith("| rl") or line.startswith("| rules")]
     assert [r.split(" | ")[0] for r in rows] == ["| rl (default: 8 decoded, refined, ranked)",
                                                 "| rl greedy (the policy alone)", "| rules"]
