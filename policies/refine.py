@@ -6,7 +6,9 @@ cheaply. From a plan, one round evaluates every plan that differs from it in one
 value the space allows for that knob, given the knobs before it), keeping the later decisions
 where they are still valid and re-opening those that the change made invalid (a new tensor
 degree changes dp, so the micro-batch is chosen again); the fastest fitting neighbour replaces
-the plan when it is faster, and rounds repeat until none is, or the evaluation budget is spent.
+the plan when it is faster, and rounds repeat until none is; then a round of pairs of changes
+(a micro-batch with the recompute it allows), and single changes again after a pair helped,
+until neither helps or the evaluation budget is spent.
 Every plan walked is counted, so the planner's reported evaluations stay honest.
 """
 
