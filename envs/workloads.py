@@ -1,29 +1,35 @@
 """Workloads to train and evaluate policies on: a sampler over the zoo, and a fixed held-out set.
 
-Training draws the zoo's named sizes (GPT, Llama, BERT, ViT, ResNet, MoE) at several sequence lengths
-on five cluster presets, single nodes of 1-8 GPUs or 2-64 nodes (non-powers of two included),
-with global batches of 1/8 to 32 samples per GPU (at least 16). Node counts are capped so that the exhaustive
-oracle, which the reward needs once per workload, stays around a second.
+Training draws the zoo's named sizes (GPT, Llama, BERT, ViT, ResNet, and any family the zoo
+adds, by its named sizes) at several sequence lengths on the training presets, single nodes of
+1-8 GPUs or 2-64 nodes (non-powers of two included), with global batches of 1/8 to 32 samples per
+GPU (at least 16), in every precision of `autopar.knobs.PRECISIONS` the preset's GPU runs fast.
+Node counts are capped so that the exhaustive oracle, which the reward needs once per workload,
+stays around a second.
 
 The held-out set is what no training run sees: model shapes drawn off the zoo's ratios (other
 hidden/heads/layers proportions, head sizes, GQA ratios, vocabularies, sequence lengths, image and
-patch sizes, ResNet depths), on presets that are not trained on (dgx-h200, l40s-pcie) or trained
-presets at node counts that are not (5, 7, 10, 20, 24, 40, 96). It is deterministic from its seed.
-A second held-out set holds mixtures of experts only (`heldout_moe_specs`: expert counts, top-k and
-expert widths off the zoo's), drawn the same way.
+patch sizes, ResNet depths; a family without such a rule: its named sizes with another depth and
+sequence length), on the presets whose GPU no training preset has (derived from the preset
+registry: today dgx-h200, gb200-nvl72, l40s-pcie) or trained presets at node counts that are not
+(5, 7, 10, 20, 24, 40, 96). It is deterministic from its seed; `family=` restricts it to one zoo
+family (the MoE set of issue 14). New axes and knobs need nothing here: the plan space is the
+registry's.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import cache
 
 import numpy as np
 from rich.progress import track
 
 from autopar.cluster import GPUS, PRESETS, load_cluster
 from autopar.envs.knobs import PlanSpace
-from autopar.knobs import STATE_BYTES_PER_PARAM  # to size clusters to models
+from autopar.errors import AutoparError
+from autopar.knobs import PRECISIONS, STATE_BYTES_PER_PARAM  # to size clusters to models
 from autopar.profile import profile_model
 from autopar.schema import (
     MAX_GLOBAL_BATCH,
@@ -39,8 +45,16 @@ from autopar.schema import (
 )
 from autopar.workload import Workload
 
-TRAIN_CLUSTERS = ("dgx-v100", "dgx-a100-40g", "dgx-a100-80g", "dgx-h100", "pcie-4090x8")
-HELDOUT_CLUSTERS = ("dgx-h200", "l40s-pcie")
+TRAIN_CLUSTERS = ("dgx-v100", "dgx-a100-40g", "dgx-a100-80g", "dgx-h100", "dgx-b200", "pcie-4090x8")
+
+
+def _heldout_clusters() -> tuple[str, ...]:
+    """Every GPU preset whose GPU no training preset has (the CPU preset is no GPU)."""
+    trained = {PRESETS[c]["gpu"] for c in TRAIN_CLUSTERS}
+    return tuple(name for name, p in PRESETS.items() if p["gpu"] not in trained and p["node"]["intra"] != "shm")
+
+
+HELDOUT_CLUSTERS = _heldout_clusters()
 TRAIN_NODES = (2, 3, 4, 6, 8, 12, 16, 32, 48, 64)
 HELDOUT_NODES = (5, 7, 10, 20, 24, 40, 96)
 SINGLE_NODE_GPUS = tuple(range(1, 9))
@@ -58,9 +72,13 @@ TRAIN_MODELS = {  # family -> (named sizes, sequence lengths; None: fixed by the
     "bert": (("bert-base", "bert-large", "megatron-bert-1.3b", "megatron-bert-3.9b"), (128, 512)),
     "vit": (("vit-b16", "vit-l16", "vit-h14", "vit-g14", "vit-G14", "vit-22b"), None),
     "resnet": (("resnet50", "resnet101", "resnet152", "wide_resnet50_2", "wide_resnet101_2", "resnet152x4"), None),
-    # mixtures of experts (autopar/zoo/moe.py): their plans add the expert-parallel degree
-    "moe": (("small", "mixtral-8x7b", "qwen3-30b-a3b", "gpt-oss-120b", "deepseek-v3"), (2048, 4096)),
 }
+OTHER_SEQ_LENS = (2048, 4096, 8192)  # a zoo family not listed above, when its sizes have a sequence length
+HELDOUT_SEQ_LENS = (1536, 3072, 6144, 12288)
+TEST_SIZES = ("tiny",)  # the zoo's sizes for tests: no workload to plan
+# share of draws per precision; a precision the registry adds (fp8) gets NEW_PRECISION_SHARE
+PRECISION_SHARE = {"bf16": 0.8, "fp16": 0.15, "fp32": 0.05}
+NEW_PRECISION_SHARE = 0.3
 
 
 @dataclass(frozen=True)
@@ -98,7 +116,7 @@ def workload_spec_schema() -> Obj:
     return dataclass_schema(WorkloadSpec, {
         "model": Str(max_len=4096), "model_args": Map(Anything()), "cluster": Str(max_len=4096),
         "nodes": Int(1, MAX_GPUS), "gpus_per_node": Opt(Int(1, MAX_GPUS_PER_NODE)),
-        "global_batch": Int(1, MAX_GLOBAL_BATCH), "precision": Str(("bf16", "fp16", "fp32")),
+        "global_batch": Int(1, MAX_GLOBAL_BATCH), "precision": Str(PRECISIONS),
     }, required=("model",))
 
 def feasible(workload) -> bool:
@@ -112,10 +130,16 @@ def _approx_params(spec: WorkloadSpec) -> float:
     return profile_model(spec.model, dict(spec.model_args), dtype=spec.precision).params
 
 
+def _precisions(cluster: str) -> list[str]:
+    """The precisions of the registry the preset's GPU runs faster than fp32 (and fp32)."""
+    peak = GPUS[PRESETS[cluster]["gpu"]].peak_flops
+    return [p for p in PRECISIONS if p == "fp32" or peak.get(p, 0.0) > peak["fp32"]]
+
+
 def _precision(rng: np.random.Generator, cluster: str) -> str:
-    if GPUS[PRESETS[cluster]["gpu"]].peak_flops["bf16"] < GPUS[PRESETS[cluster]["gpu"]].peak_flops["fp16"]:
-        return str(rng.choice(["fp16", "fp32"], p=[0.9, 0.1]))  # no bf16 tensor cores (V100)
-    return str(rng.choice(["bf16", "fp16", "fp32"], p=[0.8, 0.15, 0.05]))
+    options = _precisions(cluster)
+    share = np.array([PRECISION_SHARE.get(p, NEW_PRECISION_SHARE) for p in options])
+    return str(rng.choice(options, p=share / share.sum()))
 
 
 def _size_cluster(rng, spec: WorkloadSpec, params: float, node_counts, max_gpus: int) -> WorkloadSpec | None:
@@ -138,10 +162,35 @@ def _size_cluster(rng, spec: WorkloadSpec, params: float, node_counts, max_gpus:
     return WorkloadSpec(spec.model, spec.model_args, spec.cluster, nodes, gpus_per_node, batch, spec.precision)
 
 
-def sample_training_spec(rng: np.random.Generator) -> WorkloadSpec | None:
+@cache
+def families() -> tuple[str, ...]:
+    """The zoo's model families (a family the zoo adds is trained and held out without an edit here)."""
+    from autopar.zoo import MODELS  # torch: the zoo's model files import it
+
+    return tuple(MODELS)
+
+
+@cache
+def family_sizes(family: str) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
+    """The named sizes training draws for a family, and its sequence lengths (None: fixed by the
+    model): TRAIN_MODELS's, or every named size of the zoo's file but the test ones."""
+    if family in TRAIN_MODELS:
+        return TRAIN_MODELS[family]
+    sizes = _zoo_sizes(family)
+    names = tuple(name for name in sizes if name not in TEST_SIZES)
+    return names, OTHER_SEQ_LENS if all("seq_len" in sizes[n] for n in names) else None
+
+
+def _zoo_sizes(family: str) -> dict:
+    from autopar.modelfile import load_model_file  # torch: loading a model file imports it
+
+    return dict(getattr(load_model_file(family).module, "SIZES", {}))
+
+
+def sample_training_spec(rng: np.random.Generator, family: str | None = None) -> WorkloadSpec | None:
     """One draw from the training distribution (None when the draw admits no cluster size)."""
-    family = list(TRAIN_MODELS)[rng.integers(len(TRAIN_MODELS))]
-    sizes, seq_lens = TRAIN_MODELS[family]
+    family = family or str(_pick(rng, families()))
+    sizes, seq_lens = family_sizes(family)
     args = {"size": sizes[rng.integers(len(sizes))]}
     if seq_lens:
         args["seq_len"] = int(seq_lens[rng.integers(len(seq_lens))])
@@ -158,11 +207,14 @@ def _collect(sample, n: int, seed: int, progress: bool) -> list:
     for _ in track(range(50 * n), description="sampling workloads", disable=not progress, transient=True):
         if len(out) == n:
             break
-        spec = sample(rng)
-        if spec is None or spec in seen:
-            continue
-        seen.add(spec)
-        workload = spec.build()
+        try:
+            spec = sample(rng)
+            if spec is None or spec in seen:
+                continue
+            seen.add(spec)
+            workload = spec.build()
+        except (AutoparError, ValueError):
+            continue  # a draw the registry refuses (a precision its GPU lacks): not a workload
         if feasible(workload):
             out.append((spec, workload))
     return out
@@ -189,7 +241,7 @@ def _heldout_shape(rng: np.random.Generator, family: str) -> dict:
         heads = int(_pick(rng, (20, 28, 36, 44, 52, 60, 72, 88)))
         hidden = heads * int(_pick(rng, (64, 80, 96, 128)))
         return {"size": "gpt2-small", "hidden": hidden, "heads": heads, "layers": int(rng.integers(10, 90)),
-                "vocab": vocab, "seq_len": int(_pick(rng, (1536, 3072, 6144))),
+                "vocab": vocab, "seq_len": int(_pick(rng, HELDOUT_SEQ_LENS)),
                 "ffn": hidden * int(_pick(rng, (3, 5, 6))) // 2 * 2}
     if family == "llama":
         heads = int(_pick(rng, (20, 24, 28, 40, 48, 56, 80, 96)))
@@ -197,7 +249,7 @@ def _heldout_shape(rng: np.random.Generator, family: str) -> dict:
         hidden = heads * int(_pick(rng, (64, 96, 128)))
         ffn = 256 * round(hidden * float(_pick(rng, (2.5, 3.0, 3.5, 4.0))) / 256)
         return {"size": "small", "hidden": hidden, "heads": heads, "kv_heads": heads // ratio, "ffn": ffn,
-                "layers": int(rng.integers(16, 100)), "vocab": vocab, "seq_len": int(_pick(rng, (1536, 3072, 6144)))}
+                "layers": int(rng.integers(16, 100)), "vocab": vocab, "seq_len": int(_pick(rng, HELDOUT_SEQ_LENS))}
     if family == "bert":
         heads = int(_pick(rng, (10, 14, 18, 20, 28)))
         return {"size": "bert-base", "heads": heads, "hidden": heads * int(_pick(rng, (64, 96, 128))),
@@ -209,18 +261,31 @@ def _heldout_shape(rng: np.random.Generator, family: str) -> dict:
         patch = int(_pick(rng, (8, 14, 16, 32)))
         return {"size": "vit-b16", "heads": heads, "hidden": hidden, "ffn": hidden * int(_pick(rng, (3, 5))),
                 "layers": int(rng.integers(10, 60)), "patch": patch, "image": patch * int(rng.integers(10, 25))}
-    return {"size": "resnet50", "depths": (3, int(rng.integers(3, 11)), int(rng.integers(5, 41)), 3),
-            "width": int(_pick(rng, (32, 48, 96, 128))), "wide": int(_pick(rng, (1, 2, 3))),
-            "image": int(_pick(rng, (128, 160, 192, 256))), "classes": int(_pick(rng, (100, 10_000)))}
+    if family == "resnet":
+        return {"size": "resnet50", "depths": (3, int(rng.integers(3, 11)), int(rng.integers(5, 41)), 3),
+                "width": int(_pick(rng, (32, 48, 96, 128))), "wide": int(_pick(rng, (1, 2, 3))),
+                "image": int(_pick(rng, (128, 160, 192, 256))), "classes": int(_pick(rng, (100, 10_000)))}
+    return _other_heldout_shape(rng, family)
 
 
-def sample_heldout_spec(rng: np.random.Generator) -> WorkloadSpec | None:
-    family = str(_pick(rng, ("gpt", "gpt", "llama", "llama", "bert", "vit", "resnet")))
-    return _heldout_sized(rng, family, _heldout_shape(rng, family))
+def _other_heldout_shape(rng: np.random.Generator, family: str) -> dict:
+    """A family without a rule above: one of its named sizes at another depth (and sequence length)."""
+    sizes = _zoo_sizes(family)
+    name = str(_pick(rng, family_sizes(family)[0]))
+    shape = {"size": name}
+    if "layers" in sizes[name]:
+        shape["layers"] = max(2, round(sizes[name]["layers"] * float(_pick(rng, (0.5, 0.75, 1.25, 1.5)))))
+    if "seq_len" in sizes[name]:
+        shape["seq_len"] = int(_pick(rng, HELDOUT_SEQ_LENS))
+    return shape
 
 
-def _heldout_sized(rng: np.random.Generator, family: str, shape: dict) -> WorkloadSpec | None:
-    """A held-out shape on a held-out preset, or on a trained preset at a node count training never uses."""
+HELDOUT_WEIGHT = {"gpt": 2, "llama": 2}  # draws per family in the held-out set (others: 1)
+
+
+def sample_heldout_spec(rng: np.random.Generator, family: str | None = None) -> WorkloadSpec | None:
+    family = family or str(_pick(rng, [f for f in families() for _ in range(HELDOUT_WEIGHT.get(f, 1))]))
+    shape = _heldout_shape(rng, family)
     if rng.random() < 0.5:
         cluster, node_counts = str(_pick(rng, HELDOUT_CLUSTERS)), TRAIN_NODES + HELDOUT_NODES
     else:
@@ -232,43 +297,18 @@ def _heldout_sized(rng: np.random.Generator, family: str, shape: dict) -> Worklo
     return sized
 
 
-def heldout_specs(seed: int = HELDOUT_SEED, n: int = HELDOUT_SIZE, progress: bool = False) -> list[WorkloadSpec]:
-    return [spec for spec, _ in _collect(sample_heldout_spec, n, seed, progress)]
+def _heldout(seed: int, n: int, progress: bool, family: str | None) -> list:
+    if family is not None and family not in families():
+        raise AutoparError(f"unknown model family {family!r}; choose one of {', '.join(families())}")
+    return _collect(lambda rng: sample_heldout_spec(rng, family), n, seed, progress)
 
 
-def heldout_workloads(seed: int = HELDOUT_SEED, n: int = HELDOUT_SIZE, progress: bool = False) -> list:
-    """The fixed held-out set: shapes and clusters no training run sees."""
-    return [w for _, w in _collect(sample_heldout_spec, n, seed, progress)]
+def heldout_specs(seed: int = HELDOUT_SEED, n: int = HELDOUT_SIZE, progress: bool = False,
+                  family: str | None = None) -> list[WorkloadSpec]:
+    return [spec for spec, _ in _heldout(seed, n, progress, family)]
 
 
-# -- the held-out mixtures of experts ------------------------------------------------------------------
-HELDOUT_MOE_SEED = 20_261_201
-HELDOUT_MOE_SIZE = 32
-
-
-def _heldout_moe_shape(rng: np.random.Generator) -> dict:
-    """MoE arguments off the zoo's shapes (autopar/zoo/moe.py): expert counts, top-k, expert widths,
-    shared experts and leading dense layers drawn independently of the named sizes."""
-    heads = int(_pick(rng, (16, 24, 40, 48, 64)))
-    hidden = heads * int(_pick(rng, (64, 96, 128)))
-    experts = int(_pick(rng, (24, 32, 48, 96, 160, 192)))
-    dense = int(_pick(rng, (0, 0, 1, 2)))
-    return {"size": "small", "hidden": hidden, "heads": heads, "kv_heads": heads // int(_pick(rng, (2, 4, 8))),
-            "layers": int(rng.integers(12, 64)), "experts": experts,
-            "top_k": int(_pick(rng, [k for k in (2, 3, 4, 6, 8) if k < experts])),
-            "expert_ffn": 128 * max(1, round(hidden * float(_pick(rng, (0.25, 0.4, 0.75, 1.5, 3.5))) / 128)),
-            "shared_experts": int(_pick(rng, (0, 0, 1, 2))), "dense_layers": dense,
-            "dense_ffn": 256 * round(hidden * 3.5 / 256) if dense else 0,
-            "vocab": int(_pick(rng, (32_000, 100_352, 151_936))), "seq_len": int(_pick(rng, (2048, 3072, 4096)))}
-
-
-def sample_heldout_moe_spec(rng: np.random.Generator) -> WorkloadSpec | None:
-    """One held-out MoE workload, placed as `sample_heldout_spec` places the dense ones."""
-    return _heldout_sized(rng, "moe", _heldout_moe_shape(rng))
-
-
-def heldout_moe_specs(seed: int = HELDOUT_MOE_SEED, n: int = HELDOUT_MOE_SIZE,
-                      progress: bool = False) -> list[WorkloadSpec]:
-    """The fixed held-out MoE set (issue 14 asks the RL planner's quality on 32 of them)."""
-    return [spec for spec, _ in _collect(sample_heldout_moe_spec, n, seed, progress)]
-
+def heldout_workloads(seed: int = HELDOUT_SEED, n: int = HELDOUT_SIZE, progress: bool = False,
+                      family: str | None = None) -> list:
+    """The fixed held-out set: shapes and clusters no training run sees (of one family, if given)."""
+    return [w for _, w in _heldout(seed, n, progress, family)]

@@ -1,19 +1,26 @@
 """Every planner on the held-out workloads, against the exhaustive oracle, under the cost model.
 
-For each held-out workload (`autopar.envs.workloads.heldout_workloads`) and each planner: the
-ratio of the predicted throughput of its plan to the oracle's best (oracle time / plan time;
-the best of the k plans for rl top-8; 0 when it finds no plan), the cost-model evaluations it
-spent, and its wall time. Writes to --out: results.json (per workload), table.md, and two
-figures (ratio distribution per planner; ratio against evaluations). The oracle's answers are
-cached in --out/oracle.json, so a rerun pays only for the planners.
+For each held-out workload (`autopar.envs.workloads.heldout_workloads`: every zoo family, preset
+and precision of the registries, or one family with --family) and each planner: the ratio of
+the predicted throughput of its plan to the oracle's best (oracle time / plan time; the best of
+the k plans for rl top-8; 0 when it finds no plan), the cost-model evaluations it spent, and its
+wall time. The rl rows: `rl` is what `autopar search` returns first (8 plans beam-decoded,
+refined by coordinate descent, ranked by the cost model), `rl-top8` the 8 decoded plans ranked
+without refinement, `rl-greedy` the policy alone (greedy decoding). Writes to --out:
+results.json (per workload), table.md, and two figures (ratio distribution per planner; ratio
+against evaluations). The oracle's answers are cached in --out/oracle.json, so a rerun pays only
+for the planners. --readme FILE rewrites the table between FILE's planner-table markers.
 
     python experiments/planner_eval.py [--limit 8] [--planners optuna-50,rules] [--out DIR]
+    python experiments/planner_eval.py --family moe --limit 32 --planners rl,rl-top8,rl-greedy
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -22,15 +29,17 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from autopar.atomic import write_text_atomic
 from autopar.cost import estimate
 from autopar.envs.rewards import workload_key
-from autopar.envs.workloads import HELDOUT_SEED, HELDOUT_SIZE, heldout_workloads
+from autopar.envs.workloads import HELDOUT_SEED, HELDOUT_SIZE, families, heldout_workloads
 from autopar.errors import AutoparError, NoValidPlanError
 from autopar.search import get_planner
 
 PLANNERS = {  # name -> (registry name, options, k: the best of the top k counts)
-    "rl-top1": ("rl", {}, 1),
-    "rl-top8": ("rl", {}, 8),
+    "rl": ("rl", {}, 1),
+    "rl-top8": ("rl", {"refine": False}, 8),
+    "rl-greedy": ("rl", {"beam": 1, "refine": False}, 1),
     "optuna-50": ("optuna", {"trials": 50, "progress": False}, 1),
     "optuna-200": ("optuna", {"trials": 200, "progress": False}, 1),
     "rules": ("rules", {}, 1),
@@ -97,6 +106,13 @@ def summary(results: list[dict], names: list[str]) -> list[dict]:
 
 
 COLUMNS = ("planner", "median", "p5", "min", "no plan", "evaluations", "wall s", "> rules")
+README_COLUMNS = ("planner", "median", "p5", "min", "cost-model evaluations (median)")
+README_NAMES = {  # planner -> its row in the README
+    "rl": "rl (default: 8 decoded, refined, ranked)", "rl-top8": "rl top-8 (decoded, ranked)",
+    "rl-greedy": "rl greedy (the policy alone)", "optuna-50": "optuna, 50 trials", "optuna-200": "optuna, 200 trials",
+    "random-50": "random, 50", "random-200": "random, 200", "rules": "rules",
+}
+MARKERS = ("<!-- planner-table:begin", "<!-- planner-table:end -->")
 
 
 def formatted(row: dict) -> list[str]:
@@ -109,6 +125,36 @@ def markdown(rows: list[dict], title: str) -> str:
     lines = [f"**{title}**", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(formatted(r)) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def readme_table(rows: list[dict], command: str) -> str:
+    """The README's planner table, with the command that wrote it."""
+    lines = [f"{MARKERS[0]} written by: {command} -->", "| " + " | ".join(README_COLUMNS) + " |",
+             "|" + "---|" * len(README_COLUMNS)]
+    lines += [f"| {README_NAMES.get(r['planner'], r['planner'])} | {r['median']:.3f} | {r['p5']:.3f} | {r['min']:.3f} "
+              f"| {r['evaluations']:,.0f} |" for r in rows if r["planner"] != "oracle"]
+    return "\n".join(lines + [MARKERS[1]])
+
+
+def _replay() -> list[str]:
+    """This run's arguments without --out (where the caches went is not how the table was made)."""
+    out, args = [], iter(sys.argv[1:])
+    for a in args:
+        if a == "--out":
+            next(args, None)
+        elif not a.startswith("--out="):
+            out.append(a)
+    return out
+
+
+def rewrite_readme(path: Path, table: str) -> None:
+    """Replace the table between the markers (both must be there: nothing else is touched)."""
+    text = path.read_text()
+    start, end = text.find(MARKERS[0]), text.find(MARKERS[1])
+    if start < 0 or end < start:
+        raise SystemExit(f"{path} has no planner table markers ({MARKERS[0]} ... {MARKERS[1]}); add them around "
+                         f"the table to regenerate")
+    write_text_atomic(path, text[:start] + table + text[end + len(MARKERS[1]):])
 
 
 def figures(results: list[dict], names: list[str], rows: list[dict], out: Path) -> None:
@@ -153,10 +199,14 @@ def main() -> None:
     parser.add_argument("--heldout-seed", type=int, default=HELDOUT_SEED)
     parser.add_argument("--seed", type=int, default=0, help="seed of the rl, optuna and random planners")
     parser.add_argument("--policy", help="rl policy file (default: the shipped one)")
+    parser.add_argument("--family", help=f"held-out workloads of one zoo family only, of {list(families())}")
+    parser.add_argument("--readme", type=Path, metavar="FILE", help="rewrite the planner table in FILE (README.md)")
     args = parser.parse_args()
     unknown = set(args.planners.split(",")) - set(PLANNERS)
     if unknown:
         parser.error(f"unknown planners {sorted(unknown)}; choose from {list(PLANNERS)}")
+    if args.family is not None and args.family not in families():
+        parser.error(f"unknown family {args.family!r}; choose from {list(families())}")
     console = Console()
     planners = make_planners(args.planners.split(","), args.seed, args.policy, console)
     names = list(planners)
@@ -164,7 +214,7 @@ def main() -> None:
     cache_path = args.out / "oracle.json"
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
 
-    workloads = heldout_workloads(seed=args.heldout_seed, n=args.limit, progress=True)
+    workloads = heldout_workloads(seed=args.heldout_seed, n=args.limit, progress=True, family=args.family)
     results = []
     for w in track(workloads, description="planning", console=console, transient=True):
         best = oracle(w, cache)
@@ -174,7 +224,7 @@ def main() -> None:
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
 
     rows = summary(results, names)
-    title = (f"{len(results)} held-out workloads (seed {args.heldout_seed}), planner seed {args.seed}: ratio of "
+    title = (f"{len(results)} held-out {args.family + ' ' if args.family else ''}workloads (seed {args.heldout_seed}), planner seed {args.seed}: ratio of "
              f"predicted throughput to the oracle's (median, p5, min); median evaluations and wall time; "
              f"share of workloads where the planner beats the rules")
     table = Table(title=title)
@@ -185,6 +235,9 @@ def main() -> None:
     console.print(table)
     (args.out / "table.md").write_text(markdown(rows, title))
     figures(results, names, rows, args.out)
+    if args.readme:
+        rewrite_readme(args.readme, readme_table(rows, "python experiments/planner_eval.py " + shlex.join(_replay())))
+        console.print(f"planner table in {args.readme} rewritten")
     console.print(f"results, table.md and figures in {args.out}")
 
 

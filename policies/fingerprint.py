@@ -33,6 +33,8 @@ PROBES = (  # the runtime is the trainer's (torch); models, precisions and sizes
     WorkloadSpec("vit", (("size", "vit-b16"),), "pcie-4090x8", global_batch=64, precision="fp16"),
     WorkloadSpec("llama", (("size", "llama2-7b"),), "dgx-h200", nodes=2, global_batch=64),
     WorkloadSpec("gpt", (("size", "1.7b"),), "l40s-pcie", nodes=3, global_batch=48),
+    WorkloadSpec("llama", (("seq_len", 4096), ("size", "llama3-8b")), "dgx-b200", nodes=2, global_batch=64),
+    WorkloadSpec("gpt", (("size", "3.6b"),), "gb200-nvl72", gpus_per_node=16, global_batch=64),
 )
 PLANS_PER_PROBE = 2048  # spread evenly over the space's order; a few milliseconds of evaluation each
 OUTPUTS = ("iteration_time", "peak_memory", "fits")

@@ -1,9 +1,13 @@
 """The RL planner (`autopar search --method rl`): a trained policy picks each knob in one forward pass.
 
-Top-1 is the greedy decode; top-k beam-decodes (or samples, with `decode="sample"`) k distinct
-plans and ranks them with the cost model. Cost-model calls are only those the masks need (a
-handful of lean completions per decision) plus the ranking. The policy's confidence in each
-returned plan is kept: the product of the probabilities of its decisions and the least of them.
+By default the planner beam-decodes max(k, BEAM) distinct plans (or samples them, with
+`decode="sample"`), refines the fastest of them by coordinate descent with the cost model
+(`policies/refine.py`: one knob changed at a time while that helps), and ranks the decoded and
+refined plans with the cost model; `beam=1, refine=False` is the policy alone (greedy decoding).
+The evaluations it reports are every plan the cost model saw: the masks' lean completions, the
+refinement's neighbours and the ranking. The policy's confidence in each returned plan is kept:
+the product of the probabilities of its decisions and the least of them (none for a plan that
+refinement or simplification found and the policy did not decode).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.axes import axis_names
 from autopar.cost import PlanArrays, evaluate
 from autopar.envs.features import workload_features
 from autopar.envs.knobs import PlanSpace
@@ -20,11 +25,23 @@ from autopar.plan import Plan
 from autopar.policies.decode import beam_search, sample
 from autopar.policies.fingerprint import stale_note
 from autopar.policies.load import default_policy_path, load_policy
+from autopar.policies.refine import refine
 from autopar.search.base import Planner
 from autopar.search.exhaustive import memory_error, no_plan_error
 from autopar.search.simplicity import simpler_variants, simplest_first
 
 DECODERS = ("beam", "sample")
+BEAM = 8  # plans decoded by default, whatever k: the cost model ranks them
+REFINE_STARTS = 4  # decoded plans that coordinate descent starts from
+
+
+def starts(plans: list[Plan], times: np.ndarray) -> list[int]:
+    """The decoded plans refinement starts from: the fastest plan of each distinct set of axis
+    degrees first (descents from one layout tend to meet in one local optimum), fastest first."""
+    order = [int(i) for i in np.argsort(times, kind="stable") if np.isfinite(times[i])]
+    degrees = [tuple(getattr(plans[i], a) for a in axis_names()) for i in order]
+    firsts = [i for n, i in enumerate(order) if degrees[n] not in degrees[:n]]
+    return (firsts + [i for i in order if i not in firsts])[:REFINE_STARTS]
 
 
 @dataclass(frozen=True)
@@ -41,13 +58,16 @@ class Confidence:
 class RLPlanner(Planner):
     name = "rl"
 
-    def __init__(self, policy=None, seed: int = 0, decode: str = "beam"):
+    def __init__(self, policy=None, seed: int = 0, decode: str = "beam", beam: int = BEAM,
+                 refine: bool = True):
         super().__init__()
         if decode not in DECODERS:
             raise AutoparError(f"unknown decode {decode!r}; choose one of {list(DECODERS)}")
+        if beam < 1:
+            raise AutoparError(f"the beam width must be at least 1, got {beam}")
         self.actor = load_policy(policy)  # checks the space signature: fail before any search
         self.stale_note = stale_note(self.actor.meta, policy or default_policy_path())
-        self.seed, self.decode = seed, decode
+        self.seed, self.decode, self.beam, self.refine = seed, decode, beam, refine
         self.last_confidence: Confidence | None = None  # of the best plan of the last propose()
         self.confidences: list[Confidence | None] = []  # of every plan of the last propose(), in order
 
@@ -57,20 +77,31 @@ class RLPlanner(Planner):
         if not first.allowed.any():
             raise memory_error(workload, float(first.memory.min())) if first.values else no_plan_error(workload)
         features = workload_features(workload)
-        if k > 1 and self.decode == "sample":
-            decoded = sample(self.actor, space, features, k, np.random.default_rng(self.seed))
+        width = max(k, self.beam)
+        if width > 1 and self.decode == "sample":
+            decoded = sample(self.actor, space, features, width, np.random.default_rng(self.seed))
         else:
-            decoded = beam_search(self.actor, space, features, k)
+            decoded = beam_search(self.actor, space, features, width)
         plans = [space.plan(d.prefix) for d in decoded]
         confidences = [Confidence(d.probability, d.min_step) for d in decoded]
+        spent = len(plans)
+        if self.refine:
+            res = evaluate(workload, PlanArrays.from_plans(plans, workload.profile))
+            times = np.where(res["fits"], res["iteration_time"], np.inf)
+            seen: dict = {}
+            for i in starts(plans, times):
+                found = refine(space, decoded[i].prefix, seen=seen)
+                spent += found.evaluations
+                plan = space.plan(found.prefix)
+                if plan not in plans:
+                    plans.append(plan)
         # the policy may pick a needless knob among ties: its plans' simpler variants join the ranking
-        # (a variant was not decoded, so it has no policy confidence)
         variants = list(dict.fromkeys(v for p in plans for v in simpler_variants(workload, p) if v not in plans))
         res = evaluate(workload, PlanArrays.from_plans(plans + variants, workload.profile))
-        keep = [i for i in range(len(plans) + len(variants)) if i < len(plans) or res["fits"][i]]
+        keep = [i for i in range(len(plans) + len(variants)) if i < len(decoded) or res["fits"][i]]
         candidates = [(plans + variants)[i] for i in keep]
         order = simplest_first(candidates, res["iteration_time"][keep])[:max(k, 1)]
-        self.evaluations = space.evaluations + len(plans) + len(variants)
-        self.confidences = [confidences[keep[i]] if keep[i] < len(plans) else None for i in order]
+        self.evaluations = space.evaluations + spent + len(plans) + len(variants)
+        self.confidences = [confidences[keep[i]] if keep[i] < len(decoded) else None for i in order]
         self.last_confidence = self.confidences[0]
         return [candidates[i] for i in order]

@@ -13,6 +13,7 @@ from autopar.cost import estimate, evaluate
 from autopar.envs import ENV_ID
 from autopar.envs.knobs import MAX_ACTIONS, PlanSpace
 from autopar.envs.parallel_plan_env import ParallelPlanEnv
+from autopar.errors import AutoparError
 from autopar.envs.rewards import INVALID_REWARD
 from autopar.search.space import enumerate_plans
 from conftest import workload
@@ -119,3 +120,47 @@ def test_workload_without_a_fitting_plan_is_refused():
     with pytest.raises(NoValidPlanError):
         env.reset(options={"workload": workload(size="gpt3-13b", cluster="pcie-4090x8", nodes=1, gpus_per_node=1,
                                                 global_batch=8)})
+
+
+def test_heldout_presets_come_from_the_registry_and_share_no_gpu_with_training():
+    from autopar.cluster import PRESETS
+    from autopar.envs.workloads import HELDOUT_CLUSTERS, HELDOUT_NODES, TRAIN_CLUSTERS, TRAIN_NODES
+
+    trained = {PRESETS[c]["gpu"] for c in TRAIN_CLUSTERS}
+    assert HELDOUT_CLUSTERS and not {PRESETS[c]["gpu"] for c in HELDOUT_CLUSTERS} & trained
+    assert {"dgx-h200", "gb200-nvl72"} <= set(HELDOUT_CLUSTERS) and "cpu" not in HELDOUT_CLUSTERS
+    assert not set(HELDOUT_NODES) & set(TRAIN_NODES)
+
+
+def test_heldout_of_one_family_and_an_unknown_family():
+    from autopar.envs.workloads import heldout_specs
+
+    specs = heldout_specs(n=3, family="vit")
+    assert len(specs) == 3 and {s.model for s in specs} == {"vit"}
+    with pytest.raises(AutoparError, match="unknown model family 'nope'"):
+        heldout_specs(n=1, family="nope")
+
+
+def test_a_family_without_a_shape_rule_is_trained_and_held_out_by_its_named_sizes(monkeypatch):
+    """What a family the zoo adds (MoE) gets without an edit to envs/workloads.py: training on its
+    named sizes (not the test ones), held out at other depths and sequence lengths on held-out
+    presets or node counts, so no held-out spec is a training spec."""
+    import autopar.envs.workloads as W
+
+    monkeypatch.setattr(W, "TRAIN_MODELS", {k: v for k, v in W.TRAIN_MODELS.items() if k != "gpt"})
+    monkeypatch.setattr(W, "_heldout_shape", lambda rng, family: W._other_heldout_shape(rng, family))
+    W.family_sizes.cache_clear()
+    try:
+        sizes, seq_lens = W.family_sizes("gpt")
+        assert "tiny" not in sizes and "gpt2-small" in sizes and seq_lens == W.OTHER_SEQ_LENS
+        train = [W.sample_training_spec(np.random.default_rng(i), "gpt") for i in range(6)]
+        held = W.heldout_specs(n=3, family="gpt")
+    finally:
+        W.family_sizes.cache_clear()
+    zoo = W._zoo_sizes("gpt")
+    for spec in held:
+        args = dict(spec.model_args)
+        assert args["layers"] != zoo[args["size"]]["layers"] and args["seq_len"] in W.HELDOUT_SEQ_LENS
+        assert spec.cluster in W.HELDOUT_CLUSTERS or spec.nodes in W.HELDOUT_NODES
+        assert spec not in train
+    assert all(set(dict(s.model_args)) == {"size", "seq_len"} for s in train if s is not None)

@@ -8,7 +8,7 @@ from conftest import workload
 from autopar import axes
 from autopar.cost import estimate
 from autopar.envs.knobs import PlanSpace
-from autopar.envs.workloads import TRAIN_MODELS, sample_training_spec
+from autopar.envs.workloads import families, family_sizes, sample_training_spec
 
 
 def _ep_step(space: PlanSpace, rng):
@@ -44,28 +44,14 @@ def test_dense_models_offer_ep_1_only():
 
 
 def test_training_mix_draws_moe_workloads(monkeypatch):
-    """The sampler draws the MoE family at its share, with its named sizes (sizing the cluster needs the
-    parameter count: a stand-in here, so no model is profiled)."""
+    """The sampler draws the zoo's MoE family at its share, with its named sizes (sizing the cluster
+    needs the parameter count: a stand-in here, so no model is profiled)."""
     from autopar.envs import workloads
 
     monkeypatch.setattr(workloads, "_approx_params", lambda spec: 1e9)
     rng = np.random.default_rng(7)
-    drawn = [s for s in (sample_training_spec(rng) for _ in range(120)) if s is not None]
+    drawn = [s for s in (sample_training_spec(rng) for _ in range(150)) if s is not None]
     moe = [s for s in drawn if s.model == "moe"]
-    assert len(drawn) / len(TRAIN_MODELS) / 2 < len(moe) < 2 * len(drawn) / len(TRAIN_MODELS)
-    assert {dict(s.model_args)["size"] for s in moe} <= set(TRAIN_MODELS["moe"][0])
-
-
-def test_heldout_moe_shapes_are_valid_and_off_the_zoo():
-    """The held-out MoE shapes build a valid MoE config and are none of the named sizes; the draw is
-    fixed by its seed."""
-    from autopar.envs.workloads import _heldout_moe_shape
-    from autopar.zoo import moe
-
-    shapes = [_heldout_moe_shape(np.random.default_rng(s)) for s in range(40)]
-    assert shapes == [_heldout_moe_shape(np.random.default_rng(s)) for s in range(40)]
-    named = {(c["experts"], c["top_k"], c["hidden"]) for c in moe.SIZES.values()}
-    for shape in shapes:
-        cfg = moe.config(**shape)
-        assert (cfg.experts, cfg.top_k, cfg.hidden) not in named and 1 <= cfg.top_k < cfg.experts
-
+    assert "moe" in families()
+    assert len(drawn) / len(families()) / 2 < len(moe) < 2 * len(drawn) / len(families())
+    assert {dict(s.model_args)["size"] for s in moe} <= set(family_sizes("moe")[0])

@@ -102,8 +102,9 @@ def _add_training_flags(p, timesteps: int) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of --output")
     p.add_argument("--eval-every", type=int, default=20_000, metavar="STEPS",
                    help="evaluate against the oracle every STEPS (default 20,000)")
-    p.add_argument("--eval-workloads", type=int, default=24, metavar="N",
-                   help="validation workloads, drawn apart from the pool (default 24; 0: none)")
+    p.add_argument("--eval-workloads", type=int, default=TrainConfig.eval_workloads, metavar="N",
+                   help=f"validation workloads, drawn apart from the pool (default {TrainConfig.eval_workloads}; "
+                        f"0: none)")
     p.add_argument("--checkpoint-every", type=int, default=20_000, metavar="STEPS",
                    help="write a checkpoint every STEPS (default 20,000)")
     p.add_argument("--n-steps", type=int, default=2048, metavar="STEPS",
