@@ -27,9 +27,10 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from autopar.axes import FOLDED
 from autopar.cost import PlanArrays, evaluate
 from autopar.errors import AutoparError
-from autopar.knobs import decisions
+from autopar.knobs import decisions, knob
 from autopar.plan import Plan
 from autopar.search.base import Planner
 from autopar.search.sampling import best_distinct, check_space, nearest
@@ -98,14 +99,18 @@ class OptunaPlanner(Planner):
     def _objective(self, trial, workload) -> float:
         _within_budget(trial, self.trials)
 
-        def choose(knob, choices) -> int:
-            positions = np.array([knob.position_of(c, choices) for c in choices])
-            return nearest(positions, _suggest(trial, knob))
+        constant = _constant_folded(workload)
+
+        def choose(k, choices) -> int:
+            if k.name in constant:
+                return 0
+            positions = np.array([k.position_of(c, choices) for c in choices])
+            return nearest(positions, _suggest(trial, k))
 
         plan = sample(workload, choose)
-        for knob in decisions():
-            if knob.name not in trial.params:
-                _suggest(trial, knob)
+        for k in decisions():
+            if k.name not in trial.params and k.name not in constant:
+                _suggest(trial, k)
         res = evaluate(workload, PlanArrays.from_plans([plan], workload.profile))
         self.evaluations += 1
         peak = float(res["peak_memory"][0])
@@ -174,6 +179,14 @@ def _within_budget(trial, budget: int) -> None:
     if before >= budget:
         trial.study.stop()
         raise optuna.TrialPruned(f"the study's budget of {budget} trials is spent")
+
+
+def _constant_folded(workload) -> set[str]:
+    """Folded axes with one degree whatever the others (ep for a dense model): left out of every
+    trial of the study, so they add no dimension for TPE to search."""
+    world = workload.world_size
+    return {name for name, f in FOLDED.items()
+            if len(knob(name).choices(workload, {a: world for a in f.within})) == 1}
 
 
 def _suggest(trial, knob) -> float:
