@@ -72,14 +72,14 @@ def convert_fp8(blocks: list[nn.Module], plan: Plan) -> None:
     if plan.precision != "fp8":
         return
     if plan.fp8_recipe == "mxfp8":
-        # lazy: torchao is an optional dependency, loaded only for fp8 plans
-        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
-        from torchao.quantization import quantize_
+        from torchao.prototype.moe_training.config import (  # lazy: torchao is optional, for fp8 plans only
+            MXFP8TrainingOpConfig, MXFP8TrainingRecipe)
+        from torchao.quantization import quantize_  # lazy: as above
         config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL)
         for block in blocks:
             quantize_(block, config, filter_fn=lambda m, fqn: _fp8_linear(m))
         return
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # lazy, as above
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # lazy: torchao is optional
     config = Float8LinearConfig.from_recipe_name(plan.fp8_recipe)
     if plan.zero == 3 and plan.fp8_recipe == "tensorwise":  # FSDP2 gathers the fp8 weights
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
