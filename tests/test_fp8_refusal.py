@@ -72,6 +72,28 @@ def test_the_executor_refuses_fp8_on_gloo_and_on_the_cpu_device():
         Plan(dp=1, tp=1, pp=1, micro_batch_size=2, num_micro_batches=2, precision="fp8")
 
 
+@pytest.mark.parametrize("recipe, zero", [("tensorwise", 3), ("rowwise", 0)])
+def test_fp8_converts_the_blocks_linears_with_torchaos_recipe(recipe, zero):
+    """The conversion the CUDA path runs (it needs no GPU): every block linear becomes torchao's
+    Float8Linear with the plan's recipe (fp8 all-gather under FSDP2 with tensorwise), the head stays."""
+    pytest.importorskip("torchao")
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    from autopar.executor.precision import convert_fp8
+
+    model = GPT.build(size="tiny", dropout=0.0)
+    plan = Plan(dp=2, tp=1, pp=1, micro_batch_size=2, num_micro_batches=2, precision="fp8", fp8_recipe=recipe,
+                zero=zero)
+    convert_fp8(list(GPT.blocks(model)), plan)
+    linears = [m for b in GPT.blocks(model) for m in b.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, Float8Linear) for m in linears)
+    expected = Float8LinearConfig.from_recipe_name(recipe)
+    assert all(m.config.cast_config_input == expected.cast_config_input for m in linears)
+    assert all(m.config.enable_fsdp_float8_all_gather == (recipe == "tensorwise" and zero == 3) for m in linears)
+    assert type(model.output) is torch.nn.Linear
+
+
 def test_a_workload_refuses_fp8_on_an_a100():
     with pytest.raises(AutoparError, match="A100-SXM4-80GB has none"):
         Workload(profile("gpt", size="tiny"), load_cluster("dgx-a100-80g"), 8, fp8=True)
