@@ -164,7 +164,7 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     shape = kind_efficiency(profile, g.micro_batch_size, g.tp, cluster.gpu.sms)  # tile and wave quantisation
     eff = c.gemm_efficiency * shape * flops_f / (flops_f + c.gemm_half_flops)
     rate = peak * np.maximum(eff, 1e-9)
-    scale = fp8.compute_scale(workload, g, k, flops_f, c)  # fp8's GEMMs and casts, compile's fusion
+    scale = fp8.compute_scale(workload, g, b, flops_f, c)  # fp8's GEMMs and casts, compile's fusion
     shard = _ratio(k["saved_tp_bytes"], k["saved_bytes"])
     io_f = b * act_scale * k["io_bytes"] * (shard / t + (1 - shard) / sp_div) / hbm * scale["elementwise"]
     base = c.collective_latency_s

@@ -84,8 +84,9 @@ def _plan_masks(workload, g):
     return fp8, compiled, gains
 
 
-def compute_scale(workload, g, k: dict, flops_f: np.ndarray, c) -> dict[str, np.ndarray]:
-    """For `_pipeline` (shapes (G, K)): `gemm`, the factor on each kind's FLOPs time (1 but for
+def compute_scale(workload, g, b: np.ndarray, flops_f: np.ndarray, c) -> dict[str, np.ndarray]:
+    """For `_pipeline` (shapes (G, K); `b`, (G, 1), the samples' worth of tokens a rank runs per
+    micro-batch): `gemm`, the factor on each kind's FLOPs time (1 but for
     fp8's linear GEMMs); `cast_f`, `cast_b`, seconds of fp8 casts per micro-batch; `elementwise`,
     the factor on the elementwise traffic (compile); `saved`, activation bytes per micro-batch that
     Transformer Engine saves in fp8 instead of bf16 (to subtract)."""
@@ -93,8 +94,7 @@ def compute_scale(workload, g, k: dict, flops_f: np.ndarray, c) -> dict[str, np.
     lin = _linears(profile)
     fp8, compiled, gains = _plan_masks(workload, g)
     col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731
-    t, b = col(g.tp), col(g.micro_batch_size)
-    sp_div = np.where(np.asarray(g.sequence_parallel, dtype=bool), np.asarray(g.tp), 1)[:, None].astype(float)
+    t = col(g.tp)
     ones = np.ones_like(flops_f)
 
     share = np.minimum(np.divide(b * lin["flops"] / t, flops_f, out=np.zeros_like(flops_f), where=flops_f > 0), 1.0)
