@@ -140,11 +140,11 @@ def fp8_weight_bytes(workload, pa, local_params: np.ndarray) -> np.ndarray:
 def gather_scale(workload, pa) -> np.ndarray:
     """Factor on the bytes FSDP2 all-gathers, shape (N, 1): torchao's fp8 all-gather sends the layers'
     linear weights in fp8 (tensorwise scaling, ZeRO-3) instead of bf16."""
+    if workload.runtime == "megatron":  # Megatron's ZeRO-3 is torch's FSDP2 without torchao's fp8 weights
+        return np.ones((len(pa), 1))
     tensorwise = RECIPE_CODES.index("tensorwise")
     on = ((np.asarray(pa.precision) == FP8) & (np.asarray(pa.fp8_recipe) == tensorwise)
           & (np.asarray(pa.zero) == 3))[:, None]
-    if workload.runtime == "megatron":
-        on = on & False
     return np.where(on, 1 - 0.5 * _linear_param_share(workload.profile), 1.0)
 
 
