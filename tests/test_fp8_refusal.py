@@ -49,6 +49,15 @@ def test_estimate_of_an_fp8_plan_on_h100_runs(capsys):
     assert '"precision": "fp8"' in capsys.readouterr().out
 
 
+def test_an_fp8_plan_file_is_explained_in_its_own_precision(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    Plan(dp=8, tp=1, pp=1, micro_batch_size=1, num_micro_batches=1, precision="fp8", fp8_recipe="rowwise",
+         compile=True).save(path)
+    assert main(["explain", str(path), "gpt", "--model-arg", "size=tiny", "--cluster", "dgx-h100", "--nodes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8 rowwise scaling" in out and "torch.compile of each block on" in out
+
+
 def test_mxfp8_is_refused_before_blackwell(capsys):
     _refused(capsys, ["estimate", "gpt", "--model-arg", "size=tiny", "--cluster", "dgx-h100", "--nodes", "1",
                       "--dp", "8", "--micro-batch-size", "1", "--global-batch", "8", "--precision", "fp8",
