@@ -486,10 +486,20 @@ def _check_fp8_recipe(plan) -> None:
                         f"one of {', '.join(FP8_RECIPES)}, any other precision 'none'")
 
 
+def compile_problem(plan) -> str | None:
+    """What the executor cannot compile: blocks under tensor parallelism (torch 2.13's compiled
+    autograd of a checkpointed DTensor block saves a DeviceMesh and fails) or in a pipeline stage (not
+    verified)."""
+    if plan.compile and (plan.tp > 1 or plan.pp > 1):
+        return (f"compile with tp={plan.tp}, pp={plan.pp}: the executor compiles blocks without tensor or "
+                "pipeline parallelism only; set compile false or tp = pp = 1")
+    return None
+
+
 def _compile_choices(w, d) -> list[bool]:
-    """torch.compile of each block under autopar's executor; Megatron-Core runs its own fused kernels
-    (Transformer Engine), never torch.compile."""
-    return [False] if w.runtime == "megatron" else [False, True]
+    """torch.compile of each block under autopar's executor, where it can (`compile_problem`);
+    Megatron-Core runs its own fused kernels (Transformer Engine), never torch.compile."""
+    return [False] if w.runtime == "megatron" or d["tp"] > 1 or d["pp"] > 1 else [False, True]
 
 
 def _parse_order(text: str) -> tuple[str, ...]:
@@ -541,7 +551,7 @@ for _k in (
          ("precision",), label="fp8 scaling", text=lambda r: "no fp8" if r == "none" else f"fp8 {r} scaling",
          short=lambda r: None if r == "none" else f"fp8={r}", slots=("none",) + FP8_RECIPES, detail=True,
          check=_check_fp8_recipe, flag_help="fp8 scaling recipe: tensorwise | rowwise | mxfp8 (Blackwell)"),
-    Knob("compile", (Field("compile", bool, False),), _compile_choices, (), label="torch.compile",
+    Knob("compile", (Field("compile", bool, False),), _compile_choices, ("tp", "pp"), label="torch.compile",
          text=_bool_text("torch.compile of each block"), short=lambda v: "compiled" if v else None,
          slots=(False, True), detail=True, parse=_parse_bool,
          flag_help="torch.compile each transformer block (fuses elementwise ops; fp8 pays off only compiled)"),

@@ -85,8 +85,9 @@ def test_the_space_offers_the_recipes_the_gpu_runs_and_compile_under_torch():
     assert choices(h100, knob("fp8_recipe"), {"precision": "fp8"}) == ["tensorwise", "rowwise"]
     assert choices(b200, knob("fp8_recipe"), {"precision": "fp8"}) == ["tensorwise", "rowwise", "mxfp8"]
     assert choices(h100, knob("fp8_recipe"), {"precision": "bf16"}) == ["none"]
-    assert choices(h100, knob("compile"), {}) == [False, True]
-    assert choices(_workload(runtime="megatron"), knob("compile"), {}) == [False]
+    assert choices(h100, knob("compile"), {"tp": 1, "pp": 1}) == [False, True]
+    assert choices(h100, knob("compile"), {"tp": 2, "pp": 1}) == [False]  # executor/support.py refuses it
+    assert choices(_workload(runtime="megatron"), knob("compile"), {"tp": 1, "pp": 1}) == [False]
 
 
 def _as(pa: PlanArrays, **columns) -> PlanArrays:
