@@ -29,9 +29,17 @@ from autopar.errors import PlanError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE_MODES = ("none", "selective", "full")
-PRECISIONS = ("bf16", "fp16", "fp32")
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 COMM_DTYPES = ("fp32", "bf16", "fp16")
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# fp8 trains with bf16 weights, gradients and activations: only the GEMMs' inputs are cast to fp8
+# (autopar/cost/precision.py prices the casts and the fp8 copies), so its storage dtype is bf16
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
+STORAGE_DTYPE = {"fp8": "bf16"}
+# torchao's float8 training recipes (per-tensor or per-row scales), and MXFP8 (a scale per 32
+# elements, Blackwell's tensor cores only); under runtime megatron, Transformer Engine's recipes of
+# the same granularity (delayed / current per-tensor scaling, MXFP8)
+FP8_RECIPES = ("tensorwise", "rowwise", "mxfp8")
+BLOCK_SCALED = ("mxfp8",)  # recipes the GPU must have block-scaled fp8 tensor cores for
 ZERO_STAGES = (0, 1, 2, 3)
 BUCKETS_MB = (5.0, 25.0, 100.0)
 MAX_VIRTUAL_STAGES = 8
@@ -257,6 +265,25 @@ _PRECISION = Knob("precision", (Field("precision", str, "bf16", PRECISIONS),),
                   flag_help="training precision (the workload's)")
 
 
+def storage_dtype(precision: str) -> str:
+    """The dtype weights, gradients and activations are kept in (and a model is profiled in)."""
+    return STORAGE_DTYPE.get(precision, precision)
+
+
+def fp8_problem(precision: str, gpu, recipe: str | None = None) -> str | None:
+    """Why a GPU cannot train in `precision` with `recipe` (None: it can): fp8 needs fp8 tensor
+    cores (Hopper, Ada, Blackwell: `peak_flops["fp8"]`), MXFP8 block-scaled ones (Blackwell)."""
+    if precision != "fp8":
+        return None
+    if not gpu.peak_flops.get("fp8"):
+        return (f"precision fp8 needs a GPU with fp8 tensor cores (H100, H200, B200, GB200); {gpu.name} has none: "
+                f"use --precision bf16")
+    if recipe in BLOCK_SCALED and not gpu.peak_flops.get(recipe):
+        return (f"fp8 recipe {recipe} needs block-scaled fp8 tensor cores (B200, GB200); {gpu.name} has none: "
+                f"use recipe tensorwise or rowwise")
+    return None
+
+
 # -- the knobs of today ------------------------------------------------------------------------------
 def _micro_batch_choices(w, d) -> list[int]:
     return _axes.divisors(w.global_batch // d["dp"])
@@ -383,7 +410,8 @@ def _comm_choices(w, d) -> list[str]:
     if d["dp"] == 1:
         return ["fp32"]
     backend = "gloo" if _gloo(w) else "nccl"
-    return ["fp32"] + [p for p in (w.precision,) if p != "fp32" and comm_dtype_problem(p, backend) is None]
+    return ["fp32"] + [p for p in (storage_dtype(w.precision),)
+                       if p != "fp32" and comm_dtype_problem(p, backend) is None]
 
 
 def _mesh_choices(w, d) -> list[tuple[str, ...]]:
@@ -445,6 +473,35 @@ def _parse_bool(text: str) -> bool:
     return text.lower() in ("true", "on", "1")
 
 
+def _fp8_recipe_choices(w, d) -> list[str]:
+    """None but under fp8; then every recipe the GPU's tensor cores run."""
+    if d["precision"] != "fp8":
+        return ["none"]
+    return [r for r in FP8_RECIPES if fp8_problem("fp8", w.cluster.gpu, r) is None]
+
+
+def _check_fp8_recipe(plan) -> None:
+    if (plan.precision == "fp8") != (plan.fp8_recipe != "none"):
+        raise PlanError(f"fp8_recipe '{plan.fp8_recipe}' with precision {plan.precision}: precision fp8 takes "
+                        f"one of {', '.join(FP8_RECIPES)}, any other precision 'none'")
+
+
+def compile_problem(plan) -> str | None:
+    """What the executor cannot compile: blocks under tensor parallelism (torch 2.13's compiled
+    autograd of a checkpointed DTensor block saves a DeviceMesh and fails) or in a pipeline stage (not
+    verified)."""
+    if plan.compile and (plan.tp > 1 or plan.pp > 1):
+        return (f"compile with tp={plan.tp}, pp={plan.pp}: the executor compiles blocks without tensor or "
+                "pipeline parallelism only; set compile false or tp = pp = 1")
+    return None
+
+
+def _compile_choices(w, d) -> list[bool]:
+    """torch.compile of each block under autopar's executor, where it can (`compile_problem`);
+    Megatron-Core runs its own fused kernels (Transformer Engine), never torch.compile."""
+    return [False] if w.runtime == "megatron" or d["tp"] > 1 or d["pp"] > 1 else [False, True]
+
+
 def _parse_order(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(","))
 
@@ -490,6 +547,14 @@ for _k in (
          label="optimizer offload", text=_bool_text("CPU offload"), short=lambda v: "offload" if v else None,
          slots=(False, True), detail=True, parse=_parse_bool,
          check=_check_offload, flag_help="optimizer state and step on the CPU (FSDP2 offload; zero 2 or 3)"),
+    Knob("fp8_recipe", (Field("fp8_recipe", str, "none", ("none",) + FP8_RECIPES),), _fp8_recipe_choices,
+         ("precision",), label="fp8 scaling", text=lambda r: "no fp8" if r == "none" else f"fp8 {r} scaling",
+         short=lambda r: None if r == "none" else f"fp8={r}", slots=("none",) + FP8_RECIPES, detail=True,
+         check=_check_fp8_recipe, flag_help="fp8 scaling recipe: tensorwise | rowwise | mxfp8 (Blackwell)"),
+    Knob("compile", (Field("compile", bool, False),), _compile_choices, ("tp", "pp"), label="torch.compile",
+         text=_bool_text("torch.compile of each block"), short=lambda v: "compiled" if v else None,
+         slots=(False, True), detail=True, parse=_parse_bool,
+         flag_help="torch.compile each transformer block (fuses elementwise ops; fp8 pays off only compiled)"),
     Knob("mesh_order", (Field("mesh_order", tuple, None),), _mesh_choices, (AXES_DEPEND,), label="mesh order",
          text=lambda o: "mesh (" + ", ".join(o) + ")", slot=lambda o, c: _axes.mesh_orders().index(o),
          short=lambda o: None if o == _axes.default_order() else "mesh=" + ",".join(o),

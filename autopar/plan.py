@@ -25,6 +25,7 @@ from autopar.knobs import (  # noqa: F401  (re-exported: the names plans are mad
     ZERO_STAGES,
     balanced_split,
     device_blocks,
+    fp8_problem,
     knobs,
     plan_fields,
 )
@@ -156,6 +157,9 @@ class Plan:
             if why:
                 raise PlanError(why)
         check_plan(self, profile)
+        problem = fp8_problem(self.precision, workload.cluster.gpu, self.fp8_recipe)
+        if problem:
+            raise PlanError(problem)
         if self.layer_split and sum(self.layer_split) != layers:
             raise PlanError(f"layer_split sums to {sum(self.layer_split)} but the model has {layers} blocks")
         if self.recompute == "full":

@@ -39,6 +39,8 @@ MEGATRON_SWITCHES = {
               "per destination node (forwarded over NVLink to its experts there)",
     "moe_a2a_overlap": "--overlap-moe-expert-parallel-comm: the dispatch and combine all-to-alls of one micro-batch "
                        "run under another micro-batch's compute (1F1B A2A overlap)",
+    "overlap_p2p_comm": "--overlap-p2p-communication: the interleaved schedule's stage-to-stage sends and "
+                        "receives under the next chunk's compute (one per micro-batch stays exposed)",
 }
 NEMO_SWITCHES = ("flash_attn", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")  # dense recipes'
 MOE_SWITCHES = ("deepep", "moe_a2a_overlap")  # MoE only; allowed under the torch runtime too

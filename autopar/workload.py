@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autopar.errors import AutoparError
+from autopar.knobs import fp8_problem
 from autopar.runtime import check_runtime
 
 if TYPE_CHECKING:
@@ -30,11 +31,19 @@ class Workload:
     # mixture of experts: tokens on the busiest expert-parallel rank over the mean (1.0: force-balanced,
     # as published MoE benchmarks run); ignored for a dense model
     expert_imbalance: float = 1.0
+    fp8: bool = False  # GEMMs in fp8 on top of the profile's bf16 (precision "fp8")
 
     def __post_init__(self):
         object.__setattr__(self, "switches", check_runtime(self.runtime, self.switches))
         if not 1.0 <= self.expert_imbalance <= 1e3:
             raise AutoparError(f"expert_imbalance {self.expert_imbalance} must be at least 1.0 (1.0: force-balanced)")
+        if self.fp8:
+            if self.profile.dtype != "bf16":
+                raise AutoparError(f"fp8 training keeps bf16 weights and activations; the model was profiled in "
+                                   f"{self.profile.dtype}: profile it in bf16")
+            problem = fp8_problem("fp8", self.cluster.gpu)
+            if problem:
+                raise AutoparError(problem)
 
     @property
     def memory_budget(self) -> float:
@@ -47,7 +56,7 @@ class Workload:
 
     @property
     def precision(self) -> str:
-        return self.profile.dtype
+        return "fp8" if self.fp8 else self.profile.dtype
 
     @property
     def tokens_per_batch(self) -> int:

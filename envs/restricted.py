@@ -20,7 +20,7 @@ from autopar.knobs import decisions
 # buckets, the first mesh order)
 DEFAULT_RESTRICT = {"zero": ("0", "1", "3"), "offload_optimizer": ("false",), "recompute": ("none", "full"),
                     "schedule": ("1f1b",), "sequence_parallel": ("false",), "grad_comm_dtype": ("fp32",),
-                    "bucket_mb": ("25",), "mesh_order": ("first",)}
+                    "bucket_mb": ("25",), "mesh_order": ("first",), "compile": ("false",)}  # compiling: a minute per plan on CPU
 MAX_PLANS = 100  # a restricted space is measured plan by plan: it must stay small
 
 

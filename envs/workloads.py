@@ -29,7 +29,7 @@ from rich.progress import track
 from autopar.cluster import GPUS, PRESETS, load_cluster
 from autopar.envs.knobs import PlanSpace
 from autopar.errors import AutoparError
-from autopar.knobs import PRECISIONS, STATE_BYTES_PER_PARAM  # to size clusters to models
+from autopar.knobs import PRECISIONS, STATE_BYTES_PER_PARAM, storage_dtype  # sizes clusters to models
 from autopar.profile import profile_model
 from autopar.schema import (
     MAX_GLOBAL_BATCH,
@@ -94,9 +94,9 @@ class WorkloadSpec:
     precision: str = "bf16"
 
     def build(self):
-        profile = profile_model(self.model, dict(self.model_args), dtype=self.precision)
+        profile = profile_model(self.model, dict(self.model_args), dtype=storage_dtype(self.precision))
         cluster = load_cluster(self.cluster, nodes=self.nodes, gpus_per_node=self.gpus_per_node)
-        return Workload(profile=profile, cluster=cluster, global_batch=self.global_batch)
+        return Workload(profile=profile, cluster=cluster, global_batch=self.global_batch, fp8=self.precision == "fp8")
 
     @property
     def num_gpus(self) -> int:
@@ -127,7 +127,7 @@ def feasible(workload) -> bool:
 
 # -- sampling ---------------------------------------------------------------------------------------
 def _approx_params(spec: WorkloadSpec) -> float:
-    return profile_model(spec.model, dict(spec.model_args), dtype=spec.precision).params
+    return profile_model(spec.model, dict(spec.model_args), dtype=storage_dtype(spec.precision)).params
 
 
 def _precisions(cluster: str) -> list[str]:

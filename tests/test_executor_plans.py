@@ -33,6 +33,9 @@ from autopar.plan import PRECISIONS, Plan
 from autopar.search.space import enumerate_plans
 
 WORLD, STEPS, GLOBAL_BATCH = 4, 3, 16
+# fp8 needs CUDA (refused on gloo: tests/test_fp8_refusal.py), which also runs compiled blocks (the
+# compiled plans of the space are left out here: inductor takes about a minute per plan on the CPU)
+CPU_PRECISIONS = tuple(p for p in PRECISIONS if p != "fp8")
 ARGS = {"size": "tiny", "dropout": 0.0}
 GPT = load_model_file("gpt")
 
@@ -66,10 +69,10 @@ def covering_cases(plans: list[Plan]) -> list[Plan]:
 
 def space() -> list[Plan]:
     out = []
-    for precision in PRECISIONS:
+    for precision in CPU_PRECISIONS:
         w = workload("gpt", cluster="cpu", gpus_per_node=WORLD, global_batch=GLOBAL_BATCH, dtype=precision, **ARGS)
         arrays = enumerate_plans(w)
-        out += [arrays.plan(i) for i in range(len(arrays))]
+        out += [arrays.plan(i) for i in range(len(arrays)) if not arrays.compile[i]]
     return out
 
 
@@ -89,7 +92,7 @@ CRASHES = {
 }
 # outside the gloo space (offload is pointless when the host is the device) but still runnable
 OFFLOAD = {f"{p} zero3 offload dp2 pp2": Plan(**{**BASE, "dp": 2, "pp": 2, "micro_batch_size": 2}, precision=p,
-                                              zero=3, offload_optimizer=True) for p in PRECISIONS}
+                                              zero=3, offload_optimizer=True) for p in CPU_PRECISIONS}
 CASES = {**CRASHES, **OFFLOAD, **{f"{p.describe()} {p.precision}": p for p in covering_cases(SPACE)}}
 
 
@@ -144,7 +147,7 @@ def reference():
     torch.manual_seed(1000)
     batch = GPT.example_batch(GLOBAL_BATCH, device="cpu", **ARGS)
     return {p: reference_losses(lambda: GPT.build(**ARGS), sgd, GPT.loss_fn, [batch] * STEPS, precision=p)
-            for p in PRECISIONS}
+            for p in CPU_PRECISIONS}
 
 
 def test_the_cases_cover_every_pair_of_knob_values_in_the_space():

@@ -9,6 +9,7 @@ import sys
 from autopar.cluster import load_cluster
 from autopar.cost.coefficients import Coefficients
 from autopar.errors import AutoparError
+from autopar.knobs import PRECISIONS, fp8_problem, storage_dtype
 from autopar.profile import profile_model
 from autopar.profile.isolated import DEFAULT_PROFILE_TIMEOUT, check_timeout
 from autopar.schema import check_global_batch
@@ -31,8 +32,8 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
                         help="samples per optimizer step" + (f" (default {batch_default})" if batch_default else ""))
     parser.add_argument("--seq-len", type=int, default=None, metavar="S",
                         help="sequence length (passed to the model as seq_len)")
-    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16",
-                        help="training precision (default bf16)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                        help="training precision (default bf16; fp8: fp8 GEMMs on bf16 weights, H100 and newer)")
     parser.add_argument("--memory-headroom", type=float, default=DEFAULT_MEMORY_HEADROOM, metavar="F",
                         help="fraction of GPU memory plans leave free for the allocator's fragmentation "
                              f"(default {DEFAULT_MEMORY_HEADROOM:g})")
@@ -114,15 +115,18 @@ def load_workload(args, nodes: int | None = None, global_batch: int | None = Non
         raise AutoparError(f"--memory-headroom must be a fraction in [0, 1), got {args.memory_headroom}")
     cluster = load_cluster(args.cluster, nodes=args.nodes or nodes, gpus_per_node=args.gpus_per_node)
     Coefficients.from_dict(cluster.coefficients)  # a bad coefficient fails before the model is profiled
-    profile = profile_model(args.model, parse_model_args(args.model_arg, args.seq_len), dtype=args.precision,
-                            timeout=check_timeout(args.profile_timeout))
+    problem = fp8_problem(args.precision, cluster.gpu)
+    if problem:  # before the model is profiled
+        raise AutoparError(problem)
+    profile = profile_model(args.model, parse_model_args(args.model_arg, args.seq_len),
+                            dtype=storage_dtype(args.precision), timeout=check_timeout(args.profile_timeout))
     imbalance = getattr(args, "expert_imbalance", 1.0)
     if imbalance != 1.0 and not profile.is_moe:
         raise AutoparError(f"--expert-imbalance {imbalance:g} applies to mixture-of-experts models, but {profile.name} "
                            f"is dense; leave it out")
     return Workload(profile=profile, cluster=cluster, global_batch=batch, memory_headroom=args.memory_headroom,
                     runtime=getattr(args, "runtime", "torch"), switches=tuple(getattr(args, "megatron", ())),
-                    expert_imbalance=imbalance)
+                    expert_imbalance=imbalance, fp8=args.precision == "fp8")
 
 
 def print_json(obj) -> None:
@@ -134,7 +138,7 @@ def workload_dict(workload) -> dict:
     p, c = workload.profile, workload.cluster
     return {"model": p.name, "params": p.params, "layers": p.num_layers, "seq_len": p.seq_len,
             "dims": p.dims, "cluster": c.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
-            "gpu": c.gpu.name, "global_batch": workload.global_batch, "precision": p.dtype,
+            "gpu": c.gpu.name, "global_batch": workload.global_batch, "precision": workload.precision,
             "memory_headroom": workload.memory_headroom, "notes": list(p.notes), "excluded": dict(p.limits),
             "runtime": workload.runtime, "megatron_switches": list(workload.switches),
             **({"experts": p.num_experts, "top_k": p.top_k, "active_params": p.active_params,

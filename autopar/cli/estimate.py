@@ -10,7 +10,7 @@ from autopar.cluster import load_cluster
 from autopar.cost import estimate
 from autopar.cost.regime import notes, regime_note
 from autopar.errors import PlanError
-from autopar.knobs import balanced_split, decisions, device_blocks, knob
+from autopar.knobs import FP8_RECIPES, balanced_split, decisions, device_blocks, knob
 from autopar.plan import Plan
 from autopar.report import print_estimate
 from autopar.schema import PLAN_RANGES, check
@@ -70,6 +70,8 @@ def _plan_from_flags(args, workload):
     values = {k.name: getattr(args, k.name) for k in decisions()}
     values.update({axes.derived_axis(): dp, "num_micro_batches": batch // (dp * mbs), "precision": args.precision})
     values["mesh_order"] = values["mesh_order"] or axes.default_order()
+    if values["precision"] == "fp8" and values["fp8_recipe"] == "none":  # no --fp8-recipe: the first recipe
+        values["fp8_recipe"] = FP8_RECIPES[0]
     mode, blocks = values["recompute"]
     if blocks is None:  # --recompute full: every block of the busiest pipeline rank
         pp, v = values["pp"], values["schedule"][1]

@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("plan", metavar="PLAN", help="a plan.json written by `autopar search -o`")
     add_workload_flags(p, batch_default=None)
     add_plot_flag(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, precision=None)  # the plan's precision unless --precision says otherwise
 
 
 def check_plot(args) -> None:

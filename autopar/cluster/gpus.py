@@ -9,12 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("bf16", "fp16", "fp32")
+OPTIONAL_DTYPES = ("fp8", "mxfp8")  # only GPUs with such tensor cores list them
 
 
 @dataclass(frozen=True)
 class GPUSpec:
     name: str
-    peak_flops: dict[str, float] = field(hash=False)  # dense FLOP/s per dtype: "bf16", "fp16", "fp32"
+    # dense FLOP/s per dtype: "bf16", "fp16", "fp32"; "fp8" only where the GPU has fp8 tensor cores,
+    # "mxfp8" where they also take block-scaled (MX) inputs (Blackwell)
+    peak_flops: dict[str, float] = field(hash=False)
     memory_bytes: float  # device memory, bytes (datasheet GB = 1e9)
     hbm_bytes_per_s: float  # device-memory bandwidth, bytes/s
     sms: int = 0  # streaming multiprocessors: GEMM tiles run in waves of one per SM (0: not modelled)
@@ -26,9 +29,13 @@ class GPUSpec:
 
 
 def _spec(name: str, half: float, fp32: float, memory_gb: float, hbm_gb_s: float, bf16: float | None = None,
-          sms: int = 0) -> GPUSpec:
-    return GPUSpec(name, {"bf16": half if bf16 is None else bf16, "fp16": half, "fp32": fp32},
-                   memory_gb * 1e9, hbm_gb_s * 1e9, sms)
+          sms: int = 0, fp8: float | None = None, mxfp8: bool = False) -> GPUSpec:
+    flops = {"bf16": half if bf16 is None else bf16, "fp16": half, "fp32": fp32}
+    if fp8:
+        flops["fp8"] = fp8
+        if mxfp8:  # MXFP8 runs at the fp8 rate on Blackwell's tensor cores
+            flops["mxfp8"] = fp8
+    return GPUSpec(name, flops, memory_gb * 1e9, hbm_gb_s * 1e9, sms)
 
 
 # V100 has no bf16 tensor cores: bf16 matmuls run at the fp32 rate at best. SM counts from the
@@ -37,13 +44,15 @@ GPUS: dict[str, GPUSpec] = {
     "v100-32g": _spec("V100-SXM2-32GB", 125e12, 15.7e12, 32, 900, bf16=15.7e12, sms=80),
     "a100-40g": _spec("A100-SXM4-40GB", 312e12, 19.5e12, 40, 1555, sms=108),
     "a100-80g": _spec("A100-SXM4-80GB", 312e12, 19.5e12, 80, 2039, sms=108),
-    "h100": _spec("H100-SXM5-80GB", 989e12, 67e12, 80, 3350, sms=132),
-    "h200": _spec("H200-SXM5-141GB", 989e12, 67e12, 141, 4800, sms=132),
+    # fp8: dense, half the datasheets' "with sparsity" figures (H100/H200 SXM 3,958 TFLOP/s; B200 9 PFLOP/s;
+    # GB200 NVL72 720 PFLOP/s over 72 GPUs); A100, V100 and the CPU have no fp8 tensor cores (absent)
+    "h100": _spec("H100-SXM5-80GB", 989e12, 67e12, 80, 3350, sms=132, fp8=1979e12),
+    "h200": _spec("H200-SXM5-141GB", 989e12, 67e12, 141, 4800, sms=132, fp8=1979e12),
     # Blackwell (docs/hardware.md): B200 as in DGX B200 (1,440 GB and 64 TB/s HBM3e over 8 GPUs;
     # 2.25 PFLOP/s dense bf16, 75 TFLOP/s fp32); GB200 as in GB200 NVL72 (13.4 TB and 576 TB/s HBM3e,
     # 180 PFLOP/s dense bf16, 5,760 TFLOP/s fp32 over 72 GPUs)
-    "b200": _spec("B200", 2250e12, 75e12, 180, 8000, sms=148),
-    "gb200": _spec("GB200", 2500e12, 80e12, 186, 8000, sms=148),
+    "b200": _spec("B200", 2250e12, 75e12, 180, 8000, sms=148, fp8=4500e12, mxfp8=True),
+    "gb200": _spec("GB200", 2500e12, 80e12, 186, 8000, sms=148, fp8=5000e12, mxfp8=True),
     "l40s": _spec("L40S", 362e12, 91.6e12, 48, 864, sms=142),
     # GeForce: 165 TFLOP/s is the fp32-accumulate rate (330 with fp16 accumulation).
     "rtx4090": _spec("RTX-4090", 165e12, 82.6e12, 24, 1008, sms=128),

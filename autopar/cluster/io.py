@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from autopar.cluster.gpus import DTYPES, GPUS, GPUSpec
+from autopar.cluster.gpus import DTYPES, GPUS, OPTIONAL_DTYPES, GPUSpec
 from autopar.cluster.hardware import LINK_KINDS, Link, NodeLayout
 from autopar.cluster.presets import PRESETS, preset_names
 from autopar.cluster.topology import SCHEMA_VERSION, Cluster
@@ -108,12 +108,13 @@ def _gpu(value: object) -> GPUSpec:
     d = _object(value, "gpu")
     _check_keys(d, "gpu", _GPU_KEYS, _GPU_OPTIONAL)
     flops = _object(d["peak_flops"], "gpu.peak_flops")
-    _check_keys(flops, "gpu.peak_flops", DTYPES)
+    _check_keys(flops, "gpu.peak_flops", DTYPES, OPTIONAL_DTYPES)
     if not isinstance(d["name"], str) or not d["name"]:
         raise ClusterError(f"gpu.name must be a non-empty string, got {d['name']!r}")
     return GPUSpec(
         name=d["name"],
-        peak_flops={dtype: _number(flops[dtype], f"gpu.peak_flops.{dtype}") for dtype in DTYPES},
+        peak_flops={dtype: _number(flops[dtype], f"gpu.peak_flops.{dtype}") for dtype in DTYPES + OPTIONAL_DTYPES
+                    if dtype in flops},
         memory_bytes=_number(d["memory_bytes"], "gpu.memory_bytes"),
         hbm_bytes_per_s=_number(d["hbm_bytes_per_s"], "gpu.hbm_bytes_per_s"),
         sms=_count(d.get("sms", 0), "gpu.sms", 0),

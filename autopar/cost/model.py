@@ -37,8 +37,10 @@ from autopar.cost.arrays import PlanArrays, mesh_order_of, unique_rows
 from autopar.cost.coefficients import Coefficients
 from autopar.cost.collectives import all_gather_time, all_reduce_time
 from autopar.cost import moe
+from autopar.cost import precision as fp8
+from autopar.cost.fused import megatron_layer_io
 from autopar.cost.gemm import kind_efficiency
-from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, knobs
+from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, knobs, storage_dtype
 
 PRECISION_BYTES = np.array([DTYPE_BYTES[p] for p in PRECISIONS], dtype=float)
 COMM_BYTES = np.array([DTYPE_BYTES[p] for p in COMM_DTYPES], dtype=float)
@@ -93,12 +95,17 @@ def _attention_as_run(k: dict[str, np.ndarray], workload, c: Coefficients) -> di
         k["fused_attn_flops"] = k["attn_flops"] - k["attn_core_flops"]
         return k
     flash = "flash_attn" in workload.switches
-    scores = k["attn_scores"] * DTYPE_BYTES[workload.profile.dtype] / 2  # per 16-bit element figures
+    profile = workload.profile
+    scores = k["attn_scores"] * DTYPE_BYTES[profile.dtype] / 2  # per 16-bit element figures
     # io_bytes are priced at elementwise_traffic HBM bytes per profiled byte (the file's own ops, fused or
     # not); Megatron's 13 bytes per score are already HBM bytes of its fused kernels: undo that scale once
     core_io = np.zeros_like(scores) if flash else MEGATRON_SOFTMAX_IO_BYTES / c.elementwise_traffic * scores
     core_saved = np.zeros_like(scores) if flash else MEGATRON_SOFTMAX_SAVED_BYTES * scores
-    k["io_bytes"] = k["io_bytes"] - k["attn_core_io_bytes"] + core_io
+    layer_io = megatron_layer_io(profile)  # Megatron's own fused layer, not the file's ops (cost/fused.py)
+    outside_core = k["io_bytes"] - k["attn_core_io_bytes"]
+    if layer_io is not None:
+        outside_core = np.where(k["is_layer"] > 0, layer_io * DTYPE_BYTES[profile.dtype] / 2, outside_core)
+    k["io_bytes"] = outside_core + core_io
     k["saved_bytes"] = k["saved_bytes"] - k["attn_core_bytes"] + core_saved
     k["saved_tp_bytes"] = k["saved_tp_bytes"] - k["attn_core_bytes"] + core_saved
     k["fused_attn_flops"] = k["attn_flops"] if flash else np.zeros_like(scores)
@@ -145,7 +152,8 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     t, b, m, v, pp = col(g.tp), col(g.micro_batch_size), col(g.num_micro_batches), col(g.virtual_stages), col(g.pp)
     sp_div = np.where(g.sequence_parallel, g.tp, 1)[:, None].astype(float)  # sequence parallel shards the rest too
     act_scale = col(PRECISION_BYTES[g.precision] / DTYPE_BYTES[profile.dtype])
-    peak = col(np.array([cluster.gpu.peak_flops[p] for p in PRECISIONS])[g.precision])
+    # the bf16 rate for fp8 too: cost/precision.py scales the time of the GEMMs fp8 runs
+    peak = col(np.array([cluster.gpu.peak_flops[storage_dtype(p)] for p in PRECISIONS])[g.precision])
     hbm = cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency / c.elementwise_traffic
     links = _links(cluster, g, c)
     tp_bw, tp_lat = col(links["tp_bw"]), col(links["tp_lat"])
@@ -156,13 +164,14 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     shape = kind_efficiency(profile, g.micro_batch_size, g.tp, cluster.gpu.sms)  # tile and wave quantisation
     eff = c.gemm_efficiency * shape * flops_f / (flops_f + c.gemm_half_flops)
     rate = peak * np.maximum(eff, 1e-9)
+    scale = fp8.compute_scale(workload, g, b, flops_f, c)  # fp8's GEMMs and casts, compile's fusion
     shard = _ratio(k["saved_tp_bytes"], k["saved_bytes"])
-    io_f = b * act_scale * k["io_bytes"] * (shard / t + (1 - shard) / sp_div) / hbm
+    io_f = b * act_scale * k["io_bytes"] * (shard / t + (1 - shard) / sp_div) / hbm * scale["elementwise"]
     base = c.collective_latency_s
     tp_ar = np.where(t > 1, all_reduce_time(b * act_scale * k["tp_comm_bytes"], t, tp_bw, tp_lat, base), 0.0)
-    compute_f = flops_f / rate + io_f
+    compute_f = flops_f * scale["gemm"] / rate + io_f + scale["cast_f"]
     # a fused attention backward recomputes q·kᵀ: half its forward FLOPs again
-    compute_b = (flops_b + 0.5 * b * k["fused_attn_flops"] / t) / rate + 2 * io_f
+    compute_b = (flops_b * scale["gemm"] + 0.5 * b * k["fused_attn_flops"] / t) / rate + 2 * io_f + scale["cast_b"]
     routed = moe.pipeline_terms(workload, g, c, b, sp_div, col(PRECISION_BYTES[g.precision]), peak)
     compute_f, compute_b = compute_f + routed["expert_f"], compute_b + routed["expert_b"]
     if tp_overlap:  # TE userbuffers: each pass's collective in t chunks under that pass's GEMMs
@@ -172,7 +181,8 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
         tp_f = tp_b = tp_ar
     attn_io = b * act_scale * k["attn_core_io_bytes"] / t / hbm  # the core is split by heads
     selective_f = b * k["attn_core_flops"] / t / rate + attn_io
-    act_full = b * act_scale * (k["saved_tp_bytes"] / t + (k["saved_bytes"] - k["saved_tp_bytes"]) / sp_div)
+    act_full = (b * act_scale * (k["saved_tp_bytes"] / t + (k["saved_bytes"] - k["saved_tp_bytes"]) / sp_div)
+                - scale["saved"])
     act_sel = act_full - b * act_scale * k["attn_core_bytes"] / t
     act_ckpt = b * act_scale * k["out_bytes"] / sp_div
 
@@ -199,10 +209,12 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
         gathered = np.where(t > 1, all_gather_time(p2p_bytes * t, t, tp_bw, tp_lat, base), 0.0)
         p2p_one = p2p_one + np.where(pp > 1, gathered, 0.0)
     p2p = 2 * v * p2p_one * np.ones_like(compute)
+    if "overlap_p2p_comm" in workload.switches:  # interleaved: each chunk's sends and receives run under the
+        p2p = np.where(v > 1, p2p / (2 * v), p2p)  # next chunk's compute; one per micro-batch stays exposed
     gpu_mb = compute + tp_comm + ep_comm + recompute + p2p  # one micro-batch, forward + backward, on each rank
     host = c.host
     if host:  # the host launches every block's kernels (through DTensor under TP); the GPU hides what it can
-        per_pass = c.block_host_s + np.where(t > 1, c.tp_host_s, 0.0)
+        per_pass = (c.block_host_s + np.where(t > 1, c.tp_host_s, 0.0)) * fp8.host_scale(g)
         # recompute replays the forward of its blocks (selective too: the checkpoint reruns every op,
         # returning the kept outputs of all but the attention core)
         replayed = np.where(mode == SELECTIVE, n_layers, ckpt_frac * n_layers)
@@ -298,7 +310,8 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
         reduce_all = reduce_all + n_buckets * base
     last_bucket = all_reduce_time(np.minimum(grad_bytes, bucket), dpn, dp_bw, dp_lat, base)
     scatter_all = all_gather_time(grad_bytes, dpn, dp_bw * c.collective("reduce_scatter"), dp_lat, base)
-    gather = all_gather_time(param_bytes, dpn, dp_bw * c.collective("all_gather"), dp_lat, base)
+    gather = all_gather_time(param_bytes * fp8.gather_scale(workload, pa), dpn, dp_bw * c.collective("all_gather"),
+                             dp_lat, base)
     broadcast = all_gather_time(param_bytes, dpn, dp_bw * c.collective("broadcast"), dp_lat, base)
     nmb = col(pa.num_micro_batches)
     accumulate = ((pa.pp > 1) & (pa.num_micro_batches > 1))[:, None]
@@ -348,7 +361,8 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     unsharded = accumulate & (zero >= 2)
     sharded_weights = (zero == 3) & ~unsharded
     weights = param_bytes / np.where(sharded_weights, dpn, 1.0) \
-        + np.where(sharded_weights, 2 * col(part["block_params"]) * prec_bytes, 0.0)  # two gathered blocks
+        + np.where(sharded_weights, 2 * col(part["block_params"]) * prec_bytes, 0.0) \
+        + fp8.fp8_weight_bytes(workload, pa, local_params)  # two gathered blocks; fp8 copies
     mem = {
         "weights": weights,
         "gradients": param_bytes / np.where((zero >= 2) & ~unsharded, dpn, 1.0),

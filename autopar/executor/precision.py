@@ -1,4 +1,14 @@
-"""Compute precision: autocast for bf16/fp16, and loss scaling for fp16.
+"""Compute precision: autocast for bf16/fp16, loss scaling for fp16, torchao's fp8 training, and
+torch.compile of the blocks.
+
+FP8 (CUDA only; the CPU and GPUs before compute capability 8.9 are refused in one line) runs the
+blocks' linears as torchao's float8 linears (`convert_to_float8_training` with
+`Float8LinearConfig.from_recipe_name("tensorwise" | "rowwise")`; MXFP8 on Blackwell through
+`MXFP8TrainingOpConfig`), on the bf16 skeleton before tensor parallelism, as torchtitan does; the
+output head stays bf16. The rest of the model autocasts in bf16. Under FSDP2 with tensorwise
+scaling the weights are all-gathered in fp8 (`enable_fsdp_float8_all_gather`). torchao's casts
+are separate kernels unless compiled: compile the blocks with fp8 (the cost model charges fp8's
+gain only then). Unverified on CUDA in this repository's tests (no GPU in CI).
 
 Autocast covers the forward and the loss only, never a backward: autocast caches the bf16/fp16
 copies of the weights while it is active, and activation recompute inside a live autocast
@@ -19,6 +29,7 @@ to the GPU and back each step).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections import defaultdict
 
@@ -30,7 +41,58 @@ from torch.distributed.tensor import DTensor
 
 from autopar.plan import Plan
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 autocasts in bf16: only the converted linears cast their inputs to fp8 (convert_fp8)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+FP8_CAPABILITY = {"tensorwise": (8, 9), "rowwise": (8, 9), "mxfp8": (10, 0)}  # Ada/Hopper; Blackwell for MX
+
+
+def fp8_refusal(plan: Plan, device: torch.device) -> str | None:
+    """Why this device cannot train `plan` in fp8 (None: it can, or the plan is not fp8)."""
+    if plan.precision != "fp8":
+        return None
+    if device.type != "cuda":
+        return (f"precision fp8 needs CUDA GPUs with fp8 tensor cores; this run is on {device.type}: "
+                "use precision bf16")
+    need = FP8_CAPABILITY[plan.fp8_recipe]
+    have = torch.cuda.get_device_capability(device)
+    if have < need:
+        return (f"fp8 recipe {plan.fp8_recipe} needs compute capability {need[0]}.{need[1]}+, "
+                f"{torch.cuda.get_device_name(device)} has {have[0]}.{have[1]}: use precision bf16"
+                + (" or recipe tensorwise / rowwise" if plan.fp8_recipe == "mxfp8" and have >= (8, 9) else ""))
+    return None
+
+
+def _fp8_linear(module: nn.Module) -> bool:
+    """A linear whose shapes the fp8 GEMMs take (both dimensions multiples of 16)."""
+    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert_fp8(blocks: list[nn.Module], plan: Plan) -> None:
+    """The blocks' linears as torchao fp8 linears, in place (nothing when the plan is not fp8)."""
+    if plan.precision != "fp8":
+        return
+    if plan.fp8_recipe == "mxfp8":
+        from torchao.prototype.moe_training.config import (  # lazy: torchao is optional, for fp8 plans only
+            MXFP8TrainingOpConfig, MXFP8TrainingRecipe)
+        from torchao.quantization import quantize_  # lazy: as above
+        config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL)
+        for block in blocks:
+            quantize_(block, config, filter_fn=lambda m, fqn: _fp8_linear(m))
+        return
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # lazy: torchao is optional
+    config = Float8LinearConfig.from_recipe_name(plan.fp8_recipe)
+    if plan.zero == 3 and plan.fp8_recipe == "tensorwise":  # FSDP2 gathers the fp8 weights
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    for block in blocks:
+        convert_to_float8_training(block, config=config, module_filter_fn=lambda m, fqn: _fp8_linear(m))
+
+
+def compile_blocks(blocks: list[nn.Module], plan: Plan) -> None:
+    """torch.compile each block in place (`Module.compile`: names, hooks and checkpoint wrappers
+    kept), per block as torchtitan does: one compiled graph reused by every block of a kind."""
+    if plan.compile:
+        for block in blocks:
+            block.compile()
 
 
 def autocast(plan: Plan, device: torch.device):

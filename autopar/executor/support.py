@@ -9,7 +9,7 @@ space holds is run on 4 gloo ranks by tests/test_executor_plans.py.
 from __future__ import annotations
 
 from autopar.errors import PlanError
-from autopar.knobs import comm_dtype_problem
+from autopar.knobs import comm_dtype_problem, compile_problem
 from autopar.plan import Plan
 
 
@@ -28,7 +28,10 @@ def refusal(plan: Plan, backend: str) -> str | None:
         return (f"ep={plan.ep} runs with zero 0, 2 or 3 and without sequence parallelism (ZeRO-1's optimizer would "
                 f"broadcast one rank's experts over another's; sequence parallelism leaves expert gradients "
                 f"unreduced over tp): use zero 0/2/3 and sequence_parallel false")
-    return comm_dtype_problem(plan.grad_comm_dtype, backend)
+    if plan.precision == "fp8" and not has_nccl(backend):
+        return (f"precision fp8 needs CUDA GPUs with fp8 tensor cores (H100, H200, B200, GB200); this run is on "
+                f"{backend} (CPU processes): use precision bf16")
+    return compile_problem(plan) or comm_dtype_problem(plan.grad_comm_dtype, backend)
 
 
 def check_supported(plan: Plan, backend: str) -> None:

@@ -1,8 +1,8 @@
 """`apply`: a plan applied to a model, and the train step that hides micro-batching and the
 pipeline schedule.
 
-The order is torchtitan's: mesh, pipeline cut, tensor parallel, activation checkpointing, data
-parallel (DDP / ZeRO-1 / FSDP2), optimizer. The plan is laid out on a meta-device skeleton of
+The order is torchtitan's: mesh, fp8 conversion, pipeline cut, tensor parallel, activation
+checkpointing, torch.compile of each block, data parallel (DDP / ZeRO-1 / FSDP2), optimizer. The plan is laid out on a meta-device skeleton of
 the model; each rank then allocates only its shard and receives rank 0's weights, built from
 the seed as a single-process run builds them (`autopar.executor.weights`), so any plan starts
 from the same weights as one process and its losses can be compared with one (autopar/executor/parity.py). The
@@ -36,7 +36,8 @@ from autopar.executor.expert_parallel import (
 )
 from autopar.executor.mesh import Topology, build_mesh, current_backend, init_distributed
 from autopar.executor.pipeline import blocks_name, build_schedule, cut_stages, rank_view, stage_ids
-from autopar.executor.precision import autocast, autocast_calls, autocast_forward, grad_scaler
+from autopar.executor.precision import (autocast, autocast_calls, autocast_forward, compile_blocks, convert_fp8,
+                                       fp8_refusal, grad_scaler)
 from autopar.executor.support import check_supported
 from autopar.executor.tensor_parallel import apply_tp
 from autopar.executor.tied import TiedGrads, tied_grads, tied_names
@@ -210,12 +211,19 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
     """
     check_supported(plan, current_backend(backend))  # before any process group or model exists
     device = init_distributed(backend, timeout_s)
+    problem = fp8_refusal(plan, device)
+    if problem:
+        raise PlanError(problem)
     topo = build_mesh(plan, device)
     source = build_source(build_model, seed)  # the whole model, on rank 0 only
     model = build_skeleton(build_model)
     unsaved = unsaved_buffers(model)
     find_blocks = blocks or _default_blocks
     block_list = find_blocks(model)
+    if plan.precision == "fp8":
+        if block_list is None:
+            raise PlanError("precision fp8 converts the model's repeated blocks (an nn.ModuleList); use precision bf16")
+        convert_fp8(list(block_list), plan)  # on the skeleton, before tensor parallelism (torchtitan's order)
     tied = tied_names(model)
     expert_groups = expert_mesh(plan, device.type) if plan.ep > 1 else None
     experts = expert_shapes(model) if expert_groups is not None else {}  # the whole model's, before the cut
@@ -246,6 +254,7 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
         if plan.pp > 1:  # the schedule runs forward and backward in one call: autocast the forward only
             autocast_forward(part, plan, device)
     apply_ac([held for container in containers for held in _real_blocks(container)], plan)
+    compile_blocks([c[i] for container in containers for c, i in _real_blocks(container)], plan)
     weights = (inner, source, unsaved, device, plan.offload_optimizer and plan.zero >= 2, experts, expert_groups)
     if plan.zero < 2:  # DDP needs real parameters; FSDP2 shards the skeleton first
         _fill_weights(*weights, plan)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from autopar.export import Export, default_of
 from autopar.plan import Plan
 
-MIXED = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+MIXED = {"bf16": "bf16", "fp16": "fp16", "fp32": "no", "fp8": "fp8"}  # fp8: Accelerate's FP8 (TE / torchao)
 
 
 def config(plan: Plan) -> dict:

@@ -25,8 +25,8 @@ def config(plan: Plan) -> dict:
         "zero_optimization": zero,
         "communication_data_type": plan.grad_comm_dtype,
     }
-    if plan.precision != "fp32":
-        out[plan.precision] = {"enabled": True}
+    if plan.precision != "fp32":  # fp8 trains on bf16 weights; its linears are the script's (unexpressed)
+        out["bf16" if plan.precision == "fp8" else plan.precision] = {"enabled": True}
     if plan.tp > 1:
         out["tensor_parallel"] = {"autotp_size": plan.tp}
     return out
@@ -34,6 +34,11 @@ def config(plan: Plan) -> dict:
 
 def unexpressed(plan: Plan) -> list[str]:
     out = []
+    if plan.precision == "fp8":
+        out.append(f"precision=fp8 ({plan.fp8_recipe}): not a DeepSpeed config key; convert the linears in the "
+                   "script (torchao convert_to_float8_training or Transformer Engine); exported as bf16")
+    if plan.compile:
+        out.append("compile: DeepSpeed's engine.compile() in the script")
     if plan.pp > 1:
         out.append(f"pp={plan.pp}: build deepspeed.pipe.PipelineModule(num_stages={plan.pp}) in the script")
         if plan.schedule != "1f1b":

@@ -24,7 +24,11 @@ FLAGS = {
     "recompute_granularity": "--recompute-granularity",
     "recompute_method": "--recompute-method",
     "recompute_num_layers": "--recompute-num-layers",
+    "fp8": "--fp8-format",
+    "fp8_recipe": "--fp8-recipe",
 }
+# autopar's fp8 recipe -> Transformer Engine's as Megatron names it (rowwise has no TE counterpart)
+FP8_RECIPES = {"tensorwise": "tensorwise", "mxfp8": "mxfp8"}
 MODEL_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "virtual_pipeline_model_parallel_size", "sequence_parallel", "bf16", "fp16")
 DDP = ("use_distributed_optimizer", "bucket_size", "grad_reduce_in_fp32")
@@ -39,7 +43,7 @@ def core_fields(plan: Plan) -> dict:
         "pipeline_model_parallel_size": plan.pp,
         "virtual_pipeline_model_parallel_size": plan.virtual_stages if plan.virtual_stages > 1 else None,
         "sequence_parallel": plan.sequence_parallel,
-        "bf16": plan.precision == "bf16",
+        "bf16": plan.precision in ("bf16", "fp8"),  # fp8 trains on bf16 weights
         "fp16": plan.precision == "fp16",
         "use_distributed_optimizer": plan.zero in (1, 2),
         "bucket_size": grad_elements(plan) if plan.bucket_mb != default_of("bucket_mb") else None,
@@ -48,6 +52,8 @@ def core_fields(plan: Plan) -> dict:
         "recompute_granularity": None if plan.recompute == "none" else plan.recompute,
         "recompute_method": "block" if plan.recompute == "full" else None,
         "recompute_num_layers": max(blocks, 1) if plan.recompute == "full" else None,
+        "fp8": "hybrid" if plan.precision == "fp8" else None,  # e4m3 forward, e5m2 gradients
+        "fp8_recipe": FP8_RECIPES.get(plan.fp8_recipe) if plan.precision == "fp8" else None,
     }
 
 
@@ -82,6 +88,11 @@ def unexpressed(plan: Plan) -> list[str]:
         out.append(f"mesh_order={','.join(plan.mesh_order)}: Megatron's rank order is tp innermost, then dp, pp")
     if plan.layer_split:
         out.append(f"layer_split={list(plan.layer_split)}: Megatron splits evenly (or first/last stage only)")
+    if plan.precision == "fp8" and plan.fp8_recipe not in FP8_RECIPES:
+        out.append(f"fp8_recipe={plan.fp8_recipe}: Transformer Engine has no per-row scaling (exported with "
+                   "Megatron's default recipe)")
+    if plan.compile:
+        out.append("compile: Megatron-Core runs Transformer Engine's fused kernels, not torch.compile")
     return out
 
 

@@ -12,7 +12,7 @@ from autopar.export import Export, default_of
 from autopar.plan import Plan
 
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}  # torch.distributed.pipelining
-DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp8": "bfloat16"}  # fp8 trains on bf16 weights
 
 
 def overrides(plan: Plan) -> list[str]:
@@ -39,6 +39,11 @@ def overrides(plan: Plan) -> list[str]:
         args += ["--training.mixed_precision_param", DTYPES[plan.precision]]
     if plan.offload_optimizer:
         args.append("--training.enable_cpu_offload")
+    if plan.precision == "fp8":  # torchtitan's model converters: torchao float8, or MX on Blackwell
+        args += (["--model.converters", "mx", "--mx.recipe_name", "mxfp8"] if plan.fp8_recipe == "mxfp8"
+                 else ["--model.converters", "float8", "--float8.recipe_name", plan.fp8_recipe])
+    if plan.compile:
+        args.append("--compile.enable")
     args.append("activation_checkpoint:" + plan.recompute)  # a tyro subcommand: none | selective | full
     return args
 

@@ -64,6 +64,9 @@ class RulesPlanner(Planner):
 
     def _fitting(self, workload, dp: int, tp: int, pp: int, k: int) -> list[Plan]:
         candidates = []
+        # fp8: the first recipe the GPU runs, compiled where compile is offered (fp8 pays only compiled)
+        recipe = choices(workload, knob("fp8_recipe"), {"precision": workload.precision})[0]
+        compiled = workload.precision == "fp8" and True in choices(workload, knob("compile"), {})
         for zero in ((0, 1, 3) if dp > 1 else (0,)):
             recompute = choices(workload, knob("recompute"), {"pp": pp})
             for mode, blocks in [r for r in recompute if r[0] != "selective"]:
@@ -73,7 +76,7 @@ class RulesPlanner(Planner):
                         continue
                     candidates.append(Plan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_micro_batches=nmb,
                                            zero=zero, recompute=mode, recompute_blocks=blocks,
-                                           precision=workload.precision,
+                                           precision=workload.precision, fp8_recipe=recipe, compile=compiled,
                                            sequence_parallel=sequence_parallel_options(workload.profile, tp)[-1]))
         if not candidates:
             return []

@@ -24,6 +24,7 @@ from autopar.executor.options import RunOptions
 from autopar.executor.preflight import preflight
 from autopar.executor.support import check_supported
 from autopar.modelfile import load_model_file
+from autopar.knobs import storage_dtype
 from autopar.plan import Plan
 from autopar.profile import profile_model
 from autopar.profile.isolated import DEFAULT_PROFILE_TIMEOUT
@@ -66,12 +67,12 @@ def prediction(model, model_args: dict, plan: Plan, cluster, timeout: float) -> 
     The profile runs the model file in a child process first (within `timeout`), so a model that
     exits or hangs at import is reported before the launcher imports it."""
     try:
-        profile = profile_model(model, model_args, dtype=plan.precision, timeout=timeout)
+        profile = profile_model(model, model_args, dtype=storage_dtype(plan.precision), timeout=timeout)
     except ModelFileError:
         raise  # a model that cannot be imported or built cannot run either
     except AutoparError as e:
         return None, None, f"no prediction: the model could not be profiled: {e}"
-    workload = Workload(profile=profile, cluster=cluster, global_batch=plan.global_batch)
+    workload = Workload(profile=profile, cluster=cluster, global_batch=plan.global_batch, fp8=plan.precision == "fp8")
     plan.validate(workload)
     try:
         est = estimate(workload, plan)

@@ -1,0 +1,155 @@
+"""What fp8 training and torch.compile change in a plan's cost (docs/hardware.md, "FP8 and compile").
+
+FP8 training (torchao's float8 recipes under the torch runtime, Transformer Engine's under
+megatron) runs the transformer layers' linear GEMMs with fp8 inputs; everything else (attention's
+core, norms, the output head, weights, gradients, optimizer) stays in bf16. It costs:
+
+- the GEMMs at the fp8 rate: `fp8_gemm_speedup` times the bf16 rate for a large GEMM (the
+  measured ceilings differ: fp8 reaches a lower share of its doubled peak), and a size curve
+  whose half point scales with the doubled peak (small GEMMs gain little or lose);
+- the casts: each GEMM input read in bf16 and written in fp8, per tensor (tensorwise: one more
+  read for the amax reduction), per row (rowwise: the row's amax in the same pass) or per block
+  of 32 (MXFP8); Transformer Engine fuses the amax into a cast-transpose and keeps the weights'
+  fp8 copies for the whole iteration;
+- memory: Transformer Engine saves the fp8 copies of GEMM inputs for backward (torchao saves the
+  bf16 input and casts again) and keeps an fp8 copy of the weights next to the bf16 ones for the
+  iteration (cast once, at the first micro-batch);
+- under FSDP2 (ZeRO-3) with tensorwise scaling, torchao's `enable_fsdp_float8_all_gather` gathers
+  the layers' weights in fp8: half the bytes.
+
+torchao's casts are separate elementwise kernels in eager mode, slower than the GEMM time they
+save: its gain is charged only with `compile` on (torchao's README: "enable torch.compile to
+generate fused kernels for float8 scaling and casting"). Compile also fuses the elementwise ops
+of every block (norms, activations, residual adds) and launches fewer kernels, for any precision:
+`COMPILE_ELEMENTWISE` and `COMPILE_HOST` are bounded, documented factors, not fitted per row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.cost.gemm import layer_gemms
+from autopar.knobs import FP8_RECIPES, PRECISIONS
+
+FP8 = PRECISIONS.index("fp8")
+RECIPE_CODES = ("none",) + FP8_RECIPES
+# HBM bytes per element cast from bf16 to fp8: read 2, write 1, plus (tensorwise, dynamic scaling)
+# one more read of 2 for the amax; rowwise and MXFP8 find a row's / a 32-block's amax in the same
+# pass (MXFP8 also writes one e8m0 scale per 32 elements). Transformer Engine's cast-transpose reads
+# once and writes the fp8 tensor and its transpose (Hopper's fp8 GEMMs take only the TN layout).
+CAST_BYTES = {"tensorwise": 5.0, "rowwise": 3.0, "mxfp8": 3.0 + 1 / 32}
+TE_CAST_BYTES = 4.0
+# torch.compile (Inductor) fuses chains of pointwise ops into one kernel: of the HBM traffic the
+# eager ops make, about half remains (a norm, a residual add and an activation read their input
+# once instead of once per op; Ansel et al. ASPLOS'24 report 1.4-2x on training of HF and TIMM models
+# mostly from such fusion). Bounded in [0.3, 1]; not fitted.
+COMPILE_ELEMENTWISE = 0.5
+# and launches fewer, fused kernels: half the host time per block pass (the GEMMs remain one
+# launch each). Bounded in [0.2, 1]; not fitted.
+COMPILE_HOST = 0.5
+# fp8 over bf16 GEMM rate for a large GEMM, per GPU type: fitted to the NeMo 24.07 H100 rows leaving
+# each model family out in turn (experiments/nemo_fp8.py --fit; docs/hardware.md); bounded to (1, 2]:
+# the fp8 peak is twice bf16's, and torchao's H100 microbenchmark reaches 1.39x for a whole float8
+# linear (casts included) at M, K, N = 4096, 8192, 16384, "approaching 2x as M, K, N increase".
+FP8_GEMM_SPEEDUP = {"H100-SXM5-80GB": 1.36, "H200-SXM5-141GB": 1.36}
+DEFAULT_FP8_GEMM_SPEEDUP = 1.36  # GPUs with an fp8 rate but no fit (B200, GB200, L40S): the H100 value
+
+
+def fp8_gemm_speedup(gpu) -> float:
+    return FP8_GEMM_SPEEDUP.get(gpu.name, DEFAULT_FP8_GEMM_SPEEDUP)
+
+
+def _linears(profile) -> dict[str, np.ndarray]:
+    """Per block kind (embedding, layer kinds, head), per sample: the layers' linear GEMM FLOPs
+    (forward) and the elements of their inputs, outputs and weights, each split into what tensor
+    parallelism shards (divided by tp later) and what it does not. The head and embedding stay bf16."""
+    k = len(profile.layers) + 2
+    out = {n: np.zeros(k) for n in ("flops", "inputs_tp", "inputs", "outputs_tp", "outputs", "weights")}
+    for i, blk in enumerate(profile.layers, start=1):
+        for m, n, kk, column in layer_gemms(profile.dims, profile.seq_len, blk.params) or ():
+            out["flops"][i] += 2 * m * n * kk  # sharded by tp either way
+            out["weights"][i] += n * kk  # sharded by tp
+            # a column-parallel GEMM reads the whole input and shards its output; a row-parallel one
+            # reads a shard of the input and all-reduces its whole output
+            out["inputs" if column else "inputs_tp"][i] += m * kk
+            out["outputs_tp" if column else "outputs"][i] += m * n
+    return out
+
+
+def _plan_masks(workload, g):
+    fp8 = np.asarray(g.precision) == FP8
+    compiled = np.asarray(g.compile, dtype=bool)
+    megatron = workload.runtime == "megatron"
+    gains = fp8 & (compiled | megatron)  # Transformer Engine's fused casts need no compiler
+    return fp8, compiled, gains
+
+
+def compute_scale(workload, g, b: np.ndarray, flops_f: np.ndarray, c) -> dict[str, np.ndarray]:
+    """For `_pipeline` (shapes (G, K); `b`, (G, 1), the samples' worth of tokens a rank runs per
+    micro-batch): `gemm`, the factor on each kind's FLOPs time (1 but for
+    fp8's linear GEMMs); `cast_f`, `cast_b`, seconds of fp8 casts per micro-batch; `elementwise`,
+    the factor on the elementwise traffic (compile); `saved`, activation bytes per micro-batch that
+    Transformer Engine saves in fp8 instead of bf16 (to subtract)."""
+    profile, gpu = workload.profile, workload.cluster.gpu
+    lin = _linears(profile)
+    fp8, compiled, gains = _plan_masks(workload, g)
+    col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731
+    t = col(g.tp)
+    ones = np.ones_like(flops_f)
+
+    share = np.minimum(np.divide(b * lin["flops"] / t, flops_f, out=np.zeros_like(flops_f), where=flops_f > 0), 1.0)
+    peak8 = gpu.peak_flops.get("fp8") or 2 * gpu.peak_flops["bf16"]
+    ratio = peak8 / gpu.peak_flops["bf16"]
+    slowdown = (flops_f + c.gemm_half_flops * ratio) / (fp8_gemm_speedup(gpu) * (flops_f + c.gemm_half_flops))
+    gemm = np.where(col(gains) > 0, 1 - share * (1 - slowdown), ones)
+
+    megatron = workload.runtime == "megatron"
+    inputs = b * (lin["inputs"] + lin["inputs_tp"] / t)
+    outputs = b * (lin["outputs"] + lin["outputs_tp"] / t)
+    weights = lin["weights"] / t * ones
+    hbm = gpu.hbm_bytes_per_s * c.hbm_efficiency
+    recipe = np.asarray(g.fp8_recipe)
+    per_element = np.array([0.0] + [CAST_BYTES[r] for r in FP8_RECIPES])[recipe][:, None]
+    if megatron:  # inputs forward, output gradients backward; weights cast once per iteration (cached)
+        cast_f, cast_b = TE_CAST_BYTES * inputs / hbm, TE_CAST_BYTES * outputs / hbm
+    else:  # forward: inputs and weights; backward: output gradients, and both again transposed
+        eager = np.where(col(compiled) > 0, 1.0, 1 / COMPILE_ELEMENTWISE)
+        cast_f = eager * per_element * (inputs + weights) / hbm
+        cast_b = eager * per_element * (outputs + inputs + weights) / hbm
+    on = col(fp8) > 0
+    saved = np.where(on & megatron, inputs * 1.0, 0.0)  # 2 bytes -> 1 per saved GEMM input
+    elementwise = np.where(col(compiled) > 0, COMPILE_ELEMENTWISE, 1.0) * ones
+    return {"gemm": gemm, "cast_f": np.where(on, cast_f, 0.0), "cast_b": np.where(on, cast_b, 0.0),
+            "elementwise": elementwise, "saved": saved}
+
+
+def host_scale(g) -> np.ndarray:
+    """Factor on the host's launch time per block pass, shape (G, 1): compiled blocks launch fewer kernels."""
+    return np.where(np.asarray(g.compile, dtype=bool), COMPILE_HOST, 1.0)[:, None]
+
+
+def fp8_weight_bytes(workload, pa, local_params: np.ndarray) -> np.ndarray:
+    """Bytes of the fp8 weight copies Transformer Engine keeps for the iteration: 1 per layer-linear
+    parameter on the rank; torchao casts per GEMM (transient)."""
+    if workload.runtime != "megatron":
+        return np.zeros_like(local_params)
+    fp8 = (np.asarray(pa.precision) == FP8)[:, None]
+    return np.where(fp8, 1.0 * local_params * _linear_param_share(workload.profile), 0.0)
+
+
+def gather_scale(workload, pa) -> np.ndarray:
+    """Factor on the bytes FSDP2 all-gathers, shape (N, 1): torchao's fp8 all-gather sends the layers'
+    linear weights in fp8 (tensorwise scaling, ZeRO-3) instead of bf16."""
+    if workload.runtime == "megatron":  # Megatron's ZeRO-3 is torch's FSDP2 without torchao's fp8 weights
+        return np.ones((len(pa), 1))
+    tensorwise = RECIPE_CODES.index("tensorwise")
+    on = ((np.asarray(pa.precision) == FP8) & (np.asarray(pa.fp8_recipe) == tensorwise)
+          & (np.asarray(pa.zero) == 3))[:, None]
+    return np.where(on, 1 - 0.5 * _linear_param_share(workload.profile), 1.0)
+
+
+def _linear_param_share(profile) -> float:
+    """Share of the model's parameters in the layers' linear GEMMs (what fp8 casts)."""
+    lin = _linears(profile)
+    counts = np.array([0] + [blk.count for blk in profile.layers] + [0], dtype=float)
+    return float(min((lin["weights"] * counts).sum() / max(profile.params, 1), 1.0))

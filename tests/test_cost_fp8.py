@@ -1,0 +1,147 @@
+"""FP8 and compile in the cost model: NeMo 24.07's DGX-H100 FP8 rows (issue 11's acceptance),
+leaving each model family out of the one fp8 fit; the fp8 rates; and what fp8 and compile change
+in a plan's time and memory (autopar/cost/precision.py), as invariants over the plan space."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import profile
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.cluster import GPUS, load_cluster
+from autopar.cost import evaluate
+from autopar.cost import precision as fp8
+from autopar.cost.arrays import PlanArrays
+from autopar.knobs import PRECISIONS, knob
+from autopar.search.published import NEMO_FP8
+from autopar.search.space import choices, enumerate_plans
+from autopar.workload import Workload
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("nemo_fp8", ROOT / "experiments" / "nemo_fp8.py")
+nemo = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = nemo
+spec.loader.exec_module(nemo)
+
+# The one row outside 15%: the model's memory (bf16 weights, fp8 copies, distributed-optimizer states
+# over dp 2) leaves no room for the activations of no recompute within the 10% headroom, so the
+# fastest plan that fits recomputes 12 blocks per rank, which NeMo's recipe does not need.
+MEMORY_BOUND = {"Nemotron-340B": 0.25}
+
+
+def _check(err: dict) -> None:
+    values = {r.model + f"/{r.gpus}": abs(e) for r, e in err.items()}
+    assert statistics.median(values.values()) <= 0.08, values
+    for r, e in err.items():
+        assert abs(e) <= MEMORY_BOUND.get(r.model, 0.15), (r.model, r.gpus, e)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return nemo.runnable_rows()
+
+
+def test_the_nemo_table_is_read_whole():
+    assert len(NEMO_FP8) == 12 and {r.family for r in NEMO_FP8} == {"GPT-3", "Llama 2", "Llama 3", "Nemotron"}
+    assert sum(r.cp > 1 for r in NEMO_FP8) == 2 and all(r.dp * r.tp * r.pp * r.cp == r.gpus for r in NEMO_FP8)
+
+
+def test_nemo_fp8_rows_leaving_each_family_out_of_the_fit(rows):
+    """The fp8 speedup fitted on three families predicts the fourth: median <= 8%, every row within 15%
+    (but the memory-bound one), nothing fitted per row."""
+    fitted, err = nemo.leave_one_family_out(rows)
+    assert len(fitted) >= 3 and all(1.0 < s <= 2.0 for s in fitted.values())
+    _check(err)
+
+
+def test_nemo_fp8_rows_with_the_shipped_coefficient(rows):
+    _check(nemo.errors(rows, nemo.predict(rows)))
+    shipped = fp8.fp8_gemm_speedup(GPUS["h100"])
+    assert shipped == nemo.fit(rows)  # the shipped value is the fit on every row
+
+
+def test_fp8_rates_from_the_datasheets():
+    assert GPUS["h100"].peak_flops["fp8"] == GPUS["h200"].peak_flops["fp8"] == 1979e12
+    assert GPUS["b200"].peak_flops["fp8"] == GPUS["b200"].peak_flops["mxfp8"] == 4.5e15
+    assert GPUS["gb200"].peak_flops["fp8"] == 5e15
+    for key in ("a100-80g", "a100-40g", "v100-32g", "cpu"):
+        assert "fp8" not in GPUS[key].peak_flops
+
+
+def _workload(gpu="dgx-h100", runtime="torch", size="gpt3-6.7b", fp8_on=True):
+    return Workload(profile("gpt", size=size), load_cluster(gpu, nodes=1), 64, runtime=runtime, fp8=fp8_on)
+
+
+def test_the_space_offers_the_recipes_the_gpu_runs_and_compile_under_torch():
+    h100, b200 = _workload(), _workload("dgx-b200")
+    assert choices(h100, knob("fp8_recipe"), {"precision": "fp8"}) == ["tensorwise", "rowwise"]
+    assert choices(b200, knob("fp8_recipe"), {"precision": "fp8"}) == ["tensorwise", "rowwise", "mxfp8"]
+    assert choices(h100, knob("fp8_recipe"), {"precision": "bf16"}) == ["none"]
+    assert choices(h100, knob("compile"), {"tp": 1, "pp": 1}) == [False, True]
+    assert choices(h100, knob("compile"), {"tp": 2, "pp": 1}) == [False]  # executor/support.py refuses it
+    assert choices(_workload(runtime="megatron"), knob("compile"), {"tp": 1, "pp": 1}) == [False]
+
+
+def _as(pa: PlanArrays, **columns) -> PlanArrays:
+    """The same plans with some columns set (precision and recipe by name)."""
+    cols = dict(pa.columns)
+    for name, value in columns.items():
+        f = next(f for k in (knob(name),) for f in k.fields)
+        code = f.values.index(value) if f.values is not None else value
+        cols[name] = np.full(len(pa), code)
+    return PlanArrays(cols, pa.splits)
+
+
+@pytest.fixture(scope="module")
+def plans():
+    w = _workload()
+    return w, enumerate_plans(w)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_fp8_gains_only_compiled_and_compile_never_costs_time(plans, seed):
+    """Under torch: eager fp8 is never faster than bf16 (its casts are extra kernels and its GEMM gain is
+    not charged); compiled, fp8 beats bf16 on most plans of a 1.3B GPT on H100 (its explicit softmax
+    attention and small GEMMs leave little to gain); compile never slows a plan down."""
+    w, space = plans
+    pick = space.take(np.random.default_rng(seed).choice(len(space), 64, replace=False))
+    bf16_w = dataclasses.replace(w, fp8=False)
+    t = {}
+    for prec, recipe in (("bf16", "none"), ("fp8", "tensorwise")):
+        for compiled in (False, True):
+            sub = _as(pick, precision=prec, fp8_recipe=recipe, compile=compiled)
+            t[prec, compiled] = evaluate(bf16_w if prec == "bf16" else w, sub)["iteration_time"]
+    assert np.all(t["fp8", False] >= t["bf16", False] * (1 - 1e-9))
+    assert np.all(t["bf16", True] <= t["bf16", False] * (1 + 1e-9))
+    assert np.all(t["fp8", True] <= t["fp8", False] * (1 + 1e-9))
+    assert np.median(t["fp8", True] / t["bf16", True]) < 1.0
+
+
+def test_megatron_fp8_saves_activations_and_keeps_fp8_weight_copies():
+    w = _workload(runtime="megatron")
+    space = enumerate_plans(w)
+    bf16 = evaluate(dataclasses.replace(w, fp8=False), _as(space, precision="bf16", fp8_recipe="none"))
+    f8 = evaluate(w, _as(space, precision="fp8", fp8_recipe="tensorwise"))
+    assert np.all(f8["activations"] < bf16["activations"]) and np.all(f8["weights"] > bf16["weights"])
+    assert np.median(f8["iteration_time"] / bf16["iteration_time"]) < 0.9  # TE's fp8 needs no compile
+
+
+def test_fsdp_gathers_fp8_weights_with_tensorwise_scaling():
+    w = _workload()
+    space = enumerate_plans(w)
+    zero3 = space.take(np.flatnonzero((space.zero == 3) & (space.dp > 1)))
+    tensorwise = evaluate(w, _as(zero3, fp8_recipe="tensorwise"))
+    rowwise = evaluate(w, _as(zero3, fp8_recipe="rowwise"))
+    gathered = fp8.gather_scale(w, _as(zero3, fp8_recipe="tensorwise"))
+    assert np.all(gathered < 0.6) and np.all(fp8.gather_scale(w, _as(zero3, fp8_recipe="rowwise")) == 1.0)
+    assert np.all(tensorwise["dp_comm"] <= rowwise["dp_comm"] + 1e-12)
+    assert PRECISIONS.index("fp8") == fp8.FP8
