@@ -36,6 +36,7 @@ from autopar import axes
 from autopar.cost.arrays import PlanArrays, mesh_order_of, unique_rows
 from autopar.cost.coefficients import Coefficients
 from autopar.cost.collectives import all_gather_time, all_reduce_time
+from autopar.cost.context_parallel import gradient_group_size, sequence_share
 from autopar.cost.gemm import kind_efficiency
 from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, knobs
 
@@ -117,7 +118,7 @@ def _links(cluster, pa: PlanArrays, coeffs: Coefficients) -> dict[str, np.ndarra
         dims = axes.ParallelDims({a: int(getattr(pa, a)[i]) for a in names}, mesh_order_of(pa.mesh_order[i]))
         sizes, strides, pp = dims.degrees, dims.strides(), dims.degrees["pp"]
         for col, link in enumerate((cluster.ring(sizes["tp"], strides["tp"]),
-                                    cluster.ring(sizes["dp"], strides["dp"]),
+                                    cluster.ring(*dims.gradient_group()),  # dp (x cp): the gradient group
                                     cluster.p2p(strides["pp"]) if pp > 1 else None)):
             if link is None:
                 table[row, 2 * col:2 * col + 2] = (np.inf, 0.0)
@@ -138,7 +139,8 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     tp_overlap = "tp_comm_overlap" in workload.switches
     col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (G,) -> (G, 1)
 
-    t, b, m, v, pp = col(g.tp), col(g.micro_batch_size), col(g.num_micro_batches), col(g.virtual_stages), col(g.pp)
+    t, m, v, pp = col(g.tp), col(g.num_micro_batches), col(g.virtual_stages), col(g.pp)
+    b = col(g.micro_batch_size) / col(sequence_share(g))  # samples' worth of tokens per rank (cp splits them)
     sp_div = np.where(g.sequence_parallel, g.tp, 1)[:, None].astype(float)  # sequence parallel shards the rest too
     act_scale = col(PRECISION_BYTES[g.precision] / DTYPE_BYTES[profile.dtype])
     peak = col(np.array([cluster.gpu.peak_flops[p] for p in PRECISIONS])[g.precision])
@@ -274,7 +276,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
 
     # -- data parallel and optimizer, per representative rank: (N, J) ----------------------------------
     links = _links(cluster, pa, c)
-    zero, dpn = col(pa.zero), col(pa.dp)
+    zero, dpn = col(pa.zero), col(gradient_group_size(pa))  # dp x cp reduce gradients together
     dp_bw, dp_lat = col(links["dp_bw"]), col(links["dp_lat"])
     local_params = part["local_params"]
     hide_b, hide_f = _dp_hiding(workload, c, part["backward_s"], part["forward_s"])
