@@ -151,7 +151,7 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     # -- per block kind, per micro-batch on one GPU: (G, K) --------------------------------------
     flops_f = b * (k["tp_fwd_flops"] / t + (k["fwd_flops"] - k["tp_fwd_flops"]))
     flops_b = flops_f * _ratio(k["bwd_flops"], k["fwd_flops"])
-    shape = kind_efficiency(profile, g.micro_batch_size, g.tp, cluster.gpu.sms)  # tile and wave quantisation
+    shape = kind_efficiency(profile, b[:, 0], g.tp, cluster.gpu.sms)  # tile and wave quantisation
     eff = c.gemm_efficiency * shape * flops_f / (flops_f + c.gemm_half_flops)
     rate = peak * np.maximum(eff, 1e-9)
     shard = _ratio(k["saved_tp_bytes"], k["saved_bytes"])
