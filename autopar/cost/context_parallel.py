@@ -33,7 +33,7 @@ import numpy as np
 from autopar import axes
 from autopar.cost.arrays import PlanArrays, mesh_order_of, unique_rows
 from autopar.cost.coefficients import Coefficients
-from autopar.knobs import DTYPE_BYTES, PRECISIONS, RECOMPUTE_MODES
+from autopar.knobs import PRECISIONS, RECOMPUTE_MODES
 
 ROTATE_METHODS = ("allgather", "alltoall")  # torch's _cp_options.rotate_method
 TORCH_ROTATE_METHOD = "allgather"  # torch's default, which autopar's executor keeps
