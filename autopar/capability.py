@@ -42,6 +42,20 @@ def context_parallel_allowed(workload, cp: int) -> str | None:
     return None
 
 
+# Published recipes run cp with 4,096 (NeMo 24.07, CP2 at 8K) to 8,192 (Llama 3, CP16 at 128K) tokens
+# per rank; below 2,048 the sequence fits a rank without it, and the K/V exchange outgrows attention.
+CP_MIN_TOKENS = 2048
+
+
+def context_parallel_offered(workload, cp: int) -> str | None:
+    """The plan space offers cp only while each rank keeps CP_MIN_TOKENS tokens or more (a plan may
+    still name a smaller share: it is valid, runs and is priced; the space just does not search it)."""
+    tokens = workload.profile.seq_len // cp
+    if cp > 1 and tokens < CP_MIN_TOKENS:
+        return f"cp={cp} leaves {tokens} tokens per rank; the plan space offers cp from {CP_MIN_TOKENS} up"
+    return None
+
+
 def check_plan(plan, profile) -> None:
     """Raise PlanError when the executor cannot run ``plan`` for this model (its limits)."""
     limits = getattr(profile, "limits", {})

@@ -90,7 +90,7 @@ def context_parallel_step(topo: Topology, cp: int, local_seq_len: int):
     from torch.distributed.tensor.experimental import context_parallel  # CUDA only: torch's ring attention
 
     positions = torch.arange(seq_len, device=topo.device)
-    with context_parallel(topo.mesh["cp"], buffers=[positions], buffer_seq_dims=[0], no_restore_buffers={positions}):
-        # `positions` now holds this rank's (torch's head-tail layout, the one `shard_sequence` cuts)
-        with sequence_shard(SequenceShard(positions, keys, _gatherer(group), ring=True)):
-            yield
+    ring = context_parallel(topo.mesh["cp"], buffers=[positions], buffer_seq_dims=[0], no_restore_buffers={positions})
+    # inside, torch has cut `positions` in place to this rank's (its head-tail layout, the one `shard_sequence` cuts)
+    with ring, sequence_shard(SequenceShard(positions, keys, _gatherer(group), ring=True)):
+        yield

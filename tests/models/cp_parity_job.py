@@ -4,6 +4,7 @@ model's batch; rank 0 writes {case: global losses} to the JSON file given as the
 
 import json
 import sys
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ def main(out: str) -> None:
     results = {}
     for name, (model, p) in CASES.items():
         mf = load_model_file(model)
-        par = apply(p, lambda: mf.build(**MODEL_ARGS[model]), sgd, mf.loss_fn, tp_plan=mf.tp_plan, blocks=mf.blocks,
+        par = apply(p, partial(mf.build, **MODEL_ARGS[model]), sgd, mf.loss_fn, tp_plan=mf.tp_plan, blocks=mf.blocks,
                     backend="gloo")
         local = par.local_batch(*batch(model))
         results[name] = par.global_losses([par.train_step(*local) for _ in range(STEPS)])
