@@ -185,8 +185,8 @@ def test_cp2_dp2_and_cp2_tp2_match_one_process_on_4_gloo_ranks(tmp_path):
     import cp_parity_job as job
 
     out = tmp_path / "losses.json"
-    ran = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",  # job: gloo
-                          "--master-port", str(free_port()), str(JOB), str(out)],
+    ran = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                          "--master-port", str(free_port()), str(JOB), str(out), "gloo"],
                          env=_env(), capture_output=True, text=True, timeout=400, check=False)
     assert ran.returncode == 0, ran.stderr[-3000:]
     got = json.loads(out.read_text())

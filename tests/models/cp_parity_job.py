@@ -1,6 +1,6 @@
 """Launched by torchrun from tests/test_context_parallel.py (4 gloo ranks): each context-parallel
 case of CASES applied with `autopar.executor.train_step.apply`, trained STEPS steps on the zoo
-model's batch; rank 0 writes {case: global losses} to the JSON file given as the argument."""
+model's batch on the backend given second; rank 0 writes {case: global losses} to the JSON file given first."""
 
 import json
 import sys
@@ -38,13 +38,13 @@ def sgd(params):
     return torch.optim.SGD(params, lr=2.0)  # plain SGD: a wrong gradient scale shows in the losses
 
 
-def main(out: str) -> None:
+def main(out: str, backend: str) -> None:
     torch.set_num_threads(1)
     results = {}
     for name, (model, p) in CASES.items():
         mf = load_model_file(model)
         par = apply(p, partial(mf.build, **MODEL_ARGS[model]), sgd, mf.loss_fn, tp_plan=mf.tp_plan, blocks=mf.blocks,
-                    backend="gloo")
+                    backend=backend)
         local = par.local_batch(*batch(model))
         results[name] = par.global_losses([par.train_step(*local) for _ in range(STEPS)])
     if dist.get_rank() == 0:
@@ -54,4 +54,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])  # the backend: the test pins gloo
