@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from autopar.capability import sequence_parallel_options
+from autopar.capability import context_parallel_allowed, context_parallel_offered, sequence_parallel_options
 from autopar.errors import PlanError
 
 Check = Callable[[Any, int], "str | None"]  # (workload, degree) -> None when allowed, else why not
@@ -46,6 +46,11 @@ class Axis:
     # cost terms the core model does not know: (workload, PlanArrays) -> seconds or bytes per plan
     time_term: Callable | None = None
     memory_term: Callable | None = None
+    # the plan space's narrower rule: degrees `allowed` (a plan may name them) but not searched
+    offered: Check | None = None
+    # its ranks hold the same weights and different tokens, so they reduce gradients together
+    # (and ZeRO / FSDP shard over them): dp, and cp as torchtitan's dp_cp mesh
+    reduces_gradients: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,13 @@ def declare_folded(folded: FoldedAxis) -> FoldedAxis:
     return folded
 
 
+def attach_terms(name: str, *, time_term: Callable | None = None, memory_term: Callable | None = None) -> None:
+    """Give a declared axis the cost terms its own module in the cost layer supplies (the axis is
+    declared here, in the contract layer, which cannot import the cost model)."""
+    AXES[name] = replace(AXES[name], time_term=time_term, memory_term=memory_term)
+    _changed()
+
+
 def undeclare(name: str) -> None:
     """Remove an axis or folded axis (tests declaring a throwaway axis clean up with this)."""
     AXES.pop(name, None)
@@ -120,6 +132,11 @@ def _changed() -> None:
 def axis_names() -> tuple[str, ...]:
     """Declaration order (the Plan's field order)."""
     return tuple(AXES)
+
+
+def gradient_axes() -> tuple[str, ...]:
+    """The axes whose ranks reduce gradients together, in declaration order (dp first)."""
+    return tuple(a for a, axis in AXES.items() if axis.reduces_gradients)
 
 
 def derived_axis() -> str:
@@ -200,6 +217,14 @@ class ParallelDims:
             if why:
                 raise PlanError(why)
 
+    def gradient_group(self) -> tuple[int, int]:
+        """(size, stride) of the group that reduces gradients (dp x cp): one stride when its axes
+        are adjacent in the mesh order, else the innermost one's (the ring then spans further)."""
+        names = [a for a in gradient_axes() if self.degrees[a] > 1]
+        size = math.prod(self.degrees[a] for a in names)
+        strides = self.strides()
+        return size, min((strides[a] for a in names), default=1)
+
     def build_mesh(self, device_type: str):
         """torch's DeviceMesh with one named dimension per axis, in this order."""
         from torch.distributed.device_mesh import init_device_mesh  # torch: heavy, imported on first use
@@ -218,14 +243,18 @@ _feasible_memo: dict[tuple, list[dict[str, int]]] = {}
 
 
 def feasible_degrees(workload, unchecked: tuple[str, ...] = ()) -> list[dict[str, int]]:
-    """Every assignment of degrees the workload allows: product = world size, each axis's rule
-    (but those of `unchecked`). Memoised per workload: every step of the walker asks."""
+    """Every assignment of degrees the plan space offers: product = world size, each axis's rule
+    and its `offered` narrowing (but those of `unchecked`). Memoised per workload: every step of the walker asks."""
     key = (id(workload), workload.world_size, workload.global_batch, workload.profile.digest, tuple(AXES), unchecked)
     if key not in _feasible_memo:
         if len(_feasible_memo) > 1024:
             _feasible_memo.clear()
         _feasible_memo[key] = _feasible(workload, unchecked)
     return [dict(d) for d in _feasible_memo[key]]
+
+
+def _searched(axis: Axis, workload, degree: int) -> bool:
+    return axis.allowed(workload, degree) is None and (axis.offered is None or axis.offered(workload, degree) is None)
 
 
 def _feasible(workload, unchecked: tuple[str, ...]) -> list[dict[str, int]]:
@@ -236,11 +265,11 @@ def _feasible(workload, unchecked: tuple[str, ...]) -> list[dict[str, int]]:
 
     def assign(i: int, rest: int, chosen: dict[str, int]) -> None:
         if i == len(free):
-            if dp in unchecked or AXES[dp].allowed(workload, rest) is None:
+            if dp in unchecked or _searched(AXES[dp], workload, rest):
                 out.append({a: (rest if a == dp else chosen[a]) for a in AXES})
             return
         for d in divisors(rest):
-            if free[i].name in unchecked or free[i].allowed(workload, d) is None:
+            if free[i].name in unchecked or _searched(free[i], workload, d):
                 assign(i + 1, rest // d, {**chosen, free[i].name: d})
 
     assign(0, world, {})
@@ -278,10 +307,13 @@ def _tp_allowed(workload, tp: int) -> str | None:
     return None
 
 
-# declaration order is the Plan's field order and the decision order (the derived dp last)
-declare_axis(Axis("dp", "data", 1, _dp_allowed, derived=True, help="data-parallel degree"))
-declare_axis(Axis("tp", "tensor", 2, _tp_allowed, help="tensor-parallel degree"))
+# declaration order is the Plan's field order and the decision order (the derived dp last);
+# mesh positions outermost first, as torchtitan's ParallelDims: pp, dp, cp, tp
+declare_axis(Axis("dp", "data", 1, _dp_allowed, derived=True, help="data-parallel degree", reduces_gradients=True))
+declare_axis(Axis("tp", "tensor", 3, _tp_allowed, help="tensor-parallel degree"))
 declare_axis(Axis("pp", "pipeline", 0, _pp_allowed, help="pipeline-parallel degree"))
+declare_axis(Axis("cp", "context", 2, context_parallel_allowed, reduces_gradients=True, offered=context_parallel_offered,
+                  help="context-parallel degree: the sequence split over cp ranks (docs/context-parallel.md)"))
 
 
 def _ep_allowed(workload, ep: int) -> str | None:

@@ -38,6 +38,7 @@ from autopar.search.published import (
     llama3_candidates,
     megatron_candidates,
 )
+from autopar.search.published_context_parallel import context_parallel_rows
 
 MAX_TARGET = 0.07  # errors beyond this are penalised quadratically on top of the absolute log error
 SECOND_GPT = Path(__file__).resolve().parent.parent / "tests" / "models" / "gpt_sdpa.py"
@@ -150,6 +151,8 @@ def main() -> None:
     report(console, "bundled GPT (autopar/zoo/gpt.py)", c, bundled)
     report(console, "second GPT (tests/models/gpt_sdpa.py, never fitted)", c, cases(SECOND_GPT))
     held_out(console)
+    for label, predicted, published, error in context_parallel_rows():  # docs/context-parallel.md
+        console.print(f"{label}: {predicted:.0f} TFLOP/s per GPU, published {published:.0f} ({error:+.1%})")
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def test_a_plan_for_another_world_size_is_refused_before_launch(tmp_path):
     save_plan(tmp_path / "p.json", dp=2)
     ran = autopar("run", "p.json", "gpt", *TINY, *ranks(4), "--trace", "t.jsonl", cwd=tmp_path, timeout=60)
     assert ran.returncode == 2
-    assert "needs dp x tp x pp = 2 x 1 x 1 = 2 ranks but --nnodes 1 x --nproc-per-node 4 = 4" in ran.stderr
+    assert "needs dp x tp x pp x cp = 2 x 1 x 1 x 1 = 2 ranks but --nnodes 1 x --nproc-per-node 4 = 4" in ran.stderr
     assert len(ran.stderr.strip().splitlines()) == 1 and not (tmp_path / "t.jsonl").exists()
 
 

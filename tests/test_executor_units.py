@@ -120,7 +120,7 @@ def test_summary_takes_the_slowest_rank_per_step():
 
 
 def test_refusals_before_launch():
-    with pytest.raises(PlanError, match=r"needs dp x tp x pp = 2 x 1 x 1 = 2 ranks but --nnodes 1 x "
+    with pytest.raises(PlanError, match=r"needs dp x tp x pp x cp = 2 x 1 x 1 x 1 = 2 ranks but --nnodes 1 x "
                                         r"--nproc-per-node 4 = 4"):
         check_world_size(plan(dp=2), RunOptions(nproc_per_node=4))
     with pytest.raises(PlanError, match="needs NCCL"):

@@ -184,7 +184,7 @@ def test_accelerate_yaml(plan, tmp_path):
 def test_each_export_names_what_it_cannot_express():
     gpipe = PLANS[4]
     assert "schedule=gpipe" in export_plan(gpipe, "megatron").unexpressed_line()
-    assert "mesh_order=pp,tp,dp" in export_plan(gpipe, "torchtitan").unexpressed_line()
+    assert "mesh_order=pp,tp,cp,dp" in export_plan(gpipe, "torchtitan").unexpressed_line()  # cp at its default place
     assert "precision=fp16" in export_plan(gpipe, "torchtitan").unexpressed_line()
     assert "pp=2" in export_plan(gpipe, "deepspeed").unexpressed_line()
     assert export_plan(PLANS[0], "megatron").unexpressed == ()

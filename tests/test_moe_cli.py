@@ -30,8 +30,8 @@ def _one_line_exit_2(capsys, args, expected: str) -> None:
 
 
 @pytest.mark.parametrize("args, expected", [
-    ([*TINY_MOE, "--dp", "4", "--ep", "3"], "ep=3 must divide dp = 4"),
-    ([*TINY_MOE, "--dp", "2", "--tp", "2", "--ep", "4"], "ep=4 must divide dp = 2"),
+    ([*TINY_MOE, "--dp", "4", "--ep", "3"], "ep=3 must divide dp x cp = 4"),
+    ([*TINY_MOE, "--dp", "2", "--tp", "2", "--ep", "4"], "ep=4 must divide dp x cp = 2"),
     ([*TINY_MOE, "--model-arg", "experts=6", "--dp", "4", "--ep", "4"], "ep=4 does not divide the model's 6 experts"),
     ([*TINY_GPT, "--dp", "4", "--ep", "2"], "is a dense model (no experts to shard); use ep 1"),
     ([*TINY_GPT, "--dp", "4", "--expert-imbalance", "1.5"], "--expert-imbalance 1.5 applies to mixture-of-experts"),

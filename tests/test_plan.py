@@ -79,8 +79,10 @@ def test_save_is_atomic_and_loads_back(tmp_path):
 
 
 def test_strides_follow_the_mesh_order():
-    assert plan(dp=4, tp=2, pp=3).strides() == {"tp": 1, "dp": 2, "pp": 8}
-    assert plan(dp=4, tp=2, pp=3, mesh_order=("pp", "tp", "dp")).strides() == {"dp": 1, "tp": 4, "pp": 8}
+    assert plan(dp=4, tp=2, pp=3).strides() == {"tp": 1, "cp": 2, "dp": 2, "pp": 8}
+    assert plan(dp=4, tp=2, pp=3, mesh_order=("pp", "tp", "dp")).strides() == {"dp": 1, "cp": 4, "tp": 4, "pp": 8}
+    # torchtitan's ParallelDims: pp, dp, cp, tp outermost first; cp between dp and tp
+    assert plan(dp=2, tp=2, pp=2, cp=2).strides() == {"tp": 1, "cp": 2, "dp": 4, "pp": 8}
 
 
 @given(st.integers(1, 200), st.integers(1, 64))

@@ -39,6 +39,7 @@ from autopar.cost.collectives import all_gather_time, all_reduce_time
 from autopar.cost import moe
 from autopar.cost import precision as fp8
 from autopar.cost.fused import megatron_layer_io
+from autopar.cost.context_parallel import gradient_group_size, sequence_share
 from autopar.cost.gemm import kind_efficiency
 from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, knobs, storage_dtype
 
@@ -128,7 +129,7 @@ def _links(cluster, pa: PlanArrays, coeffs: Coefficients) -> dict[str, np.ndarra
         dims = axes.ParallelDims({a: int(getattr(pa, a)[i]) for a in names}, mesh_order_of(pa.mesh_order[i]))
         sizes, strides, pp = dims.degrees, dims.strides(), dims.degrees["pp"]
         for col, link in enumerate((cluster.ring(sizes["tp"], strides["tp"]),
-                                    cluster.ring(sizes["dp"], strides["dp"]),
+                                    cluster.ring(*dims.gradient_group()),  # dp (x cp): the gradient group
                                     cluster.p2p(strides["pp"]) if pp > 1 else None)):
             if link is None:
                 table[row, 2 * col:2 * col + 2] = (np.inf, 0.0)
@@ -149,7 +150,8 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     tp_overlap = "tp_comm_overlap" in workload.switches
     col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (G,) -> (G, 1)
 
-    t, b, m, v, pp = col(g.tp), col(g.micro_batch_size), col(g.num_micro_batches), col(g.virtual_stages), col(g.pp)
+    t, m, v, pp = col(g.tp), col(g.num_micro_batches), col(g.virtual_stages), col(g.pp)
+    b = col(g.micro_batch_size) / col(sequence_share(g))  # samples' worth of tokens per rank (cp splits them)
     sp_div = np.where(g.sequence_parallel, g.tp, 1)[:, None].astype(float)  # sequence parallel shards the rest too
     act_scale = col(PRECISION_BYTES[g.precision] / DTYPE_BYTES[profile.dtype])
     # the bf16 rate for fp8 too: cost/precision.py scales the time of the GEMMs fp8 runs
@@ -161,7 +163,7 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     # -- per block kind, per micro-batch on one GPU: (G, K) --------------------------------------
     flops_f = b * (k["tp_fwd_flops"] / t + (k["fwd_flops"] - k["tp_fwd_flops"]))
     flops_b = flops_f * _ratio(k["bwd_flops"], k["fwd_flops"])
-    shape = kind_efficiency(profile, g.micro_batch_size, g.tp, cluster.gpu.sms)  # tile and wave quantisation
+    shape = kind_efficiency(profile, b[:, 0], g.tp, cluster.gpu.sms)  # tile and wave quantisation
     eff = c.gemm_efficiency * shape * flops_f / (flops_f + c.gemm_half_flops)
     rate = peak * np.maximum(eff, 1e-9)
     scale = fp8.compute_scale(workload, g, b, flops_f, c)  # fp8's GEMMs and casts, compile's fusion
@@ -294,7 +296,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
 
     # -- data parallel and optimizer, per representative rank: (N, J) ----------------------------------
     links = _links(cluster, pa, c)
-    zero, dpn = col(pa.zero), col(pa.dp)
+    zero, dpn = col(pa.zero), col(gradient_group_size(pa))  # dp x cp reduce gradients together
     dp_bw, dp_lat = col(links["dp_bw"]), col(links["dp_lat"])
     local_params = part["local_params"]
     hide_b, hide_f = _dp_hiding(workload, c, part["backward_s"], part["forward_s"])

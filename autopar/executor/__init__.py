@@ -4,7 +4,9 @@ Public API (imported lazily, so `import autopar.executor` costs nothing until us
 
 * `apply(plan, build_model, optimizer, loss_fn, *, tp_plan, blocks, seed)` -> `ParallelModel`
   with `train_step(inputs, targets)`, `local_batch(...)`, `global_losses(...)`;
-* `make_loader(dataset, plan, topo)`: a DistributedSampler loader of this rank's batches;
+* `make_loader(dataset, plan, topo)`: a DistributedSampler loader of this rank's batches (whole
+  sequences: under context parallelism `shard_sequence(batch, plan.cp, topo.rank("cp"))` cuts a
+  batch to the rank's tokens, as `local_batch` does);
 * `train_elastic(plan, build_model, optimizer, loss_fn, batch, *, checkpoint_dir, steps, replan)`:
   the training loop of elastic runs (checkpoints, re-plans on a new world size, resumes);
 * `save_checkpoint(par, path, step)` / `load_checkpoint(par, path)`: DCP checkpoints that
@@ -21,7 +23,7 @@ from importlib import import_module
 _EXPORTS = {
     "apply": "train_step", "ParallelModel": "train_step", "make_loader": "data",
     "save_checkpoint": "state", "load_checkpoint": "state",
-    "reference_losses": "parity", "RunOptions": "options", "train_elastic": "elastic",
+    "reference_losses": "parity", "shard_sequence": "context_parallel", "RunOptions": "options", "train_elastic": "elastic",
 }
 
 __all__ = list(_EXPORTS)

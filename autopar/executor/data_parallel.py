@@ -29,16 +29,16 @@ _COMPRESS_HOOKS = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hoo
 
 
 def apply_ddp(module: nn.Module, plan: Plan, topo: Topology) -> nn.Module:
-    """Wrap in DDP over the dp axis (ZeRO 0 and 1); a no-op with dp = 1."""
-    if plan.dp == 1:
+    """Wrap in DDP over the dp (x cp) ranks (ZeRO 0 and 1); a no-op with dp x cp = 1."""
+    if topo.gradient_mesh.size() == 1:
         return module
     device_ids = [topo.device.index] if topo.device.type == "cuda" else None
     tensor_parallel = any(isinstance(p, DTensor) for p in module.parameters())
     # DDP takes a device mesh only for DTensor (TP) parameters: it then localises them
-    where = {"device_mesh": topo.mesh["dp"]} if tensor_parallel else {"process_group": topo.group("dp")}
+    where = {"device_mesh": topo.gradient_mesh} if tensor_parallel else {"process_group": topo.gradient_group}
     ddp = DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=plan.bucket_mb, **where)
     if plan.grad_comm_dtype in _COMPRESS_HOOKS:
-        ddp.register_comm_hook(topo.group("dp"), _COMPRESS_HOOKS[plan.grad_comm_dtype])
+        ddp.register_comm_hook(topo.gradient_group, _COMPRESS_HOOKS[plan.grad_comm_dtype])
     return ddp
 
 
@@ -61,7 +61,7 @@ def reattach(leaves: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
 
 def apply_fsdp(module: nn.Module, blocks: list[nn.Module], plan: Plan, topo: Topology,
                own_groups: list | None = None) -> nn.Module:
-    """FSDP2 over the dp axis, one unit per block and one for the rest (ZeRO 2 and 3).
+    """FSDP2 over the dp (x cp) ranks, one unit per block and one for the rest (ZeRO 2 and 3).
     `own_groups`: (module, mesh) sharded first over a mesh of their own (expert-parallel experts
     over the expert-data-parallel ranks)."""
     compute = DTYPES[plan.precision]
@@ -70,7 +70,7 @@ def apply_fsdp(module: nn.Module, blocks: list[nn.Module], plan: Plan, topo: Top
     # pinned host memory speeds GPU<->CPU copies; it needs an accelerator
     offload = (CPUOffloadPolicy(pin_memory=topo.device.type == "cuda") if plan.offload_optimizer
                else OffloadPolicy())
-    kwargs = {"mesh": topo.mesh["dp"], "reshard_after_forward": plan.zero == 3, "mp_policy": mp,
+    kwargs = {"mesh": topo.gradient_mesh, "reshard_after_forward": plan.zero == 3, "mp_policy": mp,
               "offload_policy": offload}
     if compute != torch.float32:
         # batch norms keep fp32 weights beside their fp32 running statistics (bf16 weights with fp32
@@ -95,12 +95,12 @@ def build_optimizer(params: list[nn.Parameter], optimizer_fn, plan: Plan, topo: 
     """The user's optimizer over `params`; for ZeRO-1 the same class and settings, its state
     sharded over the dp ranks."""
     optimizer = optimizer_fn(params)
-    if plan.zero != 1 or plan.dp == 1:
+    if plan.zero != 1 or topo.gradient_mesh.size() == 1:
         return optimizer
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters  # defaults may hold derived settings
     settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [dict(g) for g in optimizer.param_groups]
     # bucket views: after the step each rank broadcasts its shard as one buffer, not one call per parameter
-    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=topo.group("dp"),
+    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=topo.gradient_group,
                                    parameters_as_bucket_view=True, **settings)

@@ -17,8 +17,9 @@ from autopar.modelfile import sequence_parallel_styles
 
 def model_limits(model: nn.Module, blocks: nn.ModuleList | None, tp_plan: dict) -> dict[str, str]:
     """{knob: why the executor cannot do it for this model}: ``pp`` (pipeline parallelism),
-    ``sp`` (sequence parallelism), ``sp_off`` (tensor parallelism without it) and ``ep`` (expert
-    parallelism: MoE layers whose experts are not stacked as the zoo's `GroupedExperts`)."""
+    ``sp`` (sequence parallelism), ``sp_off`` (tensor parallelism without it), ``ep`` (expert
+    parallelism: MoE layers whose experts are not stacked as the zoo's `GroupedExperts`) and ``cp``
+    (context parallelism)."""
     limits = {}
     layers = [m for m in model.modules() if callable(getattr(m, "moe_shape", None))]
     if layers and len(moe_experts(model)) < len(layers):
@@ -31,6 +32,10 @@ def model_limits(model: nn.Module, blocks: nn.ModuleList | None, tp_plan: dict) 
             check_layout(model, blocks)
         except PlanError as exc:
             limits["pp"] = str(exc)
+    if not getattr(model, "sequence_shardable", False):
+        limits["cp"] = ("context parallelism needs the model to take its token positions and attention from "
+                        "autopar.zoo's sequence helpers (token_positions, causal_sdpa / context_keys) and to say so "
+                        "with sequence_shardable = True (the bundled GPT, Llama and BERT do); use cp=1")
     styles_sp = sequence_parallel_styles(tp_plan)
     if styles_sp is True:
         limits["sp_off"] = ("the tp_plan's ParallelStyles shard the sequence (SequenceParallel), so tensor "

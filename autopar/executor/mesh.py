@@ -6,6 +6,7 @@ whether this node has a GPU for every rank, unless the caller forces one.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.axes import gradient_axes
 from autopar.errors import PlanError
 from autopar.executor.options import BACKENDS
 from autopar.executor.support import has_nccl
@@ -91,6 +93,17 @@ class Topology:
 
     def group(self, axis: str) -> dist.ProcessGroup:
         return self.mesh[axis].get_group()
+
+    @functools.cached_property
+    def gradient_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the ranks that reduce gradients together: dp, or dp x cp flattened (the
+        weights are replicated over cp, as torchtitan's dp_cp mesh)."""
+        names = [a for a in self.mesh.mesh_dim_names if a in gradient_axes() and (a == "dp" or self.mesh[a].size() > 1)]
+        return self.mesh[names[0]] if len(names) == 1 else self.mesh[tuple(names)]._flatten("_".join(names))
+
+    @property
+    def gradient_group(self) -> dist.ProcessGroup:
+        return self.gradient_mesh.get_group()
 
 
 def build_mesh(plan: Plan, device: torch.device) -> Topology:

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autopar.errors import PlanError
 from autopar.executor.checkpointing import apply_ac
+from autopar.executor.context_parallel import context_parallel_step, shard_sequence
 from autopar.executor.data import local_share
 from autopar.executor.data_parallel import apply_dp, build_optimizer, localised_tp_leaves
 from autopar.executor.expert_parallel import (
@@ -99,6 +100,7 @@ class ParallelModel:
     def local_batch(self, inputs, targets):
         """This rank's share of a global batch, on this rank's device."""
         share = local_share((tuple(inputs), targets), self.plan, self.topo.rank("dp"))
+        share = shard_sequence(share, self.plan.cp, self.topo.rank("cp"))
         return tuple(t.to(self.device) for t in share[0]), move_targets(share[1], self.device)
 
     def train_step(self, inputs: Sequence[torch.Tensor] | torch.Tensor, targets) -> torch.Tensor | None:
@@ -109,7 +111,9 @@ class ParallelModel:
         """
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._pipeline_step(inputs, targets) if self.schedule is not None else self._plain_step(inputs, targets)
+        with context_parallel_step(self.topo, self.plan.cp, inputs[0].shape[1] if inputs[0].dim() > 1 else 1):
+            loss = (self._pipeline_step(inputs, targets) if self.schedule is not None
+                    else self._plain_step(inputs, targets))
         if self.experts is not None:
             self.experts.sync()
         if self.tied is not None:
@@ -159,14 +163,14 @@ class ParallelModel:
 
     def global_losses(self, losses: Sequence[torch.Tensor | None]) -> list[float]:
         """Global-batch mean losses of steps, from every rank's `train_step` results (a collective:
-        call it on every rank). Averages over dp; the last pipeline stage supplies the value."""
+        call it on every rank). Averages over dp and cp; the last pipeline stage supplies the value."""
         local = torch.stack([l.float().reshape(()) if l is not None else torch.zeros(())
                              for l in losses]) if losses else torch.zeros(0)
         if not self.has_last_stage:
             local = torch.zeros_like(local)
         local = local.to(self.device)
-        dist.all_reduce(local)  # every tp rank of the last stage holds the same value
-        return (local / (self.plan.dp * self.plan.tp)).tolist()
+        dist.all_reduce(local)  # every tp rank of the last stage holds the same value; cp ranks their tokens'
+        return (local / (self.plan.dp * self.plan.tp * self.plan.cp)).tolist()
 
 
 def _as_tuple(targets) -> tuple:

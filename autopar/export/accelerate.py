@@ -35,6 +35,9 @@ def config(plan: Plan) -> dict:
 def unexpressed(plan: Plan) -> list[str]:
     megatron = plan.tp > 1 or plan.pp > 1
     out = ["num_machines: set it to your node count (the plan knows only the world size)"]
+    if plan.cp > 1:
+        out.append(f"cp={plan.cp}: the config file has no context-parallel key (set "
+                   f"ParallelismConfig(cp_size={plan.cp}) in the script: accelerate's context-parallel guide, FSDP2)")
     if not megatron:
         out.append(f"micro-batches: Accelerator(gradient_accumulation_steps={plan.num_micro_batches}) and a "
                    f"DataLoader batch of {plan.micro_batch_size} in the script")

@@ -47,6 +47,9 @@ def unexpressed(plan: Plan) -> list[str]:
         out.append(f"recompute={plan.recompute}: wrap blocks with deepspeed.checkpointing.checkpoint in the script")
     if plan.sequence_parallel:
         out.append("sequence_parallel: Megatron-style sequence parallelism is not a DeepSpeed config key")
+    if plan.cp > 1:
+        out.append(f"cp={plan.cp}: DeepSpeed has no ring-attention context parallelism (its Ulysses "
+                   "sequence_parallel_size splits heads with all-to-alls, another scheme)")
     if tuple(plan.mesh_order) != default_of("mesh_order"):
         out.append(f"mesh_order={','.join(plan.mesh_order)}: the rank layout comes from the script's process groups")
     if plan.layer_split:

@@ -13,6 +13,7 @@ from autopar.plan import Plan
 FLAGS = {
     "tensor_model_parallel_size": "--tensor-model-parallel-size",
     "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+    "context_parallel_size": "--context-parallel-size",
     "virtual_pipeline_model_parallel_size": "--num-virtual-stages-per-pipeline-rank",
     "sequence_parallel": "--sequence-parallel",
     "bf16": "--bf16",
@@ -29,7 +30,7 @@ FLAGS = {
 }
 # autopar's fp8 recipe -> Transformer Engine's as Megatron names it (rowwise has no TE counterpart)
 FP8_RECIPES = {"tensorwise": "tensorwise", "mxfp8": "mxfp8"}
-MODEL_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+MODEL_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                   "virtual_pipeline_model_parallel_size", "sequence_parallel", "bf16", "fp16")
 DDP = ("use_distributed_optimizer", "bucket_size", "grad_reduce_in_fp32")
 
@@ -41,6 +42,7 @@ def core_fields(plan: Plan) -> dict:
     return {
         "tensor_model_parallel_size": plan.tp,
         "pipeline_model_parallel_size": plan.pp,
+        "context_parallel_size": plan.cp if plan.cp > 1 else None,
         "virtual_pipeline_model_parallel_size": plan.virtual_stages if plan.virtual_stages > 1 else None,
         "sequence_parallel": plan.sequence_parallel,
         "bf16": plan.precision in ("bf16", "fp8"),  # fp8 trains on bf16 weights
@@ -85,7 +87,7 @@ def unexpressed(plan: Plan) -> list[str]:
     if plan.grad_comm_dtype == "fp16" and plan.precision == "bf16":
         out.append("grad_comm_dtype=fp16: Megatron reduces in the training dtype or fp32")
     if tuple(plan.mesh_order) != default_of("mesh_order"):
-        out.append(f"mesh_order={','.join(plan.mesh_order)}: Megatron's rank order is tp innermost, then dp, pp")
+        out.append(f"mesh_order={','.join(plan.mesh_order)}: Megatron's rank order is tp innermost, then cp, dp, pp")
     if plan.layer_split:
         out.append(f"layer_split={list(plan.layer_split)}: Megatron splits evenly (or first/last stage only)")
     if plan.precision == "fp8" and plan.fp8_recipe not in FP8_RECIPES:

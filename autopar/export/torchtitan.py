@@ -22,6 +22,7 @@ def overrides(plan: Plan) -> list[str]:
         "--parallelism.data_parallel_shard_degree", str(plan.dp if sharded else 1),
         "--parallelism.tensor_parallel_degree", str(plan.tp),
         "--parallelism.pipeline_parallel_degree", str(plan.pp),
+        "--parallelism.context_parallel_degree", str(plan.cp),
         "--training.global_batch_size", str(plan.global_batch),
     ]
     if plan.zero in (1, 2):
@@ -52,6 +53,9 @@ def unexpressed(plan: Plan) -> list[str]:
     out = []
     if plan.zero == 1:
         out.append("zero=1: torchtitan's FSDP2 also shards gradients (exported as ZeRO-2)")
+    if plan.cp > 1 and plan.zero == 0:
+        out.append(f"cp={plan.cp} with zero=0: torchtitan applies FSDP2 over dp_shard x cp whenever cp > 1 "
+                   "(the weights are sharded over the cp ranks)")
     if plan.precision == "fp16":
         out.append("precision=fp16: torchtitan trains in bfloat16 or float32 (exported as bfloat16 defaults)")
     if plan.grad_comm_dtype != "fp32" and plan.dp > 1:
@@ -67,7 +71,7 @@ def unexpressed(plan: Plan) -> list[str]:
         out.append(f"virtual_stages={plan.virtual_stages}: torchtitan runs 2 stages per rank unless "
                    f"--parallelism.pipeline_parallel_layers_per_stage is the model's blocks / {plan.stages}")
     if tuple(plan.mesh_order) != default_of("mesh_order"):
-        out.append(f"mesh_order={','.join(plan.mesh_order)}: torchtitan's mesh is pp, dp, tp (tp innermost)")
+        out.append(f"mesh_order={','.join(plan.mesh_order)}: torchtitan's mesh is pp, dp, cp, tp (tp innermost)")
     if plan.layer_split:
         out.append(f"layer_split={list(plan.layer_split)}: set --parallelism.module_fqns_per_model_part by hand")
     return out

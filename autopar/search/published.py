@@ -142,6 +142,8 @@ class Llama3Row:
     dp: int
     batch_per_dp: int
     tflops_per_gpu: float
+    cp: int = 1
+    seq_len: int = 8192
 
     @property
     def global_batch(self) -> int:
@@ -152,7 +154,8 @@ def _llama3_row(r: dict[str, str]) -> Llama3Row:
     """A Table 4 row of `other_h100.csv`: its `config` reads "TP8 CP1 PP16 DP64, batch per DP 32"."""
     degree = {axis: int(n) for axis, n in re.findall(r"\b(TP|CP|PP|DP)(\d+)", r["config"])}
     batch = int(re.search(r"batch per DP (\d+)", r["config"]).group(1))
-    return Llama3Row(int(r["gpus"]), degree["TP"], degree["PP"], degree["DP"], batch, float(r["value"]))
+    return Llama3Row(int(r["gpus"]), degree["TP"], degree["PP"], degree["DP"], batch, float(r["value"]),
+                     degree["CP"], int(r["seq_len"]))
 
 
 LLAMA3_TABLE4 = tuple(_llama3_row(r) for r in read_table("other_h100.csv")
@@ -167,7 +170,7 @@ def llama3_candidates(row: Llama3Row, model=ZOO_LLAMA):
     split unevenly, as the paper's pipeline does), recompute none / selective / full, ZeRO 1 or 2
     (the paper shards optimizer states and gradients), gradients reduced in bf16 or fp32."""
 
-    profile = profile_model(model, {"size": "llama3-405b"}, dtype="bf16")
+    profile = profile_model(model, {"size": "llama3-405b", "seq_len": row.seq_len}, dtype="bf16")
     w = Workload(profile, load_cluster("dgx-h100", nodes=row.gpus // 8), row.global_batch, runtime="megatron",
                  switches=NEMO_SWITCHES)
     layers = profile.num_layers
@@ -176,7 +179,7 @@ def llama3_candidates(row: Llama3Row, model=ZOO_LLAMA):
         for recompute, blocks in (("none", 0), ("selective", 0), ("full", layers)):
             for zero in (1, 2):
                 for comm in ("bf16", "fp32"):
-                    plans.append(Plan(dp=row.dp, tp=row.tp, pp=row.pp, micro_batch_size=1,
+                    plans.append(Plan(dp=row.dp, tp=row.tp, pp=row.pp, cp=row.cp, micro_batch_size=1,
                                       num_micro_batches=row.batch_per_dp, zero=zero, recompute=recompute,
                                       recompute_blocks=min(blocks, -(-layers // row.pp)),
                                       schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v,

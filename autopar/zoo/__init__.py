@@ -7,11 +7,14 @@ They are ordinary model.py files: load them by path or by name with
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 MODELS = ("gpt", "llama", "moe", "bert", "vit", "resnet")
@@ -80,3 +83,66 @@ def next_token_batch(batch_size: int, vocab: int, seq_len: int):
 def image_batch(batch_size: int, image: int, classes: int):
     """Random images (batch, 3, image, image) and class labels."""
     return torch.randn(batch_size, 3, image, image), torch.randint(0, classes, (batch_size,))
+
+
+# -- context parallelism: the part of every sequence this rank holds (set by autopar's executor) ---------
+@dataclass(frozen=True)
+class SequenceShard:
+    """This rank's tokens under context parallelism. `positions`: their places in the whole
+    sequence (chunks i and 2cp-1-i of 2cp, causal load balancing); `gather(t)`: an autograd-aware
+    all-gather of a K or V tensor (batch, heads, tokens, dim) over the cp ranks, whose tokens then
+    sit at `key_positions`. `ring`: torch's `context_parallel` has replaced
+    scaled_dot_product_attention (CUDA), so SDPA is called as without context parallelism."""
+
+    positions: torch.Tensor
+    key_positions: torch.Tensor
+    gather: Callable[[torch.Tensor], torch.Tensor]
+    ring: bool = False
+
+
+# a module global, not a ContextVar: recomputation in backward may run on autograd's own threads
+_SHARD: list[SequenceShard | None] = [None]
+
+
+@contextlib.contextmanager
+def sequence_shard(shard: SequenceShard | None):
+    """Run the models' forward (and backward) on `shard`'s part of every sequence."""
+    before, _SHARD[0] = _SHARD[0], shard
+    try:
+        yield
+    finally:
+        _SHARD[0] = before
+
+
+def token_positions(tokens: torch.Tensor) -> torch.Tensor:
+    """Positions of the tokens of `tokens` (batch, seq, ...) in the whole sequence: 0..seq-1, or
+    this rank's under context parallelism (rotary and learned position embeddings need them)."""
+    shard = _SHARD[0]
+    if shard is None:
+        return torch.arange(tokens.shape[1], device=tokens.device)
+    return shard.positions.to(tokens.device)
+
+
+def sequence_sharded() -> bool:
+    return _SHARD[0] is not None
+
+
+def context_keys(k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """Under context parallelism, for attention over (batch, heads, tokens, dim): every cp rank's
+    keys and values, and the mask (True where a query must not see a key) of their global
+    positions, or None when not causal."""
+    shard = _SHARD[0]
+    mask = shard.positions[:, None] < shard.key_positions[None, :] if causal else None
+    return shard.gather(k), shard.gather(v), None if mask is None else mask.to(k.device)
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal F.scaled_dot_product_attention over (batch, heads, tokens, dim), context-parallel
+    when the executor splits the sequence: torch's ring attention where it runs (CUDA), else every
+    cp rank's K and V gathered and masked by global position (gloo, where torch 2.13 has no CPU
+    sharding rule for SDPA)."""
+    shard = _SHARD[0]
+    if shard is None or shard.ring:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    k, v, mask = context_keys(k, v, causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=~mask)

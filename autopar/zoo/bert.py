@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.zoo import StagedModel, sized_config
+from autopar.zoo import StagedModel, sized_config, token_positions
 from autopar.zoo.gpt import BLOCK_TP_PLAN, MLP, Attention
 
 MASK_FRACTION = 0.15  # of tokens to predict, as BERT
@@ -62,8 +62,7 @@ class Embeddings(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, tokens):
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        h = self.tok(tokens) + self.pos(positions) + self.segment.weight[0]  # one segment
+        h = self.tok(tokens) + self.pos(token_positions(tokens)) + self.segment.weight[0]  # one segment
         return self.drop(self.norm(h))
 
 
@@ -94,6 +93,7 @@ class MLMHead(nn.Module):
 
 
 class Bert(StagedModel):
+    sequence_shardable = True  # positions and attention through autopar.zoo's helpers: context parallelism runs
     def __init__(self, cfg: BertConfig):
         super().__init__()
         self.config = cfg

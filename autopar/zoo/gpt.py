@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.zoo import StagedModel, next_token_batch, sized_config
+from autopar.zoo import StagedModel, context_keys, next_token_batch, sequence_sharded, sized_config, token_positions
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,7 @@ class Embedding(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, tokens):
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.drop(self.tok(tokens) + self.pos(positions))
+        return self.drop(self.tok(tokens) + self.pos(token_positions(tokens)))
 
 
 class Attention(nn.Module):
@@ -129,9 +128,12 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         qkv = self.wqkv(x).view(b, s, -1, 3, self.head_dim)
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (b, heads, s, head_dim)
+        mask = self.mask[:s, :s] if self.mask is not None else None
+        if sequence_sharded():  # context parallelism: every cp rank's keys, masked by global position
+            k, v, mask = context_keys(k, v, causal=self.mask is not None)
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-        if self.mask is not None:
-            scores = scores.masked_fill(self.mask[:s, :s], float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))
         probs = self.attn_drop(scores.softmax(dim=-1))
         y = (probs @ v).transpose(1, 2).reshape(b, s, -1)
         return self.resid_drop(self.wo(y))
@@ -164,6 +166,7 @@ class Block(nn.Module):
 
 
 class GPT(StagedModel):
+    sequence_shardable = True  # positions and attention through autopar.zoo's helpers: context parallelism runs
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.zoo import StagedModel, next_token_batch, sized_config
+from autopar.zoo import StagedModel, causal_sdpa, next_token_batch, sized_config, token_positions
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,9 @@ def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate pairs of channels of ``x`` (batch, seq, heads, head_dim) by position-dependent angles.
     The angles are computed in fp32 and the rotation applied in ``x``'s dtype, as HF transformers'
     Llama does: an fp32 rotation of 16-bit activations would move twice their bytes through HBM."""
-    s, d = x.shape[1], x.shape[-1]
+    d = x.shape[-1]
     freqs = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), freqs)[:, None, :]
+    angles = torch.outer(token_positions(x).to(torch.float32), freqs)[:, None, :]  # global positions under cp
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
@@ -90,7 +90,7 @@ class Attention(nn.Module):
         q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
         repeats = q.shape[2] // k.shape[2]  # local heads under tensor parallelism
         k, v = (t.repeat_interleave(repeats, dim=2) if repeats > 1 else t for t in (k, v))
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        y = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -121,6 +121,7 @@ class Block(nn.Module):
 
 
 class Llama(StagedModel):
+    sequence_shardable = True  # positions and attention through autopar.zoo's helpers: context parallelism runs
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
