@@ -64,6 +64,8 @@ class FoldedAxis:
     within: tuple[str, ...]
     help: str = ""
     allowed: Check = lambda workload, degree: None  # the model's rule on the degree (ep divides the experts)
+    # axes of `within` that must be 1 while this one is above 1 (what the executor cannot combine yet)
+    needs_one: tuple[str, ...] = ()
 
     def whole(self, degrees: dict[str, int]) -> int:
         """The ranks it splits: the product of the degrees of `within`."""
@@ -74,6 +76,10 @@ class FoldedAxis:
         if degree < 1 or whole % degree:
             raise PlanError(f"{self.name}={degree} must divide {' x '.join(self.within)} = {whole}; "
                             f"use a {self.name} that divides {whole}")
+        busy = [a for a in self.needs_one if degrees.get(a, 1) > 1]
+        if degree > 1 and busy:
+            raise PlanError(f"{self.name}={degree} with {', '.join(f'{a}={degrees[a]}' for a in busy)}: the executor "
+                            f"does not combine them yet; use {self.name}=1 or {'='.join(busy)}=1")
 
     def stride(self, dims: ParallelDims) -> int:
         """Rank distance between neighbours along the folded axis: that of the innermost axis it splits."""
@@ -335,4 +341,6 @@ def _ep_allowed(workload, ep: int) -> str | None:
 # experts / ep experts each, as Megatron-Core's and torchtitan's EP; expert-data-parallel = dp x cp / ep
 declare_folded(FoldedAxis("ep", "expert", ("dp",) + tuple(a for a in ("cp",) if a in AXES),
                           help="expert-parallel degree (MoE): experts sharded over ep ranks carved out of dp",
-                          allowed=_ep_allowed))
+                          allowed=_ep_allowed,
+                          # executor/expert_parallel.py splits dp alone and reduces expert gradients over it
+                          needs_one=tuple(a for a in ("cp",) if a in AXES)))

@@ -249,6 +249,8 @@ def _folded_knob(folded: _axes.FoldedAxis) -> Knob:
     """A folded axis's degree: the divisors of the ranks it splits that the model allows (1 always)."""
 
     def choices(workload, decided) -> list[int]:
+        if any(decided.get(a, 1) > 1 for a in folded.needs_one):
+            return [1]
         return [d for d in _axes.divisors(folded.whole(decided)) if folded.allowed(workload, d) is None]
 
     def check(plan) -> None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from autopar import knobs
 from autopar.cluster import load_cluster
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, PlanError
 from autopar.plan import Plan
 from autopar.profile import profile_model
 from autopar.workload import Workload
@@ -170,6 +170,10 @@ def test_ep_choices_divide_dp_and_the_experts(args, dp, want, tmp_path, monkeypa
         assert knobs.knob("zero").choices(w, {"dp": dp, "ep": 2}) == [0, 2, 3]
         assert knobs.knob("zero").choices(w, {"dp": dp, "ep": 1}) == [0, 1, 2, 3]
         assert knobs.knob("sequence_parallel").choices(w, {"tp": 2, "ep": 2}) == [False]
+        # the executor splits dp alone for experts: no ep beside context parallelism, and a plan asking is refused
+        assert knobs.knob("ep").choices(w, {"dp": dp, "cp": 2}) == [1]
+        with pytest.raises(PlanError, match="ep=2 with cp=2: the executor does not combine them"):
+            Plan(dp=dp, cp=2, ep=2, micro_batch_size=1).validate(w)
 
 
 def test_ep_is_one_for_a_dense_model_and_round_trips_in_plan_json(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ import numpy as np
 from autopar import axes
 from autopar.cost.arrays import PlanArrays, mesh_order_of, unique_rows
 from autopar.cost.coefficients import Coefficients
-from autopar.knobs import PRECISIONS, RECOMPUTE_MODES
+from autopar.knobs import PRECISIONS, RECOMPUTE_MODES, storage_dtype
 
 ROTATE_METHODS = ("allgather", "alltoall")  # torch's _cp_options.rotate_method
 TORCH_ROTATE_METHOD = "allgather"  # torch's default, which autopar's executor keeps
@@ -103,7 +103,8 @@ def kv_exchange(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
     samples = np.asarray(pa.micro_batch_size, float) / cp  # a rank's share of a micro-batch
     nbytes = np.where(pa.precision == FP32, 4.0, 2.0)
     kv = samples * profile.seq_len * kv_per_token / tp * nbytes  # this rank's K and V of one layer
-    peak = np.array([cluster.gpu.peak_flops[p] for p in PRECISIONS])[pa.precision]
+    # attention runs in the storage dtype (bf16 under fp8: torchao and TE cast only the linears)
+    peak = np.array([cluster.gpu.peak_flops[storage_dtype(p)] for p in PRECISIONS])[pa.precision]
     step = samples * attn_flops / tp / cp / (peak * c.gemm_efficiency)  # one ring step's forward attention
     bw, lat = _cp_links(cluster, pa, c)
     base = c.collective_latency_s
