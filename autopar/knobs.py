@@ -444,9 +444,9 @@ def _check_sp(plan) -> None:
 
 def _sp_choices(w, d) -> list[bool]:
     """Off and on under tensor parallelism, as far as the executor can run them for this model
-    (not with expert parallelism: autopar.executor.support)."""
+    (not for an MoE model: autopar.executor.support)."""
     options = sequence_parallel_options(w.profile, d["tp"])
-    return [v for v in options if not v] if d.get("ep", 1) > 1 else list(options)
+    return [v for v in options if not v] if w.profile.is_moe else list(options)
 
 
 def _zero_choices(w, d) -> list[int]:
@@ -536,7 +536,7 @@ for _k in (
          parse=_parse_schedule, check=_check_schedule,
          flag_help="gpipe | 1f1b | interleaved:V"),
     Knob("sequence_parallel", (Field("sequence_parallel", bool, False),),
-         _sp_choices, ("tp", "ep"), label="sequence parallel",
+         _sp_choices, ("tp",), label="sequence parallel",
          text=_bool_text("sequence parallel"), short=lambda v: "sp" if v else None, slots=(False, True),
          lean=lambda c: c[-1:], parse=_parse_bool, check=_check_sp,
          flag_help="shard the activations outside tensor-parallel regions over tp"),

@@ -294,7 +294,7 @@ def dataclass_schema(cls, overrides: dict | None = None, required: tuple = ()) -
 
 _POSITIVE_INT = Int(1, MAX_INT)
 PLAN_RANGES = {  # fields whose range is narrower than their type's
-    "dp": Int(1, MAX_GPUS), "tp": Int(1, MAX_GPUS), "pp": Int(1, MAX_GPUS), "ep": Int(1, MAX_GPUS),
+    "dp": Int(1, MAX_GPUS), "tp": Int(1, MAX_GPUS), "pp": Int(1, MAX_GPUS), "cp": Int(1, MAX_GPUS), "ep": Int(1, MAX_GPUS),
     "micro_batch_size": Int(1, MAX_GLOBAL_BATCH), "num_micro_batches": Int(1, MAX_GLOBAL_BATCH),
     "virtual_stages": Int(1, MAX_GPUS), "recompute_blocks": Int(0, MAX_ITEMS),
     "bucket_mb": Num(0.1, 1e7), "layer_split": List(Int(1, MAX_ITEMS), max_len=MAX_GPUS),

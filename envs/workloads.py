@@ -28,6 +28,7 @@ from rich.progress import track
 
 from autopar.cluster import GPUS, PRESETS, load_cluster
 from autopar.envs.knobs import PlanSpace
+from autopar.envs.rewards import OracleCache
 from autopar.errors import AutoparError
 from autopar.knobs import PRECISIONS, STATE_BYTES_PER_PARAM, storage_dtype  # sizes clusters to models
 from autopar.profile import profile_model
@@ -125,6 +126,17 @@ def feasible(workload) -> bool:
     return bool(PlanSpace(workload).step(()).allowed.any())
 
 
+def has_oracle(workload) -> bool:
+    """The exhaustive oracle, the reward's reference, can enumerate the space (at most
+    `autopar.search.space.MAX_PLANS` plans; a 175B GPT on 48 B200 nodes with cp, fp8 and compile
+    has more). Its answer is cached on disk, so the training's oracle pass reads it back."""
+    try:
+        OracleCache().best(workload)
+    except AutoparError:
+        return False
+    return True
+
+
 # -- sampling ---------------------------------------------------------------------------------------
 def _approx_params(spec: WorkloadSpec) -> float:
     return profile_model(spec.model, dict(spec.model_args), dtype=storage_dtype(spec.precision)).params
@@ -215,7 +227,7 @@ def _collect(sample, n: int, seed: int, progress: bool) -> list:
             workload = spec.build()
         except (AutoparError, ValueError):
             continue  # a draw the registry refuses (a precision its GPU lacks): not a workload
-        if feasible(workload):
+        if feasible(workload) and has_oracle(workload):
             out.append((spec, workload))
     return out
 

@@ -169,7 +169,8 @@ def test_ep_choices_divide_dp_and_the_experts(args, dp, want, tmp_path, monkeypa
     if dp > 1:  # what the executor refuses with ep (ZeRO-1, sequence parallelism) is left out
         assert knobs.knob("zero").choices(w, {"dp": dp, "ep": 2}) == [0, 2, 3]
         assert knobs.knob("zero").choices(w, {"dp": dp, "ep": 1}) == [0, 1, 2, 3]
-        assert knobs.knob("sequence_parallel").choices(w, {"tp": 2, "ep": 2}) == [False]
+        # nor sequence parallelism for an MoE model at any ep: tp ranks would route different tokens
+        assert knobs.knob("sequence_parallel").choices(w, {"tp": 2}) == [False]
         # the executor splits dp alone for experts: no ep beside context parallelism, and a plan asking is refused
         assert knobs.knob("ep").choices(w, {"dp": dp, "cp": 2}) == [1]
         with pytest.raises(PlanError, match="ep=2 with cp=2: the executor does not combine them"):

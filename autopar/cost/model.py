@@ -254,9 +254,17 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
         "local_params": on(k["tp_params"] / t + (k["params"] - k["tp_params"])),
         "expert_local": on(routed["expert_params"]),
         "activations": act_mb * in_flight + working, "block_params": block_params,
-        "model_flops_per_sample": np.full(len(g), float((total_counts * (k["fwd_flops"] + k["bwd_flops"])).sum())),
+        "model_flops_per_sample": np.full(len(g), _model_flops(profile, k, total_counts)),
         "recompute_flops_per_sample": (recompute_flops * mult).sum(axis=1),
     }
+
+
+def _model_flops(profile, k: dict, counts: np.ndarray) -> float:
+    """Model FLOPs of one sample, forward and backward, the routed experts included (`_kind_arrays`
+    leaves them to cost/moe.py's pricing, not to the count MFU divides)."""
+    experts = moe.expert_kind_arrays(profile)
+    per_kind = k["fwd_flops"] + k["bwd_flops"] + experts["expert_fwd_flops"] + experts["expert_bwd_flops"]
+    return float((counts * per_kind).sum())
 
 
 def _dp_hiding(workload, c: Coefficients, backward_s: np.ndarray, forward_s: np.ndarray):

@@ -33,6 +33,7 @@ from autopar.executor.expert_parallel import (
     fill_experts,
     fsdp_expert_groups,
     ignore_in_ddp,
+    moe_experts,
     shard_experts,
 )
 from autopar.executor.mesh import Topology, build_mesh, current_backend, init_distributed
@@ -229,6 +230,10 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
             raise PlanError("precision fp8 converts the model's repeated blocks (an nn.ModuleList); use precision bf16")
         convert_fp8(list(block_list), plan)  # on the skeleton, before tensor parallelism (torchtitan's order)
     tied = tied_names(model)
+    if plan.sequence_parallel and moe_experts(model):
+        raise PlanError("sequence parallelism with an MoE model: each tp rank would route its part of the sequence "
+                        "and the router's and experts' gradients would miss the other tp ranks'; use "
+                        "sequence_parallel false")
     expert_groups = expert_mesh(plan, device.type) if plan.ep > 1 else None
     experts = expert_shapes(model) if expert_groups is not None else {}  # the whole model's, before the cut
     tp_map = {}
