@@ -10,6 +10,8 @@ nearest valid choice only where the change leaves it invalid.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,7 +151,7 @@ def _against_neighbours(plan: Plan, name: str, alternatives: list[tuple[Plan, in
         parts.append(f"{name}{degree} is {res['iteration_time'][i] / res['iteration_time'][0] - 1:+.1%} "
                      f"({PART_WORDS[moved]} {delta:+,.0f} ms)")
     named = [f"{name}{d}" for d in picks]
-    rest = [clause for clause in text.split("; ") if not any(n in clause for n in named)]
+    rest = [clause for clause in text.split("; ") if not any(re.search(rf"\b{n}\b", clause) for n in named)]
     return "; ".join([", ".join(parts)] + rest)
 
 

@@ -84,8 +84,9 @@ class RLPlanner(Planner):
             decoded = beam_search(self.actor, space, features, width)
         plans = [space.plan(d.prefix) for d in decoded]
         confidences = [Confidence(d.probability, d.min_step) for d in decoded]
-        spent = len(plans)
+        spent = 0
         if self.refine:
+            spent += len(plans)  # the decoded plans' estimates, to pick the refinement's starts
             res = evaluate(workload, PlanArrays.from_plans(plans, workload.profile))
             times = np.where(res["fits"], res["iteration_time"], np.inf)
             seen: dict = {}

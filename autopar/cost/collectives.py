@@ -1,5 +1,10 @@
-"""Collective communication times: the one place the cost model (and anyone pricing a collective,
-e.g. an MoE all-to-all) turns bytes and a process group into seconds.
+"""Collective communication times: bytes and a process group into seconds.
+
+`collective_time` prices any collective for a device-mesh axis of a cluster graph. The cost model's
+own terms call the ring formulas below on per-plan link arrays; the MoE dispatch uses
+`all_to_all_time` with its own per-node NIC sharing and DeepEP's byte overrides (cost/moe.py), and
+context parallelism's K/V all-gather is written out in cost/context_parallel.py: the three do not
+yet share one all-to-all and one link lookup (docs/hardware.md says so).
 
 The formulas are nccl-tests' bus-bandwidth convention (docs/references.md §3): a ring all-reduce
 moves 2(n-1)/n of the buffer over each rank's link, all-gather and reduce-scatter (n-1)/n, and an

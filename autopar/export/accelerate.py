@@ -38,6 +38,8 @@ def unexpressed(plan: Plan) -> list[str]:
     if plan.cp > 1:
         out.append(f"cp={plan.cp}: the config file has no context-parallel key (set "
                    f"ParallelismConfig(cp_size={plan.cp}) in the script: accelerate's context-parallel guide, FSDP2)")
+    if plan.ep > 1:
+        out.append(f"ep={plan.ep}: the config file has no expert-parallel key (shard the experts in the script)")
     if not megatron:
         out.append(f"micro-batches: Accelerator(gradient_accumulation_steps={plan.num_micro_batches}) and a "
                    f"DataLoader batch of {plan.micro_batch_size} in the script")

@@ -50,6 +50,9 @@ def unexpressed(plan: Plan) -> list[str]:
     if plan.cp > 1:
         out.append(f"cp={plan.cp}: DeepSpeed has no ring-attention context parallelism (its Ulysses "
                    "sequence_parallel_size splits heads with all-to-alls, another scheme)")
+    if plan.ep > 1:
+        out.append(f"ep={plan.ep}: DeepSpeed-MoE takes the expert-parallel size in the model code "
+                   f"(deepspeed.moe.layer.MoE(..., ep_size={plan.ep})), not in the config")
     if tuple(plan.mesh_order) != default_of("mesh_order"):
         out.append(f"mesh_order={','.join(plan.mesh_order)}: the rank layout comes from the script's process groups")
     if plan.layer_split:

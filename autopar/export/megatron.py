@@ -14,6 +14,7 @@ FLAGS = {
     "tensor_model_parallel_size": "--tensor-model-parallel-size",
     "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
     "context_parallel_size": "--context-parallel-size",
+    "expert_model_parallel_size": "--expert-model-parallel-size",
     "virtual_pipeline_model_parallel_size": "--num-virtual-stages-per-pipeline-rank",
     "sequence_parallel": "--sequence-parallel",
     "bf16": "--bf16",
@@ -31,6 +32,7 @@ FLAGS = {
 # autopar's fp8 recipe -> Transformer Engine's as Megatron names it (rowwise has no TE counterpart)
 FP8_RECIPES = {"tensorwise": "tensorwise", "mxfp8": "mxfp8"}
 MODEL_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                  "expert_model_parallel_size",
                   "virtual_pipeline_model_parallel_size", "sequence_parallel", "bf16", "fp16")
 DDP = ("use_distributed_optimizer", "bucket_size", "grad_reduce_in_fp32")
 
@@ -43,6 +45,7 @@ def core_fields(plan: Plan) -> dict:
         "tensor_model_parallel_size": plan.tp,
         "pipeline_model_parallel_size": plan.pp,
         "context_parallel_size": plan.cp if plan.cp > 1 else None,
+        "expert_model_parallel_size": plan.ep if plan.ep > 1 else None,
         "virtual_pipeline_model_parallel_size": plan.virtual_stages if plan.virtual_stages > 1 else None,
         "sequence_parallel": plan.sequence_parallel,
         "bf16": plan.precision in ("bf16", "fp8"),  # fp8 trains on bf16 weights

@@ -25,6 +25,8 @@ def overrides(plan: Plan) -> list[str]:
         "--parallelism.context_parallel_degree", str(plan.cp),
         "--training.global_batch_size", str(plan.global_batch),
     ]
+    if plan.ep > 1:  # experts over ep ranks borrowed from dp_shard x cp, as torchtitan's MoE does
+        args += ["--parallelism.expert_parallel_degree", str(plan.ep)]
     if plan.zero in (1, 2):
         args += ["--parallelism.fsdp_reshard_after_forward", "never"]
     if plan.tp > 1:

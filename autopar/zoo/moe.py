@@ -16,7 +16,7 @@ Shapes (`size=`), checked against the published Hugging Face configs:
   attention (MLA, 187M parameters a layer) is replaced by GQA with 128 heads of dim 112 and 16 kv
   heads, chosen so the attention FLOPs per token at sequence 4096 match MLA's within 2% (697 vs
   709 MFLOP forward: projections plus scores and values); its parameters are 231M a layer (+24%),
-  so the model has 674B parameters, 39.9B active (DeepSeek-V3: 671B, 37B). No multi-token
+  so the model has 674B parameters, 40.2B active (DeepSeek-V3: 671B, 37B). No multi-token
   prediction module, no routed scaling factor.
 
 Routing is dropless: every token goes to its top-k experts whatever their load. The router is a
