@@ -16,9 +16,8 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from autopar import axes, capability, knobs
 from autopar.atomic import write_text_atomic
-from autopar.cost import arrays as cost_arrays
-from autopar.cost import coefficients as cost_coefficients
 from autopar.cost import estimate
 from autopar.cost import model as cost_model
 from autopar.errors import AutoparError
@@ -28,7 +27,8 @@ from autopar.search import exhaustive, space
 
 OOM_REWARD = -1.0
 INVALID_REWARD = -1.0  # a masked action taken anyway (only by policies that ignore the masks)
-_CODE = (cost_model, cost_arrays, cost_coefficients, space, exhaustive)  # the oracle depends on their code
+# the oracle depends on their code: every module of autopar/cost/, and the space's declarations
+_CODE = (space, exhaustive, knobs, axes, capability)
 
 
 class RewardBackend(Protocol):
@@ -37,14 +37,17 @@ class RewardBackend(Protocol):
 
 @functools.cache
 def _code_digest() -> str:
-    return hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in _CODE)).hexdigest()
+    files = sorted(Path(cost_model.__file__).parent.glob("*.py")) + [Path(m.__file__) for m in _CODE]
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
 
 
 def workload_key(workload) -> str:
-    """What the oracle's answer depends on: the profile, the cluster (with its coefficients),
-    the batch and optimizer, and the code of the cost model and the space."""
-    key = [workload.profile.digest, workload.cluster.to_dict(), workload.global_batch, workload.optimizer,
-           _code_digest()]
+    """What the oracle's answer depends on: the profile, the cluster (with its coefficients), the
+    workload's settings (an fp8 workload shares its bf16 profile) and the code of the cost model and
+    the space."""
+    settings = [workload.global_batch, workload.optimizer, workload.memory_headroom, workload.runtime,
+                list(workload.switches), workload.expert_imbalance, workload.fp8]
+    key = [workload.profile.digest, workload.cluster.to_dict(), settings, _code_digest()]
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

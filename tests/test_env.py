@@ -164,3 +164,18 @@ def test_a_family_without_a_shape_rule_is_trained_and_held_out_by_its_named_size
         assert spec.cluster in W.HELDOUT_CLUSTERS or spec.nodes in W.HELDOUT_NODES
         assert spec not in train
     assert all(set(dict(s.model_args)) == {"size", "seq_len"} for s in train if s is not None)
+
+
+def test_the_oracle_cache_key_tells_workloads_of_one_profile_apart():
+    """An fp8 workload shares its bf16 profile, and runtime, switches and memory headroom change the
+    oracle's answer: each must key its own cached oracle plan (a shared key fed the bf16 plan to the
+    fp8 workload's imitation)."""
+    import dataclasses
+
+    from autopar.envs.rewards import workload_key
+
+    base = workload(cluster="dgx-h100", size="gpt2-small")
+    variants = [dataclasses.replace(base, fp8=True), dataclasses.replace(base, runtime="megatron"),
+                dataclasses.replace(base, memory_headroom=0.2), dataclasses.replace(base, global_batch=32)]
+    keys = {workload_key(w) for w in [base, *variants]}
+    assert len(keys) == 5 and workload_key(base) == workload_key(dataclasses.replace(base))
