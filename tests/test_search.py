@@ -90,3 +90,13 @@ def test_exhaustive_respects_memory():
     for p in get_planner("exhaustive").propose(w, 5):
         assert estimate(w, p).fits
     assert not estimate(w, Plan(dp=32, tp=1, pp=1, micro_batch_size=2, num_micro_batches=1)).fits
+
+
+def test_rules_planner_plans_fp8_workloads_compiled_where_compile_is_offered():
+    """fp8 pays only compiled: the rules planner turns compile on where the space offers it (tp = pp
+    = 1) and off elsewhere (it read the compile choices without the degrees they depend on)."""
+    import dataclasses
+
+    base = workload(cluster="dgx-h100", size="gpt2-small")
+    plan = get_planner("rules").propose(dataclasses.replace(base, fp8=True), 1)[0]
+    assert plan.precision == "fp8" and plan.compile == (plan.tp == plan.pp == 1)

@@ -66,7 +66,7 @@ class RulesPlanner(Planner):
         candidates = []
         # fp8: the first recipe the GPU runs, compiled where compile is offered (fp8 pays only compiled)
         recipe = choices(workload, knob("fp8_recipe"), {"precision": workload.precision})[0]
-        compiled = workload.precision == "fp8" and True in choices(workload, knob("compile"), {})
+        compiled = workload.precision == "fp8" and True in choices(workload, knob("compile"), {"tp": tp, "pp": pp})
         for zero in ((0, 1, 3) if dp > 1 else (0,)):
             recompute = choices(workload, knob("recompute"), {"pp": pp})
             for mode, blocks in [r for r in recompute if r[0] != "selective"]:
