@@ -73,3 +73,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def prefix_before(space, name: str) -> tuple:
+    """A plan-space prefix up to knob `name`, each earlier decision its first allowed value."""
+    import numpy as np
+
+    prefix = space.advance(())
+    while space.names[len(prefix)] != name:
+        info = space.step(prefix)
+        prefix = space.advance(prefix + (info.values[int(np.flatnonzero(info.allowed)[0])],))
+    return prefix

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import free_port, workload
+from conftest import free_port, prefix_before, workload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -134,10 +134,7 @@ def test_the_rl_environment_offers_exactly_the_allowed_cp():
     env = ParallelPlanEnv([w])
     env.reset(seed=0)
     space = env.plan_space
-    prefix = space.advance(())
-    while space.names[len(prefix)] != "cp":
-        info = space.step(prefix)
-        prefix = space.advance(prefix + (info.values[int(np.flatnonzero(info.allowed)[0])],))
+    prefix = prefix_before(space, "cp")
     step = space.step(prefix)
     assert sorted(v for v, ok in zip(step.values, step.allowed) if ok) == [1, 2]
     seen = set()

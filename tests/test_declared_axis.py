@@ -23,7 +23,7 @@ from autopar.knobs import Field, Knob, declare_knob, decisions, undeclare_knob
 from autopar.plan import Plan
 from autopar.search import get_planner
 from autopar.search.space import enumerate_plans, sample
-from conftest import workload
+from conftest import prefix_before, workload
 
 XP_SECONDS = 0.01  # per degree of the throwaway axis: the smallest degree that fits is fastest
 XK_SECONDS = 0.005  # the throwaway knob off costs this much
@@ -95,10 +95,7 @@ def test_the_rl_environment_decides_them_under_memory_masks(declared):
     obs, info = env.reset(seed=0)
     assert env.action_space.n == MAX_ACTIONS and obs.shape == env.observation_space.shape
     space = env.plan_space
-    prefix = space.advance(())
-    while space.names[len(prefix)] != "xp":
-        info = space.step(prefix)
-        prefix = space.advance(prefix + (info.values[int(np.flatnonzero(info.allowed)[0])],))
+    prefix = prefix_before(space, "xp")
     step = space.step(prefix)
     allowed = dict(zip(step.values, step.allowed))
     assert allowed[1] is np.False_ and any(allowed[x] for x in (2, 4, 8))  # xp = 1 masked: it never fits
