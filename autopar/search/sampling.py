@@ -17,7 +17,7 @@ from autopar.cost import PlanArrays, evaluate
 from autopar.errors import NoValidPlanError
 from autopar.plan import Plan
 from autopar.search.exhaustive import distinct, no_plan_error
-from autopar.search.simplicity import simpler_variants, simplest_first, tie_buckets
+from autopar.search.simplicity import defaults, simpler_variants, simplest_first, tie_buckets
 from autopar.search.space import degree_choices
 
 
@@ -43,16 +43,22 @@ def best_distinct(workload, plans: list[Plan], result: dict, k: int, method: str
     fitted = [plans[i] for i in fit]
     times = np.asarray(result["iteration_time"], dtype=float)[fit]
     tried = set(plans)
+    spent = 0
     # the k fastest, and every plan tied with the fastest: the simplest of the tie is returned, so its
-    # simpler variants must have been tried too
-    best = dict.fromkeys([*np.argsort(times, kind="stable")[:k], *np.flatnonzero(tie_buckets(times) == 0)])
-    extra = list(dict.fromkeys(v for i in best for v in simpler_variants(workload, fitted[i]) if v not in tried))
-    if extra:
+    # simpler variants must have been tried too; a variant that joins the tie brings its own (until
+    # none is new: each round sets at least one more knob back to its default)
+    for _ in range(len(defaults()) + 1):
+        best = dict.fromkeys([*np.argsort(times, kind="stable")[:k], *np.flatnonzero(tie_buckets(times) == 0)])
+        extra = list(dict.fromkeys(v for i in best for v in simpler_variants(workload, fitted[i]) if v not in tried))
+        if not extra:
+            break
+        tried.update(extra)
+        spent += len(extra)
         res = evaluate(workload, PlanArrays.from_plans(extra, workload.profile))
         fitted += [p for p, ok in zip(extra, res["fits"]) if ok]
         times = np.concatenate([times, res["iteration_time"][res["fits"]]])
     pa = PlanArrays.from_plans(fitted, workload.profile)
-    return [fitted[i] for i in distinct(pa, simplest_first(fitted, times), k)], len(extra)
+    return [fitted[i] for i in distinct(pa, simplest_first(fitted, times), k)], spent
 
 
 def sample_memory_error(workload, method: str, tried: int, least_bytes: float) -> NoValidPlanError:
