@@ -57,7 +57,9 @@ def _agent(plan: Plan, job: Path, port: int, steps: int, every: int, log: Path, 
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--cluster", "cpu", "--timeout", str(WAIT_S),
            "--replan-tolerance", str(tolerance)]
     cmd += ["--trace", str(trace)] if trace else []
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc.log = log  # for the error that reports an agent's early end
+    return proc
 
 
 def _until(what: str, check, procs=()) -> None:
@@ -67,8 +69,48 @@ def _until(what: str, check, procs=()) -> None:
             raise TimeoutError(f"waited {WAIT_S:g} s for {what}")
         for p in procs:
             if p.poll() is not None:
-                raise RuntimeError(f"an agent ended (exit {p.returncode}) while waiting for {what}")
+                raise AgentEnded(f"an agent ended (exit {p.returncode}) while waiting for {what}; "
+                                 f"the end of its log:\n{_tail(p)}")
         time.sleep(0.05)
+
+
+class AgentEnded(RuntimeError):
+    """An agent process exited while the campaign waited for something."""
+
+
+def _tail(proc: subprocess.Popen, chars: int = 3000) -> str:
+    log = getattr(proc, "log", None)
+    return log.read_text()[-chars:] if log and log.exists() else "(no log)"
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def _two_agents(out: Path, job: Path, steps: int, every: int, ports, traced: bool = False, tolerance: float = 0.05,
+                tries: int = 2):
+    """Both agents of PLAN4 started together, once one hosts the rendezvous store: (agents, host, other).
+    An agent that dies before any store listens (the free port taken by another process meanwhile, as
+    two suites on one machine can do) is a start-up failure, not the scenario's: start again on a
+    fresh port, at most `tries` times in all; the last try's error carries its agent's log."""
+    for attempt in range(tries):
+        port = ports()
+        agents = [_agent(PLAN4, job, port, steps, every, out / f"agent{i}.log", tolerance=tolerance,
+                         trace=out / f"trace{i}.jsonl" if traced else None) for i in range(2)]
+        try:
+            _until("the rendezvous store", lambda port=port, agents=agents: _listener(port, agents) is not None,
+                   agents)
+        except AgentEnded:
+            _kill(agents)
+            if attempt == tries - 1 or JobDir(job).progress():
+                raise
+            continue
+        host = _listener(port, agents)
+        return agents, host, next(a for a in agents if a is not host)
+    raise AssertionError("unreachable")
 
 
 def _listener(port: int, procs: list[subprocess.Popen]) -> subprocess.Popen | None:
@@ -132,12 +174,8 @@ def _compare(job: Path, out: Path, record: dict, steps: int, every: int, started
 def shrink(out: Path, steps: int = 30, every: int = 4, tolerance: float = 0.05, ports=free_port) -> dict:
     """4 ranks on two agents; the agent that does not host the store is killed mid-interval.
     With a large `tolerance` the old plan, dp rescaled, is kept (decision "kept"). `ports()`: a free port."""
-    started, job, port = time.monotonic(), out / "job", ports()
-    agents = [_agent(PLAN4, job, port, steps, every, out / f"agent{i}.log", trace=out / f"trace{i}.jsonl",
-                     tolerance=tolerance) for i in range(2)]  # started together: both make the first rendezvous round
-    _until("the rendezvous store", lambda: _listener(port, agents) is not None, agents)
-    host = _listener(port, agents)
-    (other,) = [a for a in agents if a is not host]
+    started, job = time.monotonic(), out / "job"
+    agents, host, other = _two_agents(out, job, steps, every, ports, traced=True, tolerance=tolerance)
     d = JobDir(job)
 
     def mid_interval_at_4() -> bool:
@@ -181,11 +219,8 @@ def grow(out: Path, steps: int = 200, every: int = 10, ports=free_port) -> dict:
 def store_host_lost(out: Path, steps: int = 30, every: int = 4, ports=free_port) -> dict:
     """The same two agents; this time the agent that hosts the rendezvous store is killed: the
     other cannot meet anyone again, and the job ends (docs/elastic.md, the store-host caveat)."""
-    started, job, port = time.monotonic(), out / "job", ports()
-    agents = [_agent(PLAN4, job, port, steps, every, out / f"agent{i}.log") for i in range(2)]
-    _until("the rendezvous store", lambda: _listener(port, agents) is not None, agents)
-    host = _listener(port, agents)
-    (other,) = [a for a in agents if a is not host]
+    started, job = time.monotonic(), out / "job"
+    agents, host, other = _two_agents(out, job, steps, every, ports)
     d = JobDir(job)
     _until("a checkpoint", lambda: bool((latest := d.latest()) and latest["step"] >= every), agents)
     killed = time.monotonic()
