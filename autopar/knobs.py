@@ -85,7 +85,8 @@ class Knob:
     flag_help: str = ""
     parse: Callable[[str], Any] | None = None  # CLI text -> value (default: the field's type)
     check: Callable[[Any], None] | None = None  # a rule on the whole plan (raises PlanError)
-    # cost terms the core model does not know: (workload, PlanArrays) -> seconds or bytes per plan
+    # cost terms the core model does not know: (workload, PlanArrays, Coefficients) -> seconds or bytes
+    # per plan (the coefficients the estimate runs with: calibrated ones reach the terms too)
     time_term: Callable | None = None
     memory_term: Callable | None = None
 

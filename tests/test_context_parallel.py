@@ -108,6 +108,24 @@ def test_cp_splits_a_ranks_tokens_like_dp_and_reduces_gradients_with_it():
     assert b.iteration_time_s == pytest.approx(a.iteration_time_s + b.breakdown["cp"], rel=1e-9)
 
 
+def test_the_cp_term_prices_with_the_estimates_coefficients():
+    """A calibrated link efficiency reaches the K/V exchange as it reaches the core terms: halving
+    every link's efficiency doubles the exchange, so its exposed part (the exchange less what hides
+    under attention) at least doubles for a short-sequence cp plan."""
+    from dataclasses import replace
+
+    from autopar.cost.coefficients import Coefficients
+
+    w = workload("llama", cluster="dgx-h100", nodes=2, gpus_per_node=8, size="small", seq_len=256, global_batch=16)
+    plan = Plan(dp=1, tp=1, cp=16, micro_batch_size=16, mesh_order=("pp", "dp", "cp", "tp"))
+    c = Coefficients.for_cluster(w.cluster, w.runtime)
+    slow = replace(c, link_efficiency={k: v / 2 for k, v in c.link_efficiency.items()}, latency_scale=0.0)
+    fast = replace(c, latency_scale=0.0)
+    a, b = estimate(w, plan, fast), estimate(w, plan, slow)
+    assert a.breakdown["cp"] > 0
+    assert b.breakdown["cp"] >= 2 * a.breakdown["cp"] * (1 - 1e-9)
+
+
 def test_the_kv_exchange_hides_under_long_attention_and_not_under_short():
     """Each ring step's K/V rotation hides under that step's attention when the sequence is long
     (attention grows as seq^2, K/V as seq); at a short sequence over the nodes' NICs it is exposed.

@@ -33,7 +33,7 @@ def _xp_allowed(w, degree: int):
     return None if w.global_batch % degree == 0 else f"xp={degree} does not divide the global batch"
 
 
-def _xp_memory(w, pa):
+def _xp_memory(w, pa, c):
     """Twice a GPU's memory over xp squared: xp = 1 never fits, xp = 2 adds half a GPU."""
     return 2 * w.cluster.gpu.memory_bytes / pa.xp.astype(float) ** 2
 
@@ -41,10 +41,10 @@ def _xp_memory(w, pa):
 @pytest.fixture
 def declared():
     axis = axes.Axis("xp", "throwaway", 1.5, _xp_allowed, help="a throwaway axis",
-                     time_term=lambda w, pa: XP_SECONDS * pa.xp, memory_term=_xp_memory)
+                     time_term=lambda w, pa, c: XP_SECONDS * pa.xp, memory_term=_xp_memory)
     knob = Knob("xk", (Field("xk", bool, False),), lambda w, d: [False, True], label="throwaway knob",
                 text=lambda v: f"xk {'on' if v else 'off'}", short=lambda v: "xk" if v else None,
-                slots=(False, True), time_term=lambda w, pa: np.where(pa.xk, 0.0, XK_SECONDS),
+                slots=(False, True), time_term=lambda w, pa, c: np.where(pa.xk, 0.0, XK_SECONDS),
                 flag_help="a throwaway boolean knob")
     axes.declare_axis(axis)
     declare_knob(knob)

@@ -131,14 +131,14 @@ def kv_exchange(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
             "buffer": np.where(on, buffer, 0.0)}
 
 
-def time_term(workload, pa: PlanArrays) -> np.ndarray:
+def time_term(workload, pa: PlanArrays, coeffs: Coefficients) -> np.ndarray:
     """The K/V exchange's exposed seconds per iteration (the `cp` part of an estimate)."""
-    return kv_exchange(workload, pa)["exposed"]
+    return kv_exchange(workload, pa, coeffs)["exposed"]
 
 
-def memory_term(workload, pa: PlanArrays) -> np.ndarray:
+def memory_term(workload, pa: PlanArrays, coeffs: Coefficients) -> np.ndarray:
     """The K/V exchange buffers of one layer, per rank (the `cp_memory` part of an estimate)."""
-    return kv_exchange(workload, pa)["buffer"]
+    return kv_exchange(workload, pa, coeffs)["buffer"]
 
 
 axes.attach_terms("cp", time_term=time_term, memory_term=memory_term)

@@ -385,7 +385,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     }
     for k in knobs():  # terms of axes and knobs the core model does not know
         if k.memory_term is not None:
-            mem[f"{k.name}_memory"] = col(k.memory_term(workload, pa)) * np.ones_like(weights)
+            mem[f"{k.name}_memory"] = col(k.memory_term(workload, pa, c)) * np.ones_like(weights)
     peak_rank = sum(mem.values())
     at_peak = np.argmax(peak_rank, axis=1)[:, None]
 
@@ -395,7 +395,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     extra_time = np.zeros(len(pa))
     for k in knobs():
         if k.time_term is not None:
-            out[k.name] = np.asarray(k.time_term(workload, pa), dtype=float)
+            out[k.name] = np.asarray(k.time_term(workload, pa, c), dtype=float)
             extra_time = extra_time + out[k.name]
     out.update({
         "dp_comm": dp_exposed, "optimizer": opt_exposed,
