@@ -5,11 +5,12 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from autopar import axes
 from autopar.cost import Estimate
 from autopar.explain import Reason, bottleneck
-from autopar import axes
 from autopar.knobs import knobs
 from autopar.plan import Plan, degrees_text
+from autopar.search.simplicity import TIE
 
 
 def _gb(x: float) -> str:
@@ -84,7 +85,12 @@ def estimate_tables(est: Estimate) -> tuple[Table, Table]:
 
 
 def alternatives_table(best: Estimate, alternatives: list[tuple[Plan, Estimate]]) -> Table:
-    t = Table(title="Runners-up", title_justify="left")
+    """A runner-up may be faster than the chosen plan by less than the tie tolerance: ties go to the
+    simpler plan, and the caption says so where a negative figure would otherwise read as a bug."""
+    tie = any(est.iteration_time_s < best.iteration_time_s for _, est in alternatives)
+    t = Table(title="Runners-up", title_justify="left", caption_justify="left",
+              caption=f"a negative 'vs best': faster by less than the {TIE:.1%} tie tolerance, within which the "
+                      "simpler plan is chosen" if tie else None)
     for col in ("#", "plan", "iteration ms", "vs best", "TFLOP/s", "MFU", "memory GB"):
         t.add_column(col, justify="left" if col == "plan" else "right")
     for i, (plan, est) in enumerate(alternatives, start=2):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from autopar.cli import main
 from autopar.cost import estimate
 from autopar.plan import Plan
-from autopar.report import params_text
+from autopar.report import alternatives_table, params_text
 from autopar.search import get_planner
 from autopar.search.simplicity import TIE, simpler_variants, simplest_first, simplicity_key
 from autopar.workload import DEFAULT_MEMORY_HEADROOM
@@ -94,3 +94,20 @@ def test_search_states_the_headroom_and_the_runners_up_differ(capsys, monkeypatc
 
 def test_parameter_counts_read_in_m_below_a_billion():
     assert [params_text(n) for n in (4.2e5, 1.24e8, 1.3e9, 175e9)] == ["0.42 M", "124 M", "1.3 B", "175 B"]
+
+
+def test_runners_up_faster_within_the_tie_tolerance_are_explained_in_a_caption(gpt2):
+    from rich.console import Console
+
+    a, b = Plan(dp=8, micro_batch_size=8, num_micro_batches=8), Plan(dp=8, micro_batch_size=8, num_micro_batches=8, zero=3)
+    (best, chosen), (other, slower) = sorted([(estimate(gpt2, a), a), (estimate(gpt2, b), b)],
+                                             key=lambda e: e[0].iteration_time_s)
+    assert other.iteration_time_s > best.iteration_time_s
+
+    def caption(best_est, alternatives):
+        console = Console(record=True, width=200)
+        console.print(alternatives_table(best_est, alternatives))
+        return "tie tolerance" in console.export_text()
+
+    assert not caption(best, [(slower, other)])  # every runner-up slower: no caption
+    assert caption(other, [(chosen, best)])  # one faster: the caption says why
