@@ -2,6 +2,9 @@
 
 Figures are dense (no sparsity), per device, from the vendors' datasheets (docs/references.md §4).
 Bandwidths are bytes/s; FLOP/s are per dtype of the matmul inputs with fp32 accumulation.
+Memory is what CUDA reports as the device's total (torch.cuda.get_device_properties().total_memory,
+the "total capacity" of torch's out-of-memory message), not the datasheet's "80GB": HBM sizes are
+binary (an H100 80GB reports 79.11 GiB = 84.9e9 bytes), less what the driver reserves.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ class GPUSpec:
     # dense FLOP/s per dtype: "bf16", "fp16", "fp32"; "fp8" only where the GPU has fp8 tensor cores,
     # "mxfp8" where they also take block-scaled (MX) inputs (Blackwell)
     peak_flops: dict[str, float] = field(hash=False)
-    memory_bytes: float  # device memory, bytes (datasheet GB = 1e9)
+    memory_bytes: float  # device memory, bytes, as CUDA reports it (total_memory)
     hbm_bytes_per_s: float  # device-memory bandwidth, bytes/s
     sms: int = 0  # streaming multiprocessors: GEMM tiles run in waves of one per SM (0: not modelled)
 
@@ -28,37 +31,42 @@ class GPUSpec:
         return {**d, "sms": self.sms} if self.sms else d
 
 
-def _spec(name: str, half: float, fp32: float, memory_gb: float, hbm_gb_s: float, bf16: float | None = None,
+GIB = 2**30
+
+
+def _spec(name: str, half: float, fp32: float, memory_gib: float, hbm_gb_s: float, bf16: float | None = None,
           sms: int = 0, fp8: float | None = None, mxfp8: bool = False) -> GPUSpec:
     flops = {"bf16": half if bf16 is None else bf16, "fp16": half, "fp32": fp32}
     if fp8:
         flops["fp8"] = fp8
         if mxfp8:  # MXFP8 runs at the fp8 rate on Blackwell's tensor cores
             flops["mxfp8"] = fp8
-    return GPUSpec(name, flops, memory_gb * 1e9, hbm_gb_s * 1e9, sms)
+    return GPUSpec(name, flops, memory_gib * GIB, hbm_gb_s * 1e9, sms)
 
 
 # V100 has no bf16 tensor cores: bf16 matmuls run at the fp32 rate at best. SM counts from the
 # architecture whitepapers (A100 108, H100 SXM5 132, B200 148 per GPU: 2 dies x 74).
+# Memory (GiB) as CUDA reports it, from published device queries and torch OOM messages
+# (docs/hardware.md "GPU memory" lists each source); H200 and GB200 are estimates, said there.
 GPUS: dict[str, GPUSpec] = {
-    "v100-32g": _spec("V100-SXM2-32GB", 125e12, 15.7e12, 32, 900, bf16=15.7e12, sms=80),
-    "a100-40g": _spec("A100-SXM4-40GB", 312e12, 19.5e12, 40, 1555, sms=108),
-    "a100-80g": _spec("A100-SXM4-80GB", 312e12, 19.5e12, 80, 2039, sms=108),
+    "v100-32g": _spec("V100-SXM2-32GB", 125e12, 15.7e12, 31.74, 900, bf16=15.7e12, sms=80),
+    "a100-40g": _spec("A100-SXM4-40GB", 312e12, 19.5e12, 42_298_834_944 / GIB, 1555, sms=108),
+    "a100-80g": _spec("A100-SXM4-80GB", 312e12, 19.5e12, 79.25, 2039, sms=108),
     # fp8: dense, half the datasheets' "with sparsity" figures (H100/H200 SXM 3,958 TFLOP/s; B200 9 PFLOP/s;
     # GB200 NVL72 720 PFLOP/s over 72 GPUs); A100, V100 and the CPU have no fp8 tensor cores (absent)
-    "h100": _spec("H100-SXM5-80GB", 989e12, 67e12, 80, 3350, sms=132, fp8=1979e12),
-    "h200": _spec("H200-SXM5-141GB", 989e12, 67e12, 141, 4800, sms=132, fp8=1979e12),
-    # Blackwell (docs/hardware.md): B200 as in DGX B200 (1,440 GB and 64 TB/s HBM3e over 8 GPUs;
-    # 2.25 PFLOP/s dense bf16, 75 TFLOP/s fp32); GB200 as in GB200 NVL72 (13.4 TB and 576 TB/s HBM3e,
-    # 180 PFLOP/s dense bf16, 5,760 TFLOP/s fp32 over 72 GPUs)
-    "b200": _spec("B200", 2250e12, 75e12, 180, 8000, sms=148, fp8=4500e12, mxfp8=True),
-    "gb200": _spec("GB200", 2500e12, 80e12, 186, 8000, sms=148, fp8=5000e12, mxfp8=True),
-    "l40s": _spec("L40S", 362e12, 91.6e12, 48, 864, sms=142),
+    "h100": _spec("H100-SXM5-80GB", 989e12, 67e12, 79.11, 3350, sms=132, fp8=1979e12),
+    "h200": _spec("H200-SXM5-141GB", 989e12, 67e12, 139.86, 4800, sms=132, fp8=1979e12),
+    # Blackwell (docs/hardware.md): B200 as in DGX B200 (64 TB/s HBM3e over 8 GPUs; 2.25 PFLOP/s
+    # dense bf16, 75 TFLOP/s fp32); GB200 as in GB200 NVL72 (576 TB/s HBM3e, 180 PFLOP/s dense bf16,
+    # 5,760 TFLOP/s fp32 over 72 GPUs)
+    "b200": _spec("B200", 2250e12, 75e12, 178.35, 8000, sms=148, fp8=4500e12, mxfp8=True),
+    "gb200": _spec("GB200", 2500e12, 80e12, 184.3, 8000, sms=148, fp8=5000e12, mxfp8=True),
+    "l40s": _spec("L40S", 362e12, 91.6e12, 44.42, 864, sms=142),
     # GeForce: 165 TFLOP/s is the fp32-accumulate rate (330 with fp16 accumulation).
-    "rtx4090": _spec("RTX-4090", 165e12, 82.6e12, 24, 1008, sms=128),
+    "rtx4090": _spec("RTX-4090", 165e12, 82.6e12, 23.64, 1008, sms=128),
     # One gloo worker process on a CPU core: nominal figures for planning local test runs;
     # calibration replaces them with measured ones. Memory is a per-process share of host RAM.
-    "cpu": _spec("cpu-process", 50e9, 50e9, 8, 10),
+    "cpu": _spec("cpu-process", 50e9, 50e9, 8e9 / GIB, 10),
 }
 
 # Substrings of torch.cuda.get_device_name() -> GPUS key; the first match wins, so more
