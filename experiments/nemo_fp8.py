@@ -1,7 +1,8 @@
 """NeMo 24.07 DGX-H100 FP8 rows against the cost model (issue 11's acceptance; docs/hardware.md).
 
-Each row is predicted with runtime megatron, fp8 (Transformer Engine, per-tensor scaling) and the
-published degrees (autopar/search/published.py `nemo_candidates`); nothing is fitted per row.
+Each row is predicted with runtime megatron, fp8 (Transformer Engine, per-tensor scaling), the
+published degrees and the 24.07 recipe's recompute mode and gradient dtype, within the GPU's whole
+memory (autopar/search/published.py `nemo_candidates`); nothing is fitted per row.
 `--fit` refits the one fp8 coefficient, the large-GEMM fp8 speedup over bf16
 (autopar/cost/precision.py `FP8_GEMM_SPEEDUP`), leaving each model family out in turn: the value
 fitted on the other three families predicts the left-out one, and the figures printed for a row are

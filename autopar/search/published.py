@@ -188,11 +188,13 @@ def llama3_candidates(row: Llama3Row, model=ZOO_LLAMA):
     return w, PlanArrays.from_plans(plans, profile)
 
 
-# NeMo 24.07's model configs (NeMo-Framework-Launcher `conf/training/<family>/<size>.yaml`) as zoo
-# overrides: GPT-3 and Nemotron-8B are GPT-style (GeLU / squared-ReLU MLP of 4 x hidden, full
-# multi-head attention); Llama 2 and 3 are the zoo's own sizes. Nemotron-22B and 340B use grouped-query
-# attention (8 groups), which the GPT zoo file cannot express: they are the Llama file with its gated
-# MLP at 2/3 of Nemotron's ffn (the same parameters and FLOPs: 3 x 2/3 = 2 matrices of ffn x hidden).
+# NeMo 24.07's model configs (NeMo-Framework-Launcher tag 24.07, commit 8325688d,
+# `launcher_scripts/conf/training/<family>/<size>.yaml`) as zoo overrides: GPT-3, Nemotron-8B and
+# Nemotron-22B are GPT-style (GeLU / squared-ReLU MLP of 4 x hidden, full multi-head attention:
+# `num_query_groups: null`; 22B is 21.3B parameters so); Llama 2 and 3 are the zoo's own sizes.
+# Nemotron-340B uses grouped-query attention (8 groups), which the GPT zoo file cannot express: it is
+# the Llama file with its gated MLP at 2/3 of Nemotron's ffn (the same parameters and FLOPs:
+# 3 x 2/3 = 2 matrices of ffn x hidden).
 NEMO_MODELS = {
     "GPT3-5B": (ZOO_GPT, {"size": "gpt3-6.7b", "hidden": 4096, "layers": 24, "heads": 32}),
     "GPT3-20B": (ZOO_GPT, {"size": "gpt3-13b", "hidden": 6144, "layers": 44, "heads": 48}),
@@ -204,8 +206,8 @@ NEMO_MODELS = {
     "LLAMA3-70B": (ZOO_LLAMA, {"size": "llama3-70b"}),
     "Nemotron-8B": (ZOO_GPT, {"size": "gpt3-6.7b", "hidden": 4096, "layers": 32, "heads": 32, "vocab": 256000,
                               "seq_len": 4096}),
-    "Nemotron-22B": (ZOO_LLAMA, {"size": "llama2-7b", "hidden": 6144, "layers": 40, "heads": 48, "kv_heads": 8,
-                                 "ffn": 16384, "vocab": 256000}),
+    "Nemotron-22B": (ZOO_GPT, {"size": "gpt3-6.7b", "hidden": 6144, "layers": 40, "heads": 48, "vocab": 256000,
+                               "seq_len": 4096}),
     "Nemotron-340B": (ZOO_LLAMA, {"size": "llama2-70b", "hidden": 18432, "layers": 96, "heads": 96, "kv_heads": 8,
                                   "ffn": 49152, "vocab": 256000}),
 }
@@ -215,7 +217,8 @@ NEMO_FAMILIES = {"GPT3": "GPT-3", "LLAMA2": "Llama 2", "LLAMA3": "Llama 3", "Nem
 @dataclass(frozen=True)
 class NemoRow:
     """NVIDIA NeMo 24.07 performance summary, pre-training on DGX-H100 in FP8 (Megatron-Core with
-    Transformer Engine): the published degrees (tp, pp, cp, vp), micro-batch and tokens/s per GPU."""
+    Transformer Engine): the published degrees (tp, pp, cp, vp), micro-batch and tokens/s per GPU, and
+    the 24.07 recipe's recompute mode and gradient-reduction dtype (data/published/*.SOURCE.md)."""
 
     model: str
     gpus: int
@@ -228,6 +231,8 @@ class NemoRow:
     vp: int
     tokens_per_s_per_gpu: float
     model_tflops_per_gpu: float
+    recompute: str  # "none" or "selective": the recipe's activations_checkpoint_granularity
+    grad_sync_dtype: str  # "bf16" or "fp32": the distributed optimizer's gradient reduction
 
     @property
     def family(self) -> str:
@@ -240,32 +245,31 @@ class NemoRow:
 
 NEMO_FP8 = tuple(NemoRow(r["model"], *(int(r[c]) for c in ("gpus", "global_batch", "micro_batch", "seq_len", "tp",
                                                            "pp", "cp", "vp")),
-                         float(r["tokens_per_s_per_gpu"]), float(r["model_tflops_per_gpu"]))
+                         float(r["tokens_per_s_per_gpu"]), float(r["model_tflops_per_gpu"]), r["recompute"],
+                         r["grad_sync_dtype"])
                  for r in read_table("nemo_24.07_dgx_h100_fp8.csv"))
 
 
 def nemo_candidates(row: NemoRow):
     """(workload, plans) for one NeMo row on dgx-h100 nodes, runtime megatron with NeMo's overlap switches,
-    fp8 with Transformer Engine's per-tensor scaling: the published degrees, micro-batch and virtual
-    stages, the distributed optimizer (ZeRO-1), sequence parallel under tensor parallelism; open:
-    recompute none / selective / full and the gradient reduction dtype, as the recipes tune them."""
+    fp8 with Transformer Engine's per-tensor scaling: the one plan the 24.07 recipe runs (published
+    degrees, micro-batch and virtual stages, the distributed optimizer (ZeRO-1), sequence parallel
+    under tensor parallelism, the recipe's recompute mode and gradient-reduction dtype); nothing open.
+    The run is known to have fit, so the budget is the GPU's whole memory (no search headroom): the
+    estimate must fit there, a check of the memory model."""
     model, args = NEMO_MODELS[row.model]
     profile = profile_model(model, args, dtype="bf16")
     if profile.seq_len != row.seq_len:
         raise AssertionError(f"{row.model}: profiled at sequence {profile.seq_len}, the row has {row.seq_len}")
     w = Workload(profile, load_cluster("dgx-h100", nodes=row.gpus // 8), row.global_batch, runtime="megatron",
-                 switches=(*NEMO_SWITCHES, "overlap_p2p_comm"), fp8=True)  # the recipes' interleaved overlap
+                 switches=(*NEMO_SWITCHES, "overlap_p2p_comm"), fp8=True,  # the recipes' interleaved overlap
+                 memory_headroom=0.0)
     layers = profile.num_layers
-    stages = row.pp * row.vp
     cp = {"cp": row.cp} if row.cp > 1 else {}  # the context-parallel axis, where declared
-    plans = []
-    for recompute, blocks in (("none", 0), ("selective", 0), ("full", -(-layers // row.pp))):
-        for comm in ("bf16", "fp32"):
-            plans.append(Plan(dp=row.dp, tp=row.tp, pp=row.pp, **cp, micro_batch_size=row.micro_batch,
-                              num_micro_batches=row.global_batch // (row.dp * row.micro_batch), zero=1,
-                              recompute=recompute, recompute_blocks=blocks, precision="fp8",
-                              fp8_recipe="tensorwise", schedule="interleaved" if row.vp > 1 else "1f1b",
-                              virtual_stages=row.vp, sequence_parallel=row.tp > 1,
-                              grad_comm_dtype=comm if row.dp > 1 else "fp32",
-                              layer_split=balanced_split(layers, stages)))
-    return w, PlanArrays.from_plans(plans, profile)
+    plan = Plan(dp=row.dp, tp=row.tp, pp=row.pp, **cp, micro_batch_size=row.micro_batch,
+                num_micro_batches=row.global_batch // (row.dp * row.micro_batch), zero=1,
+                recompute=row.recompute, recompute_blocks=0, precision="fp8", fp8_recipe="tensorwise",
+                schedule="interleaved" if row.vp > 1 else "1f1b", virtual_stages=row.vp,
+                sequence_parallel=row.tp > 1, grad_comm_dtype=row.grad_sync_dtype if row.dp > 1 else "fp32",
+                layer_split=balanced_split(layers, row.pp * row.vp))
+    return w, PlanArrays.from_plans([plan], profile)
