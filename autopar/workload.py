@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 # Fraction of each GPU's memory a plan leaves free: PyTorch's caching allocator rounds and
-# fragments blocks, so a plan that fills 77 of 80 GB on paper runs out of memory in practice.
+# fragments blocks, so a plan that fills 77 of 79 GiB on paper runs out of memory in practice.
 DEFAULT_MEMORY_HEADROOM = 0.10
 
 

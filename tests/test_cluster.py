@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.cluster import Cluster, Link, cluster_from_dict, detect, load_cluster, preset_names
+from autopar.cluster import GPUS, Cluster, Link, cluster_from_dict, detect, load_cluster, preset_names
 from autopar.cluster.detect import _cuda_node
 from autopar.cluster.graph import node_model
 from autopar.errors import ClusterError
@@ -233,3 +233,16 @@ def test_detect_known_and_unknown_cuda_gpus():
 def test_describe_names_the_hardware():
     text = load_cluster("dgx-h100", nodes=2).describe()
     assert "dgx-h100: 2 x 8 H100" in text and "450 GB/s over nvlink" in text and "50 GB/s ib" in text
+
+
+def test_gpu_memory_is_what_cuda_reports_not_datasheet_gb():
+    """HBM capacities are binary and the driver keeps a few hundred MiB: a preset holds CUDA's total,
+    within 3% below the nominal GiB (an "80GB" H100 reports 79.11 GiB). The datasheet's GB read as 1e9
+    bytes (7% short) fails here. The L40S's GDDR6 with ECC on reports 44.42 of 48 GiB."""
+    hbm_nominal_gib = {"v100-32g": 32, "a100-40g": 40, "a100-80g": 80, "h100": 80, "h200": 141, "b200": 180,
+                       "gb200": 186}
+    for key, gib in hbm_nominal_gib.items():
+        assert 0.97 * gib * 2**30 <= GPUS[key].memory_bytes <= gib * 2**30, key
+    assert GPUS["h100"].memory_bytes == 79.11 * 2**30
+    for key, gib in {"l40s": 48, "rtx4090": 24}.items():
+        assert 0.9 * gib * 2**30 <= GPUS[key].memory_bytes <= gib * 2**30, key
