@@ -54,24 +54,30 @@ def test_deepseek_v3_shape():
 def _reference(layer: moe.MoE, x: torch.Tensor) -> torch.Tensor:
     """Token by token: the weighted sum of its top-k experts' SwiGLU, plus the shared experts."""
     tokens = x.reshape(-1, x.shape[-1])
-    weights, index = layer.router(tokens)
+    weights, index = layer.router(tokens, x.shape[-2])
     e = layer.experts
+    b1, b2, b3 = ((b if b is not None else torch.zeros(e.num_experts, 1, dtype=x.dtype)) for b in (e.b1, e.b2, e.b3))
     out = []
     for t in range(tokens.shape[0]):
-        y = sum(weights[t, j] * (torch.nn.functional.silu(tokens[t] @ e.w1[i].T) * (tokens[t] @ e.w3[i].T)) @ e.w2[i].T
+        y = sum(weights[t, j] * ((torch.nn.functional.silu(tokens[t] @ e.w1[i].T + b1[i]) * (tokens[t] @ e.w3[i].T + b3[i]))
+                                 @ e.w2[i].T + b2[i])
                 for j, i in enumerate(index[t].tolist()))
         out.append(y + (layer.shared_experts(tokens[t]) if layer.shared_experts is not None else 0))
     return torch.stack(out).view(x.shape)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"router_skew": 0.5}, {"score": "sigmoid", "route_groups": 4,
-                                                                  "route_group_limit": 2}])
+                                                                  "route_group_limit": 2},
+                                       {"expert_bias": True}, {"gate": "balanced"}])
 def test_dropless_dispatch_and_combine_equal_the_per_token_sum(overrides):
     torch.manual_seed(0)
     layer = moe.MoE(moe.config("tiny", **overrides))
     layer.router.reset_buffers()
     x = torch.randn(2, 8, 64, dtype=torch.float64)
     layer.double()
+    for b in (layer.experts.b1, layer.experts.b2, layer.experts.b3):
+        if b is not None:  # zero at init: make them count
+            torch.nn.init.normal_(b)
     torch.testing.assert_close(layer(x), _reference(layer, x))
     assert sum(layer.last_counts) == 2 * 8 * 2  # dropless: every token reaches its top-2 experts
 
@@ -93,6 +99,34 @@ def test_router_invariants(experts, top_k, groups, limit, score, seed):
     torch.testing.assert_close(weights.sum(-1), torch.ones(32))
     if limit:
         assert max(len({i * groups // experts for i in row}) for row in index.tolist()) <= limit
+
+
+@settings(max_examples=40, deadline=None)
+@given(experts=st.sampled_from([4, 8, 32, 128]), top_k=st.integers(1, 8), batch=st.integers(1, 3), seed=st.integers(0, 99))
+def test_balanced_gate_is_the_benchmark_gate(experts, top_k, batch, seed):
+    """NeMo AutoModel's fake balanced gate: the token at sequence index i takes experts i*k ... i*k + k - 1
+    (mod experts), the same whatever the batch around it, and every expert gets the same load over a
+    sequence that is a multiple of experts / gcd(experts, k) long."""
+    top_k = min(top_k, experts)
+    seq = experts  # a multiple of the gate's period
+    torch.manual_seed(seed)
+    cfg = moe.MoeConfig(hidden=16, layers=1, heads=2, kv_heads=1, vocab=8, seq_len=seq, experts=experts, top_k=top_k,
+                        expert_ffn=8, gate="balanced")
+    router = moe.Router(cfg)
+    tokens = torch.randn(batch * seq, 16)
+    weights, index = router(tokens, seq)
+    for t, row in enumerate(index.tolist()):
+        assert row == [((t % seq) * top_k + j) % experts for j in range(top_k)]
+    assert torch.bincount(index.reshape(-1), minlength=experts).unique().numel() == 1  # balanced
+    torch.testing.assert_close(weights.sum(-1), torch.ones(batch * seq))
+    alone, _ = router(tokens[:seq], seq)
+    torch.testing.assert_close(weights[:seq], alone)  # a sequence routes the same alone or in a batch
+
+
+def test_balanced_gate_refuses_a_node_limit():
+    with pytest.raises(ValueError, match="balanced"):
+        moe.config("deepseek-v3", gate="balanced")
+    assert moe.config("deepseek-v3", gate="balanced", route_group_limit=0).gate == "balanced"
 
 
 def test_meta_routing_is_force_balanced():

@@ -36,6 +36,7 @@ measured yet: `autopar profile-cluster` times all-reduce, reduce-scatter, all-ga
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,18 +81,30 @@ def expert_kind_arrays(profile) -> dict[str, np.ndarray]:
 # routed tokens (seq x top_k x hidden values, the profile's `dispatch_bytes` a sample) ten times in HBM
 # per forward: the gather into expert order (read + write), the concatenation of the experts' outputs
 # (2), the zero-filled buffer (1), the scatter back to token order (2), the routing weights' product (2)
-# and the sum over top_k (1 + 1/k, taken as 1). A fused dispatcher (DeepEP, Megatron-Core's
-# --moe-permute-fusion) does them inside the all-to-all's own copies.
+# and the sum over top_k (1 + 1/k, taken as 1). Megatron-Core's DeepEP dispatcher (the `deepep` switch;
+# NeMo AutoModel runs the same code) replaces them by Transformer Engine's fused permute and unpermute
+# on the experts' rank (`fused_permute`), around DeepEP's dispatch and combine, which move whole tokens.
 EAGER_PERMUTE_PASSES = 10.0
 
 
 def dispatch_as_run(k: dict[str, np.ndarray], workload) -> dict[str, np.ndarray]:
-    """The per-kind figures with the routing's permutation passes taken out of the elementwise traffic
-    where the runtime's dispatcher fuses them (the `deepep` switch); as profiled otherwise."""
+    """The per-kind figures with the eager permutation passes taken out of the elementwise traffic where
+    the runtime's dispatcher replaces them by fused kernels (the `deepep` switch, priced per plan by
+    `fused_permute`); as profiled otherwise."""
     if "deepep" not in workload.switches:
         return k
     routed = np.array([float(getattr(b, "dispatch_bytes", 0.0)) for b in workload.profile.blocks])
     return {**k, "io_bytes": np.maximum(k["io_bytes"] - EAGER_PERMUTE_PASSES * routed, 0.0)}
+
+
+def fused_permute(token_bytes, top_k: int, ranks, hbm_bytes_per_s: float):
+    """Seconds of the fused permute and unpermute (Transformer Engine's `moe_permute` / `moe_unpermute`,
+    which Megatron-Core's DeepEP dispatcher runs with permute fusion on, as NeMo AutoModel sets it) for one
+    MoE layer's forward on the busiest rank: DeepEP delivers each token once per destination rank
+    (`ranks` copies of the `token_bytes` a rank routes); the permute reads them and writes one copy per
+    local expert (top_k copies in all), the unpermute reads those copies and writes the tokens back.
+    The backward runs the same two kernels the other way round: the same bytes."""
+    return 2.0 * token_bytes * (top_k + ranks) / hbm_bytes_per_s
 
 
 def distinct(top_k: int, bins):
@@ -99,6 +112,34 @@ def distinct(top_k: int, bins):
     `bins` bins: bins x (1 - (1 - 1/bins)^top_k)."""
     bins = np.maximum(np.asarray(bins, dtype=float), 1.0)
     return bins * (1.0 - (1.0 - 1.0 / bins) ** top_k)
+
+
+def consecutive_span(top_k: int, experts: int, per_bin) -> np.ndarray:
+    """Expected distinct bins (ranks, nodes: `per_bin` consecutive experts each) a token's experts fall in
+    under the balanced gate, which gives the token at index i experts i·k ... i·k + k − 1 (mod experts):
+    the mean over one period of starting experts (experts / gcd(experts, k) tokens)."""
+    per_bin = np.asarray(per_bin, dtype=float)
+    period = experts // math.gcd(experts, top_k)
+    picks = (np.arange(period)[:, None] * top_k + np.arange(top_k)) % experts  # (period, k) expert indices
+    out = np.ones(per_bin.shape)
+    for width in np.unique(per_bin):
+        bins = np.sort(picks // max(int(width), 1), axis=1)
+        out[per_bin == width] = 1.0 + (np.diff(bins, axis=1) > 0).sum(1).mean()
+    return out
+
+
+def destinations(kind: MoeKind, ep, per_node, profile) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks, nodes) a token's copies reach under DeepEP, which sends it once per destination rank and
+    across the fabric once per destination node: exact for the balanced gate (consecutive experts, the
+    published benchmarks' gate); for a learned gate the expectation for uniformly drawn experts, capped
+    by the model's node limit."""
+    local = kind.experts / ep  # experts per rank
+    if profile.gate == "balanced":
+        return (consecutive_span(kind.top_k, kind.experts, local),
+                consecutive_span(kind.top_k, kind.experts, local * per_node))
+    limit = profile.node_limit or np.inf
+    return (distinct(kind.top_k, np.minimum(ep, per_node * limit)),
+            np.minimum(distinct(kind.top_k, ep / per_node), limit))
 
 
 # -- the grouped GEMM -------------------------------------------------------------------------------
@@ -217,10 +258,12 @@ def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict
         on_node = off_node = None
         if deepep:  # one copy per destination rank, and across the fabric one per destination node
             nodes = ep / per_node
-            ranks = distinct(kind.top_k, np.minimum(ep, per_node * (profile.node_limit or np.inf)))
+            ranks, node_copies = destinations(kind, ep, per_node, profile)
             on_node = token_bytes * ranks * (ep - 1) / ep  # every remote copy crosses NVLink once
-            off_node = token_bytes * np.minimum(distinct(kind.top_k, nodes), profile.node_limit or np.inf) \
-                * (nodes - 1) / nodes
+            off_node = token_bytes * node_copies * (nodes - 1) / nodes
+            permute = fused_permute(token_bytes, kind.top_k, ranks, cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency)
+            out["expert_f"][:, j] += permute[:, 0]
+            out["expert_b"][:, j] += permute[:, 0]
         one = all_to_all_time(token_bytes * kind.top_k, ep, per_node, col(links["intra_bw"]), col(links["inter_bw"]),
                               col(links["lat"]), c.collective_latency_s, on_node, off_node)
         out["a2a_f"][:, j] = out["a2a_b"][:, j] = (2 * one)[:, 0]  # dispatch + combine

@@ -22,7 +22,9 @@ model has none). Per block instance:
 
 Per model: ``capacity_factor`` (0.0: dropless routing, every token reaches its top-k experts; a
 positive value caps each expert at factor x tokens x top_k / experts) and ``node_limit`` (at most
-that many expert groups, nodes under expert parallelism, per token; 0: no limit), and the
+that many expert groups, nodes under expert parallelism, per token; 0: no limit), ``gate``
+("learned", or "balanced": a benchmark's fixed gate sending token i to experts i·k ... i·k + k − 1,
+which the cost model's DeepEP dispatch counts exactly: `autopar.cost.moe.destinations`), and the
 properties ``is_moe``, ``num_experts``, ``top_k``, ``expert_params``, ``active_params``. The
 expert-load imbalance factor is a workload setting (`Workload.expert_imbalance`), not a profile
 figure: the profile is force-balanced.
@@ -92,6 +94,7 @@ class ModelProfile:
     notes: tuple[str, ...] = ()  # what the model says about how it is priced (an hf: model's attention)
     capacity_factor: float = 0.0  # MoE routing: 0.0 dropless, else tokens an expert takes x its balanced share
     node_limit: int = 0  # MoE routing: at most this many expert groups (nodes) per token; 0: no limit
+    gate: str = "learned"  # MoE routing: "learned" top-k, or "balanced" (token i -> experts i*k ... i*k + k - 1)
 
     def __post_init__(self):
         object.__setattr__(self, "blocks", tuple(self.blocks))

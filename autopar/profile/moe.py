@@ -39,9 +39,10 @@ def moe_fields(modules, seq_len: int, dtype_bytes: int) -> dict:
 
 
 def routing_settings(modules) -> dict:
-    """The model's capacity factor and node limit (ModelProfile fields), from its first MoE layer."""
+    """The model's capacity factor, node limit and gate (ModelProfile fields), from its first MoE layer."""
     layers = moe_layers(modules)
     if not layers:
         return {}
     s = layers[0].moe_shape()
-    return {"capacity_factor": float(s.get("capacity_factor", 0.0)), "node_limit": int(s.get("node_limit", 0))}
+    return {"capacity_factor": float(s.get("capacity_factor", 0.0)), "node_limit": int(s.get("node_limit", 0)),
+            "gate": str(s.get("gate", "learned"))}

@@ -9,9 +9,11 @@ Engine's kernels (linear, RMSNorm, fused attention), DeepEP's dispatcher, torch.
 approximated there). Nothing is fitted to these rows: every coefficient is the H100's (derived from
 the A100 fit, docs/hardware.md).
 
-The benchmark's gate sends a token to k consecutive experts (SOURCE.md): on one node, so the rows are
-priced with node-limited routing of one node per token (the zoo's ``route_group_limit=1`` over one
-expert group per node). Without pipeline parallelism the gradient accumulation is the plan's
+The benchmark's gate (``fake_balanced_gate``, SOURCE.md) sends the token at index i to experts
+i·k ... i·k + k − 1: the rows are priced with the zoo's ``gate="balanced"``, which routes the same way,
+so DeepEP's copies per token are the ranks and nodes those consecutive experts sit on (1 rank for
+Qwen3-30B-A3B and GPT-OSS-20B at EP 8, 2 ranks on one node for GPT-OSS-120B and DeepSeek-V3 at EP 64;
+`autopar.cost.moe.destinations`). Without pipeline parallelism the gradient accumulation is the plan's
 micro-batches; with it, AutoModel runs one pipeline schedule of local_batch / micro_batch micro-batches
 grad_accum times a step, a bubble each time, which is no plan of autopar's (`expressible`): the
 DeepSeek-V3 row on 1,024 GPUs (and Kimi K2, not a zoo shape) are left out of the comparison.
@@ -35,7 +37,7 @@ TABLE = "moe_automodel_dgx_h100_bf16.csv"
 ZOO_SHAPES = {"Qwen3-30B-A3B": {"size": "qwen3-30b-a3b"}, "GPT-OSS-20B": {"size": "gpt-oss-120b", "layers": 24,
               "experts": 32}, "GPT-OSS-120B": {"size": "gpt-oss-120b"}, "DeepSeek-V3-671B": {"size": "deepseek-v3"}}
 AUTOMODEL_SWITCHES = ("deepep",)  # DeepEP's kernels; the rest is PyTorch's FSDP2 and pipelining
-EXPERT_GROUPS = 8  # one expert group per node of the ep group (every row's ep spans 1 or 8 nodes)
+BENCHMARK_GATE = {"gate": "balanced", "route_group_limit": 0}  # fake_balanced_gate: true in every row's config
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,7 @@ MOE_ROWS = tuple(row for row in ALL_ROWS if expressible(row) is None)
 
 def moe_workload(row: MoeRow) -> Workload:
     """The row's model on dgx-h100 nodes, as AutoModel runs it."""
-    routing = {"route_groups": EXPERT_GROUPS, "route_group_limit": 1} if row.ep > 8 else {}
-    profile = profile_model(zoo_path("moe"), {**ZOO_SHAPES[row.model], **routing}, dtype="bf16")
+    profile = profile_model(zoo_path("moe"), {**ZOO_SHAPES[row.model], **BENCHMARK_GATE}, dtype="bf16")
     return Workload(profile, load_cluster("dgx-h100", nodes=max(1, row.gpus // 8)), row.global_batch, runtime="torch",
                     switches=AUTOMODEL_SWITCHES)
 

@@ -8,8 +8,10 @@ Shapes (`size=`), checked against the published Hugging Face configs:
   dim 128, vocab 151936, rope 1e6 (huggingface.co/Qwen/Qwen3-30B-A3B, config.json).
 - ``gpt-oss-120b``: 128 experts top-4, hidden 2880, expert ffn 2880, 36 layers, 64 q / 8 kv heads of
   dim 64, vocab 201088, rope 150000 (huggingface.co/openai/gpt-oss-120b, original/config.json;
-  docs.nvidia.com/nemo/megatron-bridge/latest/models/llm/gpt-oss.html). Simplified: no attention
-  sinks, no sliding-window layers, no biases, unclamped SwiGLU.
+  docs.nvidia.com/nemo/megatron-bridge/latest/models/llm/gpt-oss.html), with the experts' biases.
+  Simplified: no attention sinks (64 parameters a layer), no sliding-window layers (every layer
+  attends to the whole causal context: the profile prices the windowed layers' attention as full),
+  no attention biases (a fused GEMM epilogue: no time), unclamped SwiGLU.
 - ``deepseek-v3``: 1 shared + 256 routed experts top-8 (sigmoid scores, 8 groups, at most 4 groups
   per token), hidden 7168, moe ffn 2048, 61 layers of which the first 3 dense (ffn 18432), vocab
   129280 (huggingface.co/deepseek-ai/DeepSeek-V3, config.json). Simplified: multi-head latent
@@ -25,13 +27,18 @@ linear map, softmax (or sigmoid, DeepSeek-V3) scores, an optional node-limited c
 ``route_group_limit`` groups, scored by their two best experts as DeepSeek-V3 does), top-k and,
 with ``norm_topk``, weights renormalised to sum 1. ``router_skew`` sets the non-trainable
 selection bias (DeepSeek-V3's aux-loss-free balancing bias) to favour the first experts: tests use
-it for uneven expert loads. The experts compute with ``torch._grouped_mm`` on CUDA (bf16) and with
+it for uneven expert loads. ``gate="balanced"`` replaces the learned choice by NeMo AutoModel's
+benchmark gate (``fake_balanced_gate``, nemo_automodel/components/moe/layers.py; the gate of the
+published rows in `data/published/moe_automodel_dgx_h100_bf16.csv`): the token at index i of the
+rank's sequence goes to experts i·k, ..., i·k + k − 1 (mod the expert count), so every expert gets
+the same load and a token's k experts are consecutive (on one or two expert-parallel ranks); its
+weights are still the router's scores of those experts, so the router trains. The experts compute with ``torch._grouped_mm`` on CUDA (bf16) and with
 one matmul per expert elsewhere: the same maths. On the meta device (profiling) the token count
 per expert is not known, so the experts see a force-balanced split (the published-benchmark
 convention; the imbalance factor is a workload setting, `autopar.workload`).
 
 A MoE layer exposes ``moe_shape()`` (experts, top_k, hidden, expert_ffn, shared_ffn,
-capacity_factor, node_limit): the profiler reads it (`autopar.profile.moe`), and the executor shards
+capacity_factor, node_limit, gate): the profiler reads it (`autopar.profile.moe`), and the executor shards
 ``moe.experts`` over the expert-parallel ranks (`autopar.executor.expert_parallel`).
 """
 
@@ -47,6 +54,7 @@ from autopar.zoo import StagedModel, next_token_batch, sized_config
 from autopar.zoo.llama import Attention, FeedForward
 
 SCORES = ("softmax", "sigmoid")
+GATES = ("learned", "balanced")  # the router's top-k choice, or the benchmark's fixed balanced one
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,8 @@ class MoeConfig:
     route_groups: int = 1  # expert groups (nodes) for node-limited routing
     route_group_limit: int = 0  # at most this many groups per token (0: no limit)
     router_skew: float = 0.0  # selection bias favouring the first experts (uneven loads, for tests)
+    expert_bias: bool = False  # biases on the experts' GEMMs (GPT-OSS)
+    gate: str = "learned"  # "balanced": token i -> experts i*k ... i*k + k - 1 (mod experts), AutoModel's benchmark gate
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
 
@@ -80,6 +90,10 @@ class MoeConfig:
             raise ValueError(f"top_k {self.top_k} must be between 1 and the {self.experts} experts")
         if self.score not in SCORES:
             raise ValueError(f"score {self.score!r} must be one of {', '.join(SCORES)}")
+        if self.gate not in GATES:
+            raise ValueError(f"gate {self.gate!r} must be one of {', '.join(GATES)}")
+        if self.gate == "balanced" and (self.route_group_limit or self.router_skew):
+            raise ValueError("gate 'balanced' fixes every token's experts: leave out route_group_limit and router_skew")
         if self.experts % self.route_groups or self.route_group_limit > self.route_groups:
             raise ValueError(f"route_groups {self.route_groups} must divide the {self.experts} experts and be at "
                              f"least route_group_limit {self.route_group_limit}")
@@ -101,7 +115,8 @@ SIZES = {
     "mixtral-8x7b": _moe(4096, 32, 32, 8, 32000, 4096, 8, 2, 14336, rope_theta=1e6),
     "qwen3-30b-a3b": _moe(2048, 48, 32, 4, 151936, 4096, 128, 8, 768, head_dim=128, rope_theta=1e6,
                           norm_eps=1e-6),
-    "gpt-oss-120b": _moe(2880, 36, 64, 8, 201088, 4096, 128, 4, 2880, head_dim=64, rope_theta=150000.0),
+    "gpt-oss-120b": _moe(2880, 36, 64, 8, 201088, 4096, 128, 4, 2880, head_dim=64, rope_theta=150000.0,
+                         expert_bias=True),
     "deepseek-v3": _moe(7168, 61, 128, 16, 129280, 4096, 256, 8, 2048, head_dim=112, shared_experts=1,
                         dense_layers=3, dense_ffn=18432, score="sigmoid", route_groups=8, route_group_limit=4,
                         rope_theta=10000.0, norm_eps=1e-6),
@@ -128,9 +143,13 @@ class Router(nn.Module):
         ramp = torch.linspace(1.0, 0.0, n, device=self.selection_bias.device) if n > 1 else torch.zeros(1)
         self.selection_bias = ramp * self.cfg.router_skew
 
-    def forward(self, tokens: torch.Tensor):
+    def forward(self, tokens: torch.Tensor, seq_len: int | None = None):
         logits = self.gate(tokens)
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
+        if self.cfg.gate == "balanced":
+            index = balanced_experts(tokens.shape[0], seq_len or tokens.shape[0], self.cfg.top_k, self.cfg.experts,
+                                     tokens.device)
+            return self._weights(scores, index)
         choice = scores + self.selection_bias.to(scores.dtype)
         groups, limit = self.cfg.route_groups, self.cfg.route_group_limit
         if limit:  # node-limited: keep the `limit` groups with the best two experts each
@@ -138,38 +157,63 @@ class Router(nn.Module):
             best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
             keep = torch.zeros_like(best, dtype=torch.bool).scatter(1, best.topk(limit, dim=-1).indices, True)
             choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
-        index = choice.topk(self.cfg.top_k, dim=-1).indices
+        return self._weights(scores, choice.topk(self.cfg.top_k, dim=-1).indices)
+
+    def _weights(self, scores: torch.Tensor, index: torch.Tensor):
         weights = scores.gather(1, index)
         if self.cfg.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights, index
 
 
+def balanced_experts(tokens: int, seq_len: int, top_k: int, experts: int, device=None) -> torch.Tensor:
+    """(tokens, top_k) expert indices of the balanced gate: the token at sequence index i gets experts
+    i·k ... i·k + k − 1 (mod experts). Indexed by position in its sequence, so a token's experts do not
+    depend on how the batch is split over ranks (the benchmark counts the rank's local tokens: the same
+    whenever the sequence length is a multiple of experts / gcd(experts, k))."""
+    position = torch.arange(tokens, device=device) % seq_len
+    return (position[:, None] * top_k + torch.arange(top_k, device=device)) % experts
+
+
 class GroupedExperts(nn.Module):
     """`experts` SwiGLU FFNs with stacked weights (torchtitan's layout): w1, w3 (E, ffn, hidden),
-    w2 (E, hidden, ffn). `forward(x, counts)` takes tokens sorted by expert, counts[e] of them for
-    expert e."""
+    w2 (E, hidden, ffn), and with `bias` (GPT-OSS) b1, b3 (E, ffn), b2 (E, hidden), added after each
+    GEMM as their own elementwise pass, as NeMo AutoModel's grouped experts do (a grouped GEMM takes no
+    bias). `forward(x, counts)` takes tokens sorted by expert, counts[e] of them for expert e."""
 
-    def __init__(self, experts: int, hidden: int, ffn: int):
+    def __init__(self, experts: int, hidden: int, ffn: int, bias: bool = False):
         super().__init__()
         self.num_experts, self.hidden, self.ffn = experts, hidden, ffn
         self.w1 = nn.Parameter(torch.empty(experts, ffn, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, ffn))
         self.w3 = nn.Parameter(torch.empty(experts, ffn, hidden))
+        self.b1, self.b2, self.b3 = ((nn.Parameter(torch.empty(experts, n)) for n in (ffn, hidden, ffn)) if bias
+                                     else (None, None, None))
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w1, self.w2, self.w3):
             nn.init.normal_(w, std=std)
+        for b in (self.b1, self.b2, self.b3):
+            if b is not None:
+                nn.init.zeros_(b)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         if _grouped_mm_applies(x, self):
             offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            def mm(a, w):
-                return torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)
+            rows = torch.tensor(counts, device=x.device)
 
-            return mm(F.silu(mm(x, self.w1)) * mm(x, self.w3), self.w2)
-        outs = [F.linear(F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e]), self.w2[e])
+            def mm(a, w, b):
+                y = torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)
+                return y if b is None else y + b.repeat_interleave(rows, dim=0, output_size=a.shape[0])
+
+            return mm(F.silu(mm(x, self.w1, self.b1)) * mm(x, self.w3, self.b3), self.w2, self.b2)
+
+        def linear(a, w, b, e):
+            y = F.linear(a, w[e])
+            return y if b is None else y + b[e]
+
+        outs = [linear(F.silu(linear(xe, self.w1, self.b1, e)) * linear(xe, self.w3, self.b3, e), self.w2, self.b2, e)
                 for e, xe in enumerate(x.split(counts))]
         return torch.cat(outs) if outs else x.new_zeros(0, self.hidden)
 
@@ -199,8 +243,9 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.hidden = cfg.experts, cfg.top_k, cfg.hidden
         self.node_limit = cfg.route_group_limit
+        self.gate = cfg.gate
         self.router = Router(cfg)
-        self.experts = GroupedExperts(cfg.experts, cfg.hidden, cfg.expert_ffn)
+        self.experts = GroupedExperts(cfg.experts, cfg.hidden, cfg.expert_ffn, bias=cfg.expert_bias)
         shared = cfg.shared_experts * cfg.expert_ffn
         self.shared_experts = FeedForward(cfg.hidden, shared) if shared else None
         self.last_counts: list[int] = []  # tokens per expert of the last forward (tests, diagnostics)
@@ -209,12 +254,12 @@ class MoE(nn.Module):
         shared = self.shared_experts.w1.out_features if self.shared_experts is not None else 0
         return {"experts": self.num_experts, "top_k": self.top_k, "hidden": self.hidden,
                 "expert_ffn": self.experts.ffn, "shared_ffn": shared, "capacity_factor": self.capacity_factor,
-                "node_limit": self.node_limit}
+                "node_limit": self.node_limit, "gate": self.gate}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        weights, index = self.router(tokens)
+        weights, index = self.router(tokens, shape[-2] if x.dim() > 2 else None)
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs sorted by expert
         counts = expert_counts(flat, self.num_experts)
