@@ -22,7 +22,6 @@ from autopar.traces.record import read_records
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = {"size": "tiny", "router_skew": 0.05}
-FLAGS = [f for k, v in ARGS.items() for f in ("--model-arg", f"{k}={v}")]
 GLOBAL_BATCH = 16
 SEED = 0  # autopar run's default --seed
 
@@ -33,7 +32,11 @@ def _plan(dp, ep, pp=1, n=1, zero=0) -> Plan:
 
 
 CASES = {"ep2 within dp4": _plan(4, 2), "ep4 within dp4": _plan(4, 4), "ep2 within dp2 x pp2": _plan(2, 2, pp=2, n=2),
-         "ep2 within dp4, FSDP2": _plan(4, 2, n=2, zero=3)}
+         "ep2 within dp4, FSDP2": _plan(4, 2, n=2, zero=3),
+         "ep2 within dp4, expert biases and the balanced gate": _plan(4, 2)}
+# the published rows' model options (GPT-OSS's expert biases, AutoModel's benchmark gate), balanced routing
+CASE_ARGS = {"ep2 within dp4, expert biases and the balanced gate": {"size": "tiny", "expert_bias": True,
+                                                                     "gate": "balanced"}}
 
 
 def _counts() -> list[list[int]]:
@@ -63,7 +66,8 @@ def test_expert_parallel_matches_one_process(case, tmp_path):
     plan = CASES[case]
     plan.save(tmp_path / "p.json")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    ran = subprocess.run([sys.executable, "-m", "autopar", "run", "p.json", "moe", *FLAGS, "--nproc-per-node", "4",
+    flags = [f for k, v in CASE_ARGS.get(case, ARGS).items() for f in ("--model-arg", f"{k}={v}")]
+    ran = subprocess.run([sys.executable, "-m", "autopar", "run", "p.json", "moe", *flags, "--nproc-per-node", "4",
                           "--backend", "gloo", "--steps", "3", "--warmup", "0", "--optimizer", "sgd", "--lr", "1.0",
                           "--check-parity", "--cluster", "cpu", "--trace", "t.jsonl"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
