@@ -9,11 +9,12 @@ What the core model (`cost/model.py`) gets from here, per plan and block kind:
   three SwiGLU GEMMs (forward M x N x K = tokens x ffn x hidden, and the two backward GEMMs) as one
   grouped GEMM, its tile quantisation per expert and its wave quantisation over all local experts
   (`grouped_efficiency`, the tile/wave model of `cost/gemm.py`). The permutation of the routed
-  tokens stays in the layer's elementwise traffic as profiled, unless a fused dispatcher does it
-  (`dispatch_as_run`).
+  tokens stays in the layer's elementwise traffic as profiled, unless DeepEP's dispatcher replaces it
+  by Transformer Engine's fused permute (`dispatch_as_run`, `fused_permute`).
 - Dispatch and combine: one all-to-all each per MoE layer in forward, and again in backward (the
   backward of a dispatch is a combine and the reverse), of tokens x top_k x hidden 16-bit values
-  per rank (`all_to_all_time`). Nothing hides them: torch's executor (and torchtitan, AutoModel
+  per rank (`all_to_all_time`); under DeepEP one copy per destination rank and node (`destinations`:
+  exact for the benchmarks' balanced gate, `consecutive_span`). Nothing hides them: torch's executor (and torchtitan, AutoModel
   without DeepEP's async mode, Megatron-Core without `--overlap-moe-expert-parallel-comm`) waits
   for each before the experts run, so they sit on the critical path; the
   `moe_a2a_overlap` runtime switch models Megatron-Core's 1F1B A2A overlap (one micro-batch's
