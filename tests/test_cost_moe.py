@@ -149,6 +149,31 @@ def test_memory_never_grows_with_ep(moe16, zero, micro_batch):
     assert all(b <= a * (1 + 1e-12) for a, b in zip(peaks, peaks[1:])), peaks
 
 
+def test_fp8_runs_the_experts_in_fp8_under_megatron_only(monkeypatch):
+    """Megatron-Core's fp8 runs the experts as TE's grouped linear in fp8 (faster GEMMs, plus casts);
+    autopar's executor converts nn.Linear modules with torchao, which leaves the stacked experts bf16.
+    Mixtral's experts (2 layers) on one DGX H100: GEMMs large enough for fp8 to pay."""
+    from dataclasses import replace
+
+    from autopar.cost import moe
+
+    mixtral = workload("moe", cluster="dgx-h100", nodes=1, global_batch=32, size="mixtral-8x7b", layers=2)
+
+    seen = []
+    real = moe.pipeline_terms
+    monkeypatch.setattr(moe, "pipeline_terms", lambda *a: seen.append(real(*a)) or seen[-1])
+    expert_s = {}
+    for runtime in ("megatron", "torch"):
+        w = replace(mixtral, runtime=runtime)
+        for precision in ("bf16", "fp8"):
+            seen.clear()
+            estimate(w, Plan(dp=8, ep=8, micro_batch_size=2, num_micro_batches=2, precision=precision, fp8_recipe="tensorwise" if precision == "fp8" else "none",
+                              compile=precision == "fp8" and runtime == "torch"))
+            expert_s[runtime, precision] = float(sum(t["expert_f"].sum() + t["expert_b"].sum() for t in seen))
+    assert expert_s["megatron", "fp8"] < expert_s["megatron", "bf16"]
+    assert expert_s["torch", "fp8"] == pytest.approx(expert_s["torch", "bf16"])
+
+
 def test_imbalance_slows_the_busiest_rank(moe16):
     skewed = Workload(moe16.profile, moe16.cluster, moe16.global_batch, expert_imbalance=1.5)
     even, busy = estimate(moe16, _plan(8)), estimate(skewed, _plan(8))

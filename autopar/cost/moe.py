@@ -44,6 +44,7 @@ import numpy as np
 
 from autopar import axes
 from autopar.cost.arrays import mesh_order_of, unique_rows
+from autopar.cost import precision as fp8
 from autopar.cost.collectives import all_gather_time, all_reduce_time, all_to_all_time
 from autopar.cost.gemm import TILES
 
@@ -243,6 +244,12 @@ def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict
     tokens = micro_batch * profile.seq_len / sp_div  # tokens a rank routes per micro-batch
     skew = imbalance(workload)
     deepep = "deepep" in workload.switches
+    hbm = cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency
+    # fp8 plans under Megatron-Core run the experts as Transformer Engine's grouped linear in fp8: the
+    # fp8 GEMM rate, and a cast of each GEMM input (forward) and output gradient (backward; gate and up
+    # are one GEMM of 2 x ffn). torchao's float8 conversion, which autopar's executor applies, swaps
+    # nn.Linear modules only: the zoo's stacked experts stay bf16 under the torch runtime.
+    te_fp8 = ((np.asarray(g.precision) == fp8.FP8) & (workload.runtime == "megatron"))[:, None].astype(float)
     out = {name: zeros.copy() for name in ("expert_f", "expert_b", "a2a_f", "a2a_b", "expert_params")}
     for j, kind in enumerate(kinds):
         if kind is None:
@@ -252,8 +259,10 @@ def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict
         flops = kind.flops * tokens / profile.seq_len * skew
         shape = grouped_efficiency(per_expert, kind.ffn, kind.hidden, local, cluster.gpu.sms)
         rate = peak * np.maximum(c.gemm_efficiency * shape * flops / (flops + c.gemm_half_flops), 1e-9)
-        out["expert_f"][:, j] = (flops / rate)[:, 0]
-        out["expert_b"][:, j] = (2 * flops / rate)[:, 0]
+        gemm = flops / rate * np.where(te_fp8, fp8.fp8_time_factor(flops, c, cluster.gpu), 1.0)
+        rows = tokens * kind.top_k * skew  # the routed copies the busiest rank's experts take
+        out["expert_f"][:, j] = (gemm + te_fp8 * fp8.TE_CAST_BYTES * rows * (kind.hidden + kind.ffn) / hbm)[:, 0]
+        out["expert_b"][:, j] = (2 * gemm + te_fp8 * fp8.TE_CAST_BYTES * rows * (2 * kind.ffn + kind.hidden) / hbm)[:, 0]
         token_bytes = tokens * kind.hidden * act_bytes * skew  # one copy of the rank's tokens
         per_node = col(links["per_node"])
         on_node = off_node = None
@@ -262,7 +271,7 @@ def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict
             ranks, node_copies = destinations(kind, ep, per_node, profile)
             on_node = token_bytes * ranks * (ep - 1) / ep  # every remote copy crosses NVLink once
             off_node = token_bytes * node_copies * (nodes - 1) / nodes
-            permute = fused_permute(token_bytes, kind.top_k, ranks, cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency)
+            permute = fused_permute(token_bytes, kind.top_k, ranks, hbm)
             out["expert_f"][:, j] += permute[:, 0]
             out["expert_b"][:, j] += permute[:, 0]
         one = all_to_all_time(token_bytes * kind.top_k, ep, per_node, col(links["intra_bw"]), col(links["inter_bw"]),

@@ -60,6 +60,13 @@ def fp8_gemm_speedup(gpu) -> float:
     return FP8_GEMM_SPEEDUP.get(gpu.name, DEFAULT_FP8_GEMM_SPEEDUP)
 
 
+def fp8_time_factor(flops, c, gpu):
+    """fp8 over bf16 time of a GEMM of `flops` FLOPs: `fp8_gemm_speedup` for a large one, the size
+    curve's half point scaled by the fp8 peak's ratio to bf16's (small GEMMs gain little or lose)."""
+    ratio = (gpu.peak_flops.get("fp8") or 2 * gpu.peak_flops["bf16"]) / gpu.peak_flops["bf16"]
+    return (flops + c.gemm_half_flops * ratio) / (fp8_gemm_speedup(gpu) * (flops + c.gemm_half_flops))
+
+
 def _linears(profile) -> dict[str, np.ndarray]:
     """Per block kind (embedding, layer kinds, head), per sample: the layers' linear GEMM FLOPs
     (forward) and the elements of their inputs, outputs and weights, each split into what tensor
@@ -99,10 +106,7 @@ def compute_scale(workload, g, b: np.ndarray, flops_f: np.ndarray, c) -> dict[st
     ones = np.ones_like(flops_f)
 
     share = np.minimum(np.divide(b * lin["flops"] / t, flops_f, out=np.zeros_like(flops_f), where=flops_f > 0), 1.0)
-    peak8 = gpu.peak_flops.get("fp8") or 2 * gpu.peak_flops["bf16"]
-    ratio = peak8 / gpu.peak_flops["bf16"]
-    slowdown = (flops_f + c.gemm_half_flops * ratio) / (fp8_gemm_speedup(gpu) * (flops_f + c.gemm_half_flops))
-    gemm = np.where(col(gains) > 0, 1 - share * (1 - slowdown), ones)
+    gemm = np.where(col(gains) > 0, 1 - share * (1 - fp8_time_factor(flops_f, c, gpu)), ones)
 
     megatron = workload.runtime == "megatron"
     inputs = b * (lin["inputs"] + lin["inputs_tp"] / t)
