@@ -15,8 +15,16 @@ from autopar.cluster import load_cluster
 from autopar.cost import estimate
 from autopar.cost.coefficients import Coefficients
 from autopar.cost.collectives import all_to_all_time
-from autopar.cost.moe import (MoeKind, consecutive_span, destinations, distinct, ep_links, fused_permute,
-                              grouped_efficiency, moe_kinds)
+from autopar.cost.moe import (
+    MoeKind,
+    consecutive_span,
+    destinations,
+    distinct,
+    ep_links,
+    fused_permute,
+    grouped_efficiency,
+    moe_kinds,
+)
 from autopar.plan import Plan
 from autopar.workload import Workload
 
@@ -80,7 +88,8 @@ def test_learned_gate_destinations_are_the_uniform_expectation_capped_by_the_nod
     ep, per_node = np.array([64.0]), np.array([8.0])
     free = SimpleNamespace(gate="learned", node_limit=0)
     ranks, nodes = destinations(kind, ep, per_node, free)
-    assert float(ranks[0]) == pytest.approx(float(distinct(8, 64))) and float(nodes[0]) == pytest.approx(float(distinct(8, 8)))
+    assert float(ranks[0]) == pytest.approx(float(distinct(8, 64)))
+    assert float(nodes[0]) == pytest.approx(float(distinct(8, 8)))
     ranks, nodes = destinations(kind, ep, per_node, SimpleNamespace(gate="learned", node_limit=4))
     assert float(nodes[0]) == 4.0 and float(ranks[0]) == pytest.approx(float(distinct(8, 32)))
     ranks, nodes = destinations(kind, ep, per_node, SimpleNamespace(gate="balanced", node_limit=0))
@@ -167,8 +176,9 @@ def test_fp8_runs_the_experts_in_fp8_under_megatron_only(monkeypatch):
         w = replace(mixtral, runtime=runtime)
         for precision in ("bf16", "fp8"):
             seen.clear()
-            estimate(w, Plan(dp=8, ep=8, micro_batch_size=2, num_micro_batches=2, precision=precision, fp8_recipe="tensorwise" if precision == "fp8" else "none",
-                              compile=precision == "fp8" and runtime == "torch"))
+            estimate(w, Plan(dp=8, ep=8, micro_batch_size=2, num_micro_batches=2, precision=precision,
+                             fp8_recipe="tensorwise" if precision == "fp8" else "none",
+                             compile=precision == "fp8" and runtime == "torch"))
             expert_s[runtime, precision] = float(sum(t["expert_f"].sum() + t["expert_b"].sum() for t in seen))
     assert expert_s["megatron", "fp8"] < expert_s["megatron", "bf16"]
     assert expert_s["torch", "fp8"] == pytest.approx(expert_s["torch", "bf16"])

@@ -57,11 +57,13 @@ def _reference(layer: moe.MoE, x: torch.Tensor) -> torch.Tensor:
     weights, index = layer.router(tokens, x.shape[-2])
     e = layer.experts
     b1, b2, b3 = ((b if b is not None else torch.zeros(e.num_experts, 1, dtype=x.dtype)) for b in (e.b1, e.b2, e.b3))
+
+    def expert(i, x):
+        return (torch.nn.functional.silu(x @ e.w1[i].T + b1[i]) * (x @ e.w3[i].T + b3[i])) @ e.w2[i].T + b2[i]
+
     out = []
     for t in range(tokens.shape[0]):
-        y = sum(weights[t, j] * ((torch.nn.functional.silu(tokens[t] @ e.w1[i].T + b1[i]) * (tokens[t] @ e.w3[i].T + b3[i]))
-                                 @ e.w2[i].T + b2[i])
-                for j, i in enumerate(index[t].tolist()))
+        y = sum(weights[t, j] * expert(i, tokens[t]) for j, i in enumerate(index[t].tolist()))
         out.append(y + (layer.shared_experts(tokens[t]) if layer.shared_experts is not None else 0))
     return torch.stack(out).view(x.shape)
 
@@ -102,7 +104,8 @@ def test_router_invariants(experts, top_k, groups, limit, score, seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(experts=st.sampled_from([4, 8, 32, 128]), top_k=st.integers(1, 8), batch=st.integers(1, 3), seed=st.integers(0, 99))
+@given(experts=st.sampled_from([4, 8, 32, 128]), top_k=st.integers(1, 8), batch=st.integers(1, 3),
+       seed=st.integers(0, 99))
 def test_balanced_gate_is_the_benchmark_gate(experts, top_k, batch, seed):
     """NeMo AutoModel's fake balanced gate: the token at sequence index i takes experts i*k ... i*k + k - 1
     (mod experts), the same whatever the batch around it, and every expert gets the same load over a

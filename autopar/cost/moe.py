@@ -14,8 +14,8 @@ What the core model (`cost/model.py`) gets from here, per plan and block kind:
 - Dispatch and combine: one all-to-all each per MoE layer in forward, and again in backward (the
   backward of a dispatch is a combine and the reverse), of tokens x top_k x hidden 16-bit values
   per rank (`all_to_all_time`); under DeepEP one copy per destination rank and node (`destinations`:
-  exact for the benchmarks' balanced gate, `consecutive_span`). Nothing hides them: torch's executor (and torchtitan, AutoModel
-  without DeepEP's async mode, Megatron-Core without `--overlap-moe-expert-parallel-comm`) waits
+  exact for the benchmarks' balanced gate, `consecutive_span`). Nothing hides them: torch's executor
+  (and torchtitan, AutoModel without DeepEP's async mode, Megatron-Core without `--overlap-moe-expert-parallel-comm`) waits
   for each before the experts run, so they sit on the critical path; the
   `moe_a2a_overlap` runtime switch models Megatron-Core's 1F1B A2A overlap (one micro-batch's
   all-to-all under another's compute) as hiding what the layer's compute can cover.
@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar import axes
-from autopar.cost.arrays import mesh_order_of, unique_rows
 from autopar.cost import precision as fp8
+from autopar.cost.arrays import mesh_order_of, unique_rows
 from autopar.cost.collectives import all_gather_time, all_reduce_time, all_to_all_time
 from autopar.cost.gemm import TILES
 
@@ -261,8 +261,9 @@ def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict
         rate = peak * np.maximum(c.gemm_efficiency * shape * flops / (flops + c.gemm_half_flops), 1e-9)
         gemm = flops / rate * np.where(te_fp8, fp8.fp8_time_factor(flops, c, cluster.gpu), 1.0)
         rows = tokens * kind.top_k * skew  # the routed copies the busiest rank's experts take
-        out["expert_f"][:, j] = (gemm + te_fp8 * fp8.TE_CAST_BYTES * rows * (kind.hidden + kind.ffn) / hbm)[:, 0]
-        out["expert_b"][:, j] = (2 * gemm + te_fp8 * fp8.TE_CAST_BYTES * rows * (2 * kind.ffn + kind.hidden) / hbm)[:, 0]
+        cast = te_fp8 * fp8.TE_CAST_BYTES * rows / hbm  # seconds per element of a cast tensor's row
+        out["expert_f"][:, j] = (gemm + cast * (kind.hidden + kind.ffn))[:, 0]
+        out["expert_b"][:, j] = (2 * gemm + cast * (2 * kind.ffn + kind.hidden))[:, 0]
         token_bytes = tokens * kind.hidden * act_bytes * skew  # one copy of the rank's tokens
         per_node = col(links["per_node"])
         on_node = off_node = None

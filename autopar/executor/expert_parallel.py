@@ -82,7 +82,8 @@ class ShardedExperts(GroupedExperts):
 
     def __init__(self, whole: nn.Module, ep: int, group: dist.ProcessGroup):
         with torch.device(whole.w1.device):
-            super().__init__(whole.num_experts // ep, whole.hidden, whole.ffn, bias=getattr(whole, "b1", None) is not None)
+            super().__init__(whole.num_experts // ep, whole.hidden, whole.ffn,
+                             bias=getattr(whole, "b1", None) is not None)
         self.total, self.ep, self.group = whole.num_experts, ep, group
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -32,8 +32,8 @@ benchmark gate (``fake_balanced_gate``, nemo_automodel/components/moe/layers.py;
 published rows in `data/published/moe_automodel_dgx_h100_bf16.csv`): the token at index i of the
 rank's sequence goes to experts i·k, ..., i·k + k − 1 (mod the expert count), so every expert gets
 the same load and a token's k experts are consecutive (on one or two expert-parallel ranks); its
-weights are still the router's scores of those experts, so the router trains. The experts compute with ``torch._grouped_mm`` on CUDA (bf16) and with
-one matmul per expert elsewhere: the same maths. On the meta device (profiling) the token count
+weights are still the router's scores of those experts, so the router trains. The experts compute
+with ``torch._grouped_mm`` on CUDA (bf16) and with one matmul per expert elsewhere: the same maths. On the meta device (profiling) the token count
 per expert is not known, so the experts see a force-balanced split (the published-benchmark
 convention; the imbalance factor is a workload setting, `autopar.workload`).
 
@@ -78,7 +78,7 @@ class MoeConfig:
     route_group_limit: int = 0  # at most this many groups per token (0: no limit)
     router_skew: float = 0.0  # selection bias favouring the first experts (uneven loads, for tests)
     expert_bias: bool = False  # biases on the experts' GEMMs (GPT-OSS)
-    gate: str = "learned"  # "balanced": token i -> experts i*k ... i*k + k - 1 (mod experts), AutoModel's benchmark gate
+    gate: str = "learned"  # "balanced": token i -> experts i*k ... i*k + k - 1 (mod experts), a benchmark's gate
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
 
