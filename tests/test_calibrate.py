@@ -248,6 +248,7 @@ def test_vtrain_single_node_cv_and_multi_node_transfer(tmp_path):
     (vTrain's simulator: 8.37% MAPE), then the multi-node runs predicted from single-node data
     only (vTrain: 14.73%), with the best-pick ratio of each of the four multi-node models."""
     from autopar.calibrate.calibration import calibrate
+    from autopar.traces.vtrain import CLUSTER as VTRAIN_CLUSTER
     from autopar.traces.vtrain import import_vtrain
 
     started = time.perf_counter()
@@ -255,12 +256,13 @@ def test_vtrain_single_node_cv_and_multi_node_transfer(tmp_path):
     write_records(single, import_vtrain(VTRAIN / "ground_truth_single.csv", predict=False))
     write_records(multi, import_vtrain(VTRAIN / "ground_truth_multi.csv", predict=False))
     tables = [VTRAIN / f"a100_allreduce_{n}gpu.csv" for n in (2, 4, 8)]
-    result = calibrate([single], "dgx-a100-80g", folds=5, evaluate=[multi], allreduce=tables)
+    result = calibrate([single], VTRAIN_CLUSTER, folds=5, evaluate=[multi], allreduce=tables)
     v = result.validation
     assert v["rows"] == 1440 and len(v["folds"]) == 5
     assert v["mape"] <= 0.08 and v["spearman"] >= 0.95, (v["mape"], v["spearman"])
     m = result.evaluations[str(multi)]
-    assert m["rows"] == 108 and m["mape"] <= 0.14, m["mape"]  # 109 runs: one plan ran twice (one row, the median)
+    # on vTrain's 800 Gb/s per node (preset vtrain-a100) 10.4%; on a DGX A100's 1,600 Gb/s it was 11.75%
+    assert m["rows"] == 108 and m["mape"] <= 0.11, m["mape"]  # 109 runs: one plan ran twice (one row, the median)
     ratios = {g["group"].split(" on ")[0]: g["ratio"] for g in m["groups"]}
     assert len(ratios) == 4 and max(ratios.values()) <= 1.05, ratios
     # the fitted cluster keeps the datasheet rates: efficiencies are fractions of them

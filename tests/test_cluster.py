@@ -38,6 +38,15 @@ def test_nics_shared_by_two_gpus_on_dgx_v100():
     assert load_cluster("dgx-v100", nodes=2).ring(16, 1).bandwidth == 4 * 12.5e9
 
 
+def test_vtrain_cluster_pushes_half_a_dgx_a100s_inter_node_bandwidth():
+    """vTrain's configurations give 800 Gb/s per node: 4 HDR NICs, one per two GPUs, where a DGX
+    A100 has 8; inside a node both are the same NVSwitch box."""
+    vtrain, dgx = load_cluster("vtrain-a100", nodes=8), load_cluster("dgx-a100-80g", nodes=8)
+    assert vtrain.ring(64, 1).bandwidth == 4 * 25e9 == dgx.ring(64, 1).bandwidth / 2
+    assert vtrain.ring(32, 2).bandwidth == 4 * 25e9  # 4 members per node, two per NIC
+    assert vtrain.ring(8, 1) == dgx.ring(8, 1)
+
+
 def test_pcie_ring_over_the_box_bottlenecks_at_the_socket_link():
     cluster = load_cluster("pcie-4090x8")
     under_switch, socket, box = cluster.ring(2, 1), cluster.ring(4, 1), cluster.ring(8, 1)

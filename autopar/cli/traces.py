@@ -12,6 +12,7 @@ from autopar.executor.options import RunOptions, add_run_flags
 from autopar.traces.collect import collect
 from autopar.traces.record import check_trace_file
 from autopar.traces.summary import print_summary, summarize
+from autopar.traces.vtrain import CLUSTER as VTRAIN_CLUSTER
 from autopar.traces.vtrain import import_vtrain, write_records
 
 COLLECT_RUN_FLAGS = ("steps", "warmup", "timeout_s", "backend")  # the run options `traces collect` takes
@@ -34,8 +35,9 @@ def add_parser(sub) -> None:
                                      "row's GPU count (8 GPUs per node). vTrain's own simulator: MAPE 8.37% "
                                      "single-node, 14.73% multi-node.")
     vt.add_argument("csv", metavar="FILE.csv", help="a vTrain ground-truth CSV")
-    vt.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="PRESET|FILE.json",
-                    help=f"the cluster the runs were on (default {DEFAULT_CLUSTER})")
+    vt.add_argument("--cluster", default=VTRAIN_CLUSTER, metavar="PRESET|FILE.json",
+                    help=f"the cluster the runs were on (default {VTRAIN_CLUSTER}: DGX A100 nodes with "
+                         f"vTrain's 800 Gb/s per node)")
     vt.add_argument("-o", "--output", required=True, metavar="traces.jsonl", help="trace file to write")
     vt.add_argument("--vocab", type=int, default=51200,
                     help="vocabulary size (default 51200: GPT-2's 50257 padded as Megatron pads it at tp = 8)")

@@ -11,7 +11,9 @@ the single-node runs and 14.73% on the multi-node runs.
 What the CSV does not say is taken from vTrain's published validation configurations
 (``config/validation/*`` in github.com/VIA-Research/vTrain): every run used activation
 checkpointing of every layer (``use_checkpoint: true``), the 1F1B pipeline schedule, no DDP
-gradient bucketing (the data-parallel all-reduce runs after the backward pass), 8 GPUs per node.
+gradient bucketing (the data-parallel all-reduce runs after the backward pass), 8 GPUs per node,
+800 Gb/s of inter-node bandwidth per node (``inter_node_bandwidth: 800``: the `vtrain-a100` preset,
+4 x HDR per DGX A100 node where a DGX A100 has 8).
 The rest is Megatron-DeepSpeed's defaults: fp16 mixed precision with gradients all-reduced in
 fp16, no ZeRO, tensor-parallel ranks innermost in the rank order (then data, then pipeline), and
 vocabulary 51,200 (GPT-2's 50,257 tokens padded, as Megatron pads it to a multiple of 128 x tp
@@ -45,6 +47,9 @@ VOCAB = 51200
 MODEL_FILE = Path(__file__).with_name("megatron_gpt.py")
 MODEL = "autopar/traces/megatron_gpt.py"
 FRAMEWORK = "Megatron-DeepSpeed (measured by vTrain, MICRO 2024)"
+# DGX A100 nodes with 4 x HDR (800 Gb/s) per node, as vTrain's configurations give its cluster
+# (autopar/cluster/presets.py)
+CLUSTER = "vtrain-a100"
 
 # CSV header -> field; the multi-node file adds "Parameters (billion)"
 COLUMNS = {
@@ -173,7 +178,7 @@ def _cluster_size(preset_gpus_per_node: int, gpus: int) -> tuple[int, int]:
     return gpus // preset_gpus_per_node, preset_gpus_per_node
 
 
-def import_vtrain(path, cluster: str = "dgx-a100-80g", vocab: int = VOCAB, precision: str = "fp16",
+def import_vtrain(path, cluster: str = CLUSTER, vocab: int = VOCAB, precision: str = "fp16",
                   predict: bool = True, zero: int = 0):
     """TraceRecords for every row of a vTrain CSV, on `cluster` (a preset or cluster JSON) sized
     to each row's GPU count. With `predict`, each record carries the cost model's prediction
