@@ -62,7 +62,7 @@ class RLPlanner(Planner):
     name = "rl"
 
     def __init__(self, policy=None, seed: int = 0, decode: str = "beam", beam: int = BEAM,
-                 refine: bool = True):
+                 refine: bool = True, trades: bool = True):
         super().__init__()
         if decode not in DECODERS:
             raise AutoparError(f"unknown decode {decode!r}; choose one of {list(DECODERS)}")
@@ -70,7 +70,7 @@ class RLPlanner(Planner):
             raise AutoparError(f"the beam width must be at least 1, got {beam}")
         self.actor = load_policy(policy)  # checks the space signature: fail before any search
         self.stale_note = stale_note(self.actor.meta, policy or default_policy_path())
-        self.seed, self.decode, self.beam, self.refine = seed, decode, beam, refine
+        self.seed, self.decode, self.beam, self.refine, self.trades = seed, decode, beam, refine, trades
         self.last_confidence: Confidence | None = None  # of the best plan of the last propose()
         self.confidences: list[Confidence | None] = []  # of every plan of the last propose(), in order
 
@@ -94,7 +94,7 @@ class RLPlanner(Planner):
             times = np.where(res["fits"], res["iteration_time"], np.inf)
             seen: dict = {}
             refined = [refine(space, decoded[i].prefix, seen=seen) for i in starts(plans, times)]
-            if refined:  # then trades between layouts, from the fastest refined plan
+            if refined and self.trades:  # then trades between layouts, from the fastest refined plan
                 complete = policy_completion(self.actor, space, features)
                 refined.append(trade(space, min(refined, key=lambda r: r.time_s), complete, seen=seen))
             for found in refined:

@@ -5,11 +5,12 @@ where they are still valid. Between two layouts that is too little: from dp32 x 
 selective recompute, 160 micro-batches of 1) to dp320 x pp1 the micro-batching, ZeRO stage,
 recompute, offload and compile must all change with the degrees, and every plan on the way is
 slower or does not fit. A trade moves a factor from one axis to another with the world size
-kept (dp <-> tp, dp <-> pp, dp <-> cp: one explicit degree changed, data parallelism takes the
-rest; tp <-> pp and the like: two changed, their product kept; a folded axis such as ep
-re-split within its ranks), and the decisions after the degrees are then chosen again by the
-policy, conditioned on the new degrees (greedy decoding from them): the policy was trained to
-choose micro-batching, ZeRO and recompute for whatever degrees it is given. The fastest
+kept: one or two explicit degrees change and data parallelism, the derived axis, takes up the
+difference (dp <-> tp, dp <-> pp, dp <-> cp; tp <-> pp with their product kept; or dp32 x tp2 x
+pp8 to dp512 x tp1 x pp1 at once, where neither half alone is faster); a folded axis such as
+ep is kept where still valid or re-split alone. The decisions after the degrees are then
+chosen again by the policy, conditioned on the new degrees (greedy decoding from them): the
+policy was trained to choose micro-batching, ZeRO and recompute for whatever degrees it is given. The fastest
 completion that beats the current plan is refined by coordinate descent and becomes the
 current plan; trades repeat from it until none is faster or the evaluation budget is spent.
 Each layout is completed once; every plan the cost model sees is counted.
@@ -17,7 +18,6 @@ Each layout is completed once; every plan the cost model sees is counted.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
@@ -29,6 +29,7 @@ from autopar.policies.decode import beam_search
 from autopar.policies.refine import GAIN, Refined, refine
 
 Completion = Callable[[tuple], "tuple | None"]  # a layout -> a complete decision sequence (None: none fits)
+MAX_CHANGED = 2  # explicit degrees one trade changes (dp, derived, takes up the difference)
 BUDGET = 20_000  # cost-model evaluations of the trades (completions' masks, refinements), at most
 
 
@@ -53,19 +54,18 @@ def layouts(space: PlanSpace) -> list[tuple]:
 
 
 def is_trade(space: PlanSpace, a: tuple, b: tuple) -> bool:
-    """Whether layout b is one trade away from a: one explicit degree changed (data parallelism,
-    derived, takes the factor), or two changed with their product kept; folded axes (ep, a split
-    of other axes' ranks) kept where still valid, or alone changed."""
+    """Whether layout b is one trade away from a: at most two explicit degrees changed, data
+    parallelism (derived: the world size over the others) taking up the difference, so a factor
+    moves between dp and one axis, between two axes (their product kept), or among dp and two
+    axes; folded axes (ep, a split of other axes' ranks) kept where still valid, or alone changed."""
     names = space.names[:len(a)]
     explicit = [i for i, name in enumerate(names) if name in axes.AXES]
     folded = [i for i, name in enumerate(names) if name not in axes.AXES]
-    changed = [i for i in explicit if a[i] != b[i]]
+    changed = sum(a[i] != b[i] for i in explicit)
     if not changed:
         return any(a[i] != b[i] for i in folded)
-    if len(changed) > 2 or (len(changed) == 2 and math.prod(a[i] for i in changed) != math.prod(b[i] for i in changed)):
-        return False
     # a folded degree stays unless the trade made it invalid (the policy then chooses it again)
-    return all(a[i] == b[i] or a[i] not in space.choices(b[:i]) for i in folded)
+    return changed <= MAX_CHANGED and all(a[i] == b[i] or a[i] not in space.choices(b[:i]) for i in folded)
 
 
 def policy_completion(actor, space: PlanSpace, features) -> Completion:
