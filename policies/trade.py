@@ -7,10 +7,10 @@ recompute, offload and compile must all change with the degrees, and every plan 
 slower or does not fit. A trade moves a factor from one axis to another with the world size
 kept: one or two explicit degrees change and data parallelism, the derived axis, takes up the
 difference (dp <-> tp, dp <-> pp, dp <-> cp; tp <-> pp with their product kept; or dp32 x tp2 x
-pp8 to dp512 x tp1 x pp1 at once, where neither half alone is faster); a folded axis such as
-ep is kept where still valid or re-split alone. The decisions after the degrees are then
-chosen again by the policy, conditioned on the new degrees (greedy decoding from them): the
-policy was trained to choose micro-batching, ZeRO and recompute for whatever degrees it is given. The fastest
+pp8 to dp512 x tp1 x pp1 at once, where neither half alone is faster). The decisions after
+the degrees (a folded axis such as ep among them) are then chosen again by the policy,
+conditioned on the new degrees (greedy decoding from them): the policy was trained to choose
+micro-batching, ZeRO and recompute for whatever degrees it is given. The fastest
 completion that beats the current plan is refined by coordinate descent and becomes the
 current plan; trades repeat from it until none is faster or the evaluation budget is spent.
 Each layout is completed once; every plan the cost model sees is counted.
@@ -34,13 +34,13 @@ BUDGET = 20_000  # cost-model evaluations of the trades (completions' masks, ref
 
 
 def degree_count(space: PlanSpace) -> int:
-    """How many leading decisions are axis degrees (tp, pp, cp, then ep: the layout)."""
-    degrees = set(axes.AXES) | set(axes.FOLDED)
-    return next((n for n, name in enumerate(space.names) if name not in degrees), len(space.names))
+    """How many leading decisions are explicit axis degrees (tp, pp, cp: the layout). A folded
+    axis (ep, a split of dp x cp's ranks) is no part of it: the policy chooses it with the rest."""
+    return next((n for n, name in enumerate(space.names) if name not in axes.AXES), len(space.names))
 
 
 def layouts(space: PlanSpace) -> list[tuple]:
-    """Every layout of the space (the degree decisions' values), from the choices alone: no plan
+    """Every layout of the space (the explicit degrees' values), from the choices alone: no plan
     is evaluated (a layout none of whose plans fits has no completion)."""
     n = degree_count(space)
     out, stack = [], [()]
@@ -53,19 +53,11 @@ def layouts(space: PlanSpace) -> list[tuple]:
     return sorted(out)
 
 
-def is_trade(space: PlanSpace, a: tuple, b: tuple) -> bool:
-    """Whether layout b is one trade away from a: at most two explicit degrees changed, data
+def is_trade(a: tuple, b: tuple) -> bool:
+    """Whether layout b is one trade away from layout a: one or two explicit degrees changed, data
     parallelism (derived: the world size over the others) taking up the difference, so a factor
-    moves between dp and one axis, between two axes (their product kept), or among dp and two
-    axes; folded axes (ep, a split of other axes' ranks) kept where still valid, or alone changed."""
-    names = space.names[:len(a)]
-    explicit = [i for i, name in enumerate(names) if name in axes.AXES]
-    folded = [i for i, name in enumerate(names) if name not in axes.AXES]
-    changed = sum(a[i] != b[i] for i in explicit)
-    if not changed:
-        return any(a[i] != b[i] for i in folded)
-    # a folded degree stays unless the trade made it invalid (the policy then chooses it again)
-    return changed <= MAX_CHANGED and all(a[i] == b[i] or a[i] not in space.choices(b[:i]) for i in folded)
+    moves between dp and one axis, between two axes (their product kept), or among dp and two."""
+    return 0 < sum(x != y for x, y in zip(a, b)) <= MAX_CHANGED
 
 
 def policy_completion(actor, space: PlanSpace, features) -> Completion:
@@ -91,7 +83,7 @@ def trade(space: PlanSpace, start: Refined, complete: Completion, seen: dict | N
     masks_before = space.evaluations
     while np.isfinite(best.time_s) and spent + space.evaluations - masks_before < budget:
         tried.add(best.prefix[:n])
-        targets = [t for t in all_layouts if t not in tried and is_trade(space, best.prefix[:n], t)]
+        targets = [t for t in all_layouts if t not in tried and is_trade(best.prefix[:n], t)]
         tried.update(targets)
         completed = [p for p in map(complete, targets) if p is not None]
         if not completed:
