@@ -30,7 +30,7 @@ from autopar.policies.refine import GAIN, Refined, refine
 
 Completion = Callable[[tuple], "tuple | None"]  # a layout -> a complete decision sequence (None: none fits)
 MAX_CHANGED = 2  # explicit degrees one trade changes (dp, derived, takes up the difference)
-BUDGET = 20_000  # cost-model evaluations of the trades (completions' masks, refinements), at most
+BUDGET = 20_000  # cost-model evaluations of the trades (completions' masks, refinements): no round starts past it
 
 
 def degree_count(space: PlanSpace) -> int:
