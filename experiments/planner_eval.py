@@ -5,8 +5,9 @@ and precision of the registries, or one family with --family) and each planner: 
 the predicted throughput of its plan to the oracle's best (oracle time / plan time; the best of
 the k plans for rl top-8; 0 when it finds no plan), the cost-model evaluations it spent, and its
 wall time. The rl rows: `rl` is what `autopar search` returns first (8 plans beam-decoded,
-refined by coordinate descent, ranked by the cost model), `rl-top8` the 8 decoded plans ranked
-without refinement, `rl-greedy` the policy alone (greedy decoding). Writes to --out:
+refined by coordinate descent, then degrees traded between axes with the policy completing each
+new layout, ranked by the cost model), `rl-no-trades` the same without the trades, `rl-top8` the
+8 decoded plans ranked without refinement, `rl-greedy` the policy alone (greedy decoding). Writes to --out:
 results.json (per workload), table.md, and two figures (ratio distribution per planner; ratio
 against evaluations). The oracle's answers are cached in --out/oracle.json, so a rerun pays only
 for the planners. --readme FILE rewrites the table between FILE's planner-table markers.
@@ -38,6 +39,7 @@ from autopar.search import get_planner
 
 PLANNERS = {  # name -> (registry name, options, k: the best of the top k counts)
     "rl": ("rl", {}, 1),
+    "rl-no-trades": ("rl", {"trades": False}, 1),
     "rl-top8": ("rl", {"refine": False}, 8),
     "rl-greedy": ("rl", {"beam": 1, "refine": False}, 1),
     "optuna-50": ("optuna", {"trials": 50, "progress": False}, 1),
@@ -108,7 +110,8 @@ def summary(results: list[dict], names: list[str]) -> list[dict]:
 COLUMNS = ("planner", "median", "p5", "min", "no plan", "evaluations", "wall s", "> rules")
 README_COLUMNS = ("planner", "median", "p5", "min", "cost-model evaluations (median)")
 README_NAMES = {  # planner -> its row in the README
-    "rl": "rl (default: 8 decoded, refined, ranked)", "rl-top8": "rl top-8 (decoded, ranked)",
+    "rl": "rl (default: 8 decoded, refined, degrees traded, ranked)",
+    "rl-no-trades": "rl without degree trades (8 decoded, refined, ranked)", "rl-top8": "rl top-8 (decoded, ranked)",
     "rl-greedy": "rl greedy (the policy alone)", "optuna-50": "optuna, 50 trials", "optuna-200": "optuna, 200 trials",
     "random-50": "random, 50", "random-200": "random, 200", "rules": "rules",
 }

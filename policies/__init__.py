@@ -16,8 +16,9 @@ mix of its traces, on the calibrated cost model (docs/traces-and-calibration.md)
 measured MODEL` (`measured.py`) on real runs of this machine.
 
 By role: the network (`extractor.py`), policy files (`files.py` writes, `load.py` reads without
-torch, `fingerprint.py` what a policy depends on), decoding (`decode.py`: greedy, beam, sampled),
-behaviour cloning (`imitation.py`), and the trainers (`train.py` on the cost model, `traces.py`,
+torch, `fingerprint.py` what a policy depends on), decoding (`decode.py`: greedy, beam,
+sampled), search-time refinement with the cost model (`refine.py`: coordinate descent;
+`trade.py`: trades between the axis degrees), the planner (`planner.py`), behaviour cloning (`imitation.py`), and the trainers (`train.py` on the cost model, `traces.py`,
 `measured.py`). The restricted plan space of `measured.py` lives beside the space, in
 `autopar/envs/restricted.py`; the command line in `autopar/cli/train.py`.
 """

@@ -36,9 +36,11 @@ def _expand(actor, space: PlanSpace, workload_vector, beams: list[Decoded]) -> l
     return out
 
 
-def beam_search(actor, space: PlanSpace, workload_vector, width: int) -> list[Decoded]:
-    """The `width` most probable complete decisions sequences (width 1: greedy decoding)."""
-    pool = [Decoded(space.advance(()))]
+def beam_search(actor, space: PlanSpace, workload_vector, width: int, start: tuple = ()) -> list[Decoded]:
+    """The `width` most probable complete decisions sequences (width 1: greedy decoding) that begin
+    with the decisions `start` (their probabilities then conditional on it); none when no plan that
+    fits begins with it."""
+    pool = [Decoded(space.advance(start))]
     while not all(d.complete(space) for d in pool):
         live = [d for d in pool if not d.complete(space)]
         pool = [d for d in pool if d.complete(space)] + _expand(actor, space, workload_vector, live)

@@ -2,10 +2,12 @@
 
 By default the planner beam-decodes max(k, BEAM) distinct plans (or samples them, with
 `decode="sample"`), refines the fastest of them by coordinate descent with the cost model
-(`policies/refine.py`: one knob changed at a time while that helps), and ranks the decoded and
-refined plans with the cost model; `beam=1, refine=False` is the policy alone (greedy decoding).
-The evaluations it reports are every plan the cost model saw: the masks' lean completions, the
-refinement's neighbours and the ranking. The policy's confidence in each returned plan is kept:
+(`policies/refine.py`: one knob changed at a time while that helps), then trades factors between
+the degrees of the fastest refined plan, the policy choosing the other knobs again for each new
+layout (`policies/trade.py`), and ranks the decoded and refined plans with the cost model;
+`beam=1, refine=False` is the policy alone (greedy decoding). The evaluations it reports are
+every plan the cost model saw: the masks' lean completions, the refinement's neighbours, the
+trades' completions and the ranking. The policy's confidence in each returned plan is kept:
 the product of the probabilities of its decisions and the least of them (none for a plan that
 refinement or simplification found and the policy did not decode).
 """
@@ -26,6 +28,7 @@ from autopar.policies.decode import beam_search, sample
 from autopar.policies.fingerprint import stale_note
 from autopar.policies.load import default_policy_path, load_policy
 from autopar.policies.refine import refine
+from autopar.policies.trade import policy_completion, trade
 from autopar.search.base import Planner
 from autopar.search.exhaustive import memory_error, no_plan_error
 from autopar.search.simplicity import simpler_variants, simplest_first
@@ -59,7 +62,7 @@ class RLPlanner(Planner):
     name = "rl"
 
     def __init__(self, policy=None, seed: int = 0, decode: str = "beam", beam: int = BEAM,
-                 refine: bool = True):
+                 refine: bool = True, trades: bool = True):
         super().__init__()
         if decode not in DECODERS:
             raise AutoparError(f"unknown decode {decode!r}; choose one of {list(DECODERS)}")
@@ -67,7 +70,7 @@ class RLPlanner(Planner):
             raise AutoparError(f"the beam width must be at least 1, got {beam}")
         self.actor = load_policy(policy)  # checks the space signature: fail before any search
         self.stale_note = stale_note(self.actor.meta, policy or default_policy_path())
-        self.seed, self.decode, self.beam, self.refine = seed, decode, beam, refine
+        self.seed, self.decode, self.beam, self.refine, self.trades = seed, decode, beam, refine, trades
         self.last_confidence: Confidence | None = None  # of the best plan of the last propose()
         self.confidences: list[Confidence | None] = []  # of every plan of the last propose(), in order
 
@@ -90,8 +93,11 @@ class RLPlanner(Planner):
             res = evaluate(workload, PlanArrays.from_plans(plans, workload.profile))
             times = np.where(res["fits"], res["iteration_time"], np.inf)
             seen: dict = {}
-            for i in starts(plans, times):
-                found = refine(space, decoded[i].prefix, seen=seen)
+            refined = [refine(space, decoded[i].prefix, seen=seen) for i in starts(plans, times)]
+            if refined and self.trades:  # then trades between layouts, from the fastest refined plan
+                complete = policy_completion(self.actor, space, features)
+                refined.append(trade(space, min(refined, key=lambda r: r.time_s), complete, seen=seen))
+            for found in refined:
                 spent += found.evaluations
                 plan = space.plan(found.prefix)
                 if plan not in plans:

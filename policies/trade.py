@@ -1,0 +1,101 @@
+"""Degree trades: the refinement's move between parallel layouts, which one-knob changes cannot make.
+
+Coordinate descent (`policies/refine.py`) changes one decision at a time and keeps the others
+where they are still valid. Between two layouts that is too little: from dp32 x pp10 (ZeRO-2,
+selective recompute, 160 micro-batches of 1) to dp320 x pp1 the micro-batching, ZeRO stage,
+recompute, offload and compile must all change with the degrees, and every plan on the way is
+slower or does not fit. A trade moves a factor from one axis to another with the world size
+kept: one or two explicit degrees change and data parallelism, the derived axis, takes up the
+difference (dp <-> tp, dp <-> pp, dp <-> cp; tp <-> pp with their product kept; or dp32 x tp2 x
+pp8 to dp512 x tp1 x pp1 at once, where neither half alone is faster). The decisions after
+the degrees (a folded axis such as ep among them) are then chosen again by the policy,
+conditioned on the new degrees (greedy decoding from them): the policy was trained to choose
+micro-batching, ZeRO and recompute for whatever degrees it is given. The fastest
+completion that beats the current plan is refined by coordinate descent and becomes the
+current plan; trades repeat from it until none is faster or the evaluation budget is spent.
+Each layout is completed once; every plan the cost model sees is counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from autopar import axes
+from autopar.cost import PlanArrays, evaluate
+from autopar.envs.knobs import PlanSpace
+from autopar.policies.decode import beam_search
+from autopar.policies.refine import GAIN, Refined, refine
+
+Completion = Callable[[tuple], "tuple | None"]  # a layout -> a complete decision sequence (None: none fits)
+MAX_CHANGED = 2  # explicit degrees one trade changes (dp, derived, takes up the difference)
+BUDGET = 20_000  # cost-model evaluations of the trades (completions' masks, refinements): no round starts past it
+
+
+def degree_count(space: PlanSpace) -> int:
+    """How many leading decisions are explicit axis degrees (tp, pp, cp: the layout). A folded
+    axis (ep, a split of dp x cp's ranks) is no part of it: the policy chooses it with the rest."""
+    return next((n for n, name in enumerate(space.names) if name not in axes.AXES), len(space.names))
+
+
+def layouts(space: PlanSpace) -> list[tuple]:
+    """Every layout of the space (the explicit degrees' values), from the choices alone: no plan
+    is evaluated (a layout none of whose plans fits has no completion)."""
+    n = degree_count(space)
+    out, stack = [], [()]
+    while stack:
+        prefix = stack.pop()
+        if len(prefix) == n:
+            out.append(prefix)
+        else:
+            stack.extend(prefix + (v,) for v in space.choices(prefix))
+    return sorted(out)
+
+
+def is_trade(a: tuple, b: tuple) -> bool:
+    """Whether layout b is one trade away from layout a: one or two explicit degrees changed, data
+    parallelism (derived: the world size over the others) taking up the difference, so a factor
+    moves between dp and one axis, between two axes (their product kept), or among dp and two."""
+    return 0 < sum(x != y for x, y in zip(a, b)) <= MAX_CHANGED
+
+
+def policy_completion(actor, space: PlanSpace, features) -> Completion:
+    """The policy's plan for a layout: greedy decoding of the decisions after the degrees (None:
+    no plan of this layout fits)."""
+    def complete(layout: tuple) -> tuple | None:
+        if not space.step(layout).allowed.any():
+            return None
+        return beam_search(actor, space, features, 1, start=layout)[0].prefix
+    return complete
+
+
+def trade(space: PlanSpace, start: Refined, complete: Completion, seen: dict | None = None,
+          budget: int = BUDGET) -> Refined:
+    """From a refined plan: complete every layout one trade away (`complete`: the policy's
+    `policy_completion`), refine the fastest completion when it beats the current plan, and
+    repeat from the result. `seen` is coordinate descent's memo (shared with the planner's other
+    starts). The evaluations counted are the completions' estimates and the refinements' (the
+    masks' are in space.evaluations)."""
+    seen = {} if seen is None else seen
+    best, spent, tried = start, 0, set()
+    n, all_layouts = degree_count(space), layouts(space)
+    masks_before = space.evaluations
+    while np.isfinite(best.time_s) and spent + space.evaluations - masks_before < budget:
+        tried.add(best.prefix[:n])
+        targets = [t for t in all_layouts if t not in tried and is_trade(best.prefix[:n], t)]
+        tried.update(targets)
+        completed = [p for p in map(complete, targets) if p is not None]
+        if not completed:
+            break
+        spent += len(completed)
+        res = evaluate(space.workload, PlanArrays.from_plans([space.plan(p) for p in completed], space.workload.profile),
+                       space.coeffs)
+        times = np.where(res["fits"], res["iteration_time"], np.inf)
+        j = int(np.argmin(times))
+        if not times[j] < best.time_s * (1 - GAIN):
+            break
+        found = refine(space, completed[j], seen=seen)
+        spent += found.evaluations
+        best = Refined(found.prefix, found.time_s, 0)
+    return Refined(best.prefix, best.time_s, spent)
