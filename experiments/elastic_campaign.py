@@ -84,9 +84,12 @@ def _tail(proc: subprocess.Popen, chars: int = 3000) -> str:
 
 
 def _kill(procs) -> None:
+    """Each agent's whole process group (its torchrun workers too, which outlive an agent that died)."""
     for p in procs:
-        if p.poll() is None:
+        try:
             os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         p.wait()
 
 

@@ -30,7 +30,8 @@ from autopar.policies.refine import GAIN, Refined, refine
 
 Completion = Callable[[tuple], "tuple | None"]  # a layout -> a complete decision sequence (None: none fits)
 MAX_CHANGED = 2  # explicit degrees one trade changes (dp, derived, takes up the difference)
-BUDGET = 20_000  # cost-model evaluations of the trades (completions' masks, refinements): no round starts past it
+BUDGET = 20_000  # cost-model evaluations of the trades (completions' masks, refinements): no round starts
+# past it; a round itself is not cut short (one round may complete every layout: up to about 15,000 more)
 
 
 def degree_count(space: PlanSpace) -> int:

@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import prefix_before, workload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,11 +20,10 @@ from autopar.envs.knobs import MAX_ACTIONS, PlanSpace
 from autopar.envs.parallel_plan_env import ParallelPlanEnv
 from autopar.errors import PlanError
 from autopar.explain import explain
-from autopar.knobs import Field, Knob, declare_knob, decisions, undeclare_knob
+from autopar.knobs import Field, Knob, decisions, declare_knob, undeclare_knob
 from autopar.plan import Plan
 from autopar.search import get_planner
 from autopar.search.space import enumerate_plans, sample
-from conftest import prefix_before, workload
 
 XP_SECONDS = 0.01  # per degree of the throwaway axis: the smallest degree that fits is fastest
 XK_SECONDS = 0.005  # the throwaway knob off costs this much

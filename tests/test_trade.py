@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import workload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,6 @@ from autopar.policies.trade import MAX_CHANGED, degree_count, is_trade, layouts,
 from autopar.search import get_planner
 from autopar.search.simplicity import TIE
 from autopar.search.space import enumerate_plans
-from conftest import workload
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_a_trade_reaches_the_oracle_where_coordinate_descent_stops(pcie):
     optimum well short of the oracle; trading the pipeline's factor to data parallelism, with the
     other knobs chosen again for the new layout, reaches it. The completion here is exhaustive
     within the layout (the planner's is the policy's), so the test is of the move itself."""
-    w, space, oracle_s = pcie
+    _, space, oracle_s = pcie
     n = degree_count(space)
     start = space.best_completion(next(t for t in layouts(space) if t[:2] == (1, 2)))
     stuck = refine(space, start)
@@ -48,19 +48,18 @@ def test_a_trade_reaches_the_oracle_where_coordinate_descent_stops(pcie):
     assert space.plan(traded.prefix).pp == 1
 
 
-def test_the_planner_trades_its_way_to_the_oracle():
-    """The held-out workload where the planner without trades stopped at 0.72 of the oracle
-    (dp32 x pp10, ZeRO-2, 160 micro-batches of 1): 320 L40S on PCIe, a 13B GPT. With trades, the
-    default RL planner returns the oracle's plan (dp320, ZeRO-3, full recompute, offload,
-    compiled: every knob changed with the layout), and it reports the trades' evaluations."""
+def test_the_default_planner_reaches_the_oracle_on_the_held_out_320_gpu_workload():
+    """The held-out workload where the search with the policy shipped before the trades stopped at
+    0.72 of the oracle (dp32 x pp10, ZeRO-2, 160 micro-batches of 1): 320 L40S on PCIe, a 13B GPT.
+    The default RL planner returns the oracle's plan (dp320, ZeRO-3, full recompute, offload,
+    compiled: every knob changed with the layout). The policy retrained with the trades decodes it
+    without them too, so this checks the default search on a hard workload; the trade itself is
+    checked by test_a_trade_reaches_the_oracle_where_coordinate_descent_stops."""
     w = workload(cluster="l40s-pcie", nodes=40, global_batch=5120, hidden=4160, heads=52, ffn=20800, layers=65,
                  seq_len=3072, vocab=65024, size="gpt2-small")
     oracle_s = estimate(w, get_planner("exhaustive").propose(w, 1)[0]).iteration_time_s
-    default, no_trades = get_planner("rl"), get_planner("rl", trades=False)
-    plan = default.propose(w, 1)[0]
+    plan = get_planner("rl").propose(w, 1)[0]
     assert oracle_s / estimate(w, plan).iteration_time_s >= 1 - TIE, plan.describe()
-    no_trades.propose(w, 1)
-    assert default.evaluations > no_trades.evaluations
 
 
 def test_a_trade_changes_one_or_two_explicit_degrees(pcie):

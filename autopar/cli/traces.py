@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from autopar.cli.common import DEFAULT_CLUSTER, add_model_flags, parse_model_args, print_json
+from autopar.cli.common import add_model_flags, parse_model_args, print_json
 from autopar.errors import AutoparError
 from autopar.executor.options import RunOptions, add_run_flags
 from autopar.traces.collect import collect

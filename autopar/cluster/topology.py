@@ -101,7 +101,8 @@ class Cluster:
     def describe(self) -> str:
         gpu = self.gpu
         text = (f"{self.name}: {self.nodes} x {self.gpus_per_node} {gpu.name} "
-                f"({gpu.memory_bytes / 1e9:.3g} GB, {gpu.peak_flops['bf16'] / 1e12:.3g} TFLOP/s bf16)")
+                f"({gpu.memory_bytes / 1e9:.3g} GB = {gpu.memory_bytes / 2**30:.4g} GiB, "
+                f"{gpu.peak_flops['bf16'] / 1e12:.3g} TFLOP/s bf16)")
         if self.gpus_per_node > 1:
             node_ring = self.ring(self.gpus_per_node, 1)
             text += f"; node ring {_gb(node_ring.bandwidth)} over {node_ring.kind}"
