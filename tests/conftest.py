@@ -84,3 +84,15 @@ def prefix_before(space, name: str) -> tuple:
         info = space.step(prefix)
         prefix = space.advance(prefix + (info.values[int(np.flatnonzero(info.allowed)[0])],))
     return prefix
+
+
+def assert_exports_degree(plan, label: str, megatron_flag: str, torchtitan_flag: str, degree: int) -> None:
+    """An axis's degree (`label`, e.g. "cp=2") goes to Megatron's and torchtitan's flags; DeepSpeed
+    and accelerate, which cannot express it, name it in their unexpressed line."""
+    from autopar.export import export_plan
+
+    for target, flag in (("megatron", megatron_flag), ("torchtitan", torchtitan_flag)):
+        args = export_plan(plan, target).text.split()
+        assert args[args.index(flag) + 1] == str(degree), target
+    for target in ("deepspeed", "accelerate"):
+        assert label in export_plan(plan, target).unexpressed_line(), target

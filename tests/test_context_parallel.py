@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import free_port, prefix_before, workload
+from conftest import assert_exports_degree, free_port, prefix_before, workload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -169,12 +169,7 @@ def test_the_rl_environment_offers_exactly_the_allowed_cp():
 
 def test_exports_map_cp_or_say_they_cannot():
     plan = Plan(dp=2, tp=2, cp=2, pp=1, micro_batch_size=1, num_micro_batches=4, zero=2)
-    megatron = export_plan(plan, "megatron").text.split()
-    assert megatron[megatron.index("--context-parallel-size") + 1] == "2"
-    titan = export_plan(plan, "torchtitan").text.split()
-    assert titan[titan.index("--parallelism.context_parallel_degree") + 1] == "2"
-    assert "cp=2" in export_plan(plan, "deepspeed").unexpressed_line()
-    assert "cp=2" in export_plan(plan, "accelerate").unexpressed_line()
+    assert_exports_degree(plan, "cp=2", "--context-parallel-size", "--parallelism.context_parallel_degree", 2)
     assert "--context-parallel-size" not in export_plan(Plan(dp=8), "megatron").text
     try:
         from megatron.core import ModelParallelConfig

@@ -13,6 +13,7 @@ import json
 import shlex
 
 import pytest
+from conftest import assert_exports_degree
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -216,11 +217,6 @@ def test_cli_export_bad_plan_is_one_line_exit_2(tmp_path, capsys):
 
 def test_exports_map_ep_or_say_they_cannot():
     plan = Plan(dp=8, ep=4, zero=2, micro_batch_size=1)
-    megatron = export_plan(plan, "megatron").text.split()
-    assert megatron[megatron.index("--expert-model-parallel-size") + 1] == "4"
-    titan = export_plan(plan, "torchtitan").text.split()
-    assert titan[titan.index("--parallelism.expert_parallel_degree") + 1] == "4"
-    assert "ep=4" in export_plan(plan, "deepspeed").unexpressed_line()
-    assert "ep=4" in export_plan(plan, "accelerate").unexpressed_line()
+    assert_exports_degree(plan, "ep=4", "--expert-model-parallel-size", "--parallelism.expert_parallel_degree", 4)
     dense = Plan(dp=8, zero=2, micro_batch_size=1)
     assert "expert" not in export_plan(dense, "megatron").text + export_plan(dense, "torchtitan").text
