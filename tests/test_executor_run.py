@@ -121,6 +121,28 @@ def faulty_model(tmp_path, action: str) -> Path:
     return path
 
 
+def test_a_rank_that_lost_its_peer_is_not_named_even_when_it_ended_first(tmp_path):
+    """Under load the raising rank's teardown can outlast its peer, which raised on the closed
+    connection and ended first: the peer's error (gloo's "Connection closed by peer") is a
+    consequence, so the rank that raised its own error is named (in-process, faked failures)."""
+    import json
+    from types import SimpleNamespace
+
+    from autopar.executor.launch import _failure
+    from autopar.executor.worker import failure_note
+
+    result = tmp_path / "result.json"
+    echo = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:11398."
+    for rank, t, message in ((1, 1.0, "RuntimeError: injected failure on rank 1"), (0, 2.0, echo)):
+        Path(failure_note(result, rank)).write_text(json.dumps({"time": t, "message": message}))
+    raised = SimpleNamespace(signal_name=lambda: "<N/A>", exitcode=1, timestamp=0)
+    err = SimpleNamespace(failures={0: raised, 1: raised})
+    assert _failure(err, result, SimpleNamespace(gone={0: 0, 1: 1})) == (
+        "rank_failed", "rank 1 failed: RuntimeError: injected failure on rank 1")
+    assert _failure(err, result, SimpleNamespace(gone={})) == (
+        "rank_failed", "rank 1 failed: RuntimeError: injected failure on rank 1")
+
+
 @pytest.mark.parametrize("action,shown", [
     ('raise RuntimeError("injected failure on rank 1")', "rank 1 failed: RuntimeError: injected failure on rank 1"),
     ("os.kill(os.getpid(), 9)", "rank 1 failed: killed by SIGKILL"),  # e.g. the OOM killer

@@ -204,6 +204,12 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+# What a rank raises when a peer, not it, failed (gloo's TCP pair, NCCL's remote-error check),
+# lower case: such a rank is never named as the cause while another failed rank is not one.
+PEER_LOSS = ("connection closed by peer", "connection reset by peer", "remote worker crashing",
+             "remote process exited")
+
+
 def _failure(err, result_path: Path, watch: _Watch, oom_kills_before: int | None = None) -> tuple[str, str]:
     """(outcome, message) of the rank whose failure caused the others'.
 
@@ -226,19 +232,25 @@ def _failure(err, result_path: Path, watch: _Watch, oom_kills_before: int | None
     died = {rank: f for rank, f in err.failures.items() if f.signal_name() not in ("<N/A>", "SIGTERM")}
     gone = {rank: t for rank, t in watch.gone.items() if rank in err.failures}
 
+    def lost_peer(r: int) -> bool:
+        """The rank raised because a peer's connection closed: a consequence, whatever the order
+        in which the processes ended (a raising rank's teardown can outlast its peers')."""
+        message = str(notes.get(r, {}).get("message", "")).lower()
+        return any(pattern in message for pattern in PEER_LOSS)
+
     def cause_first(r: int) -> tuple:
         """Ends seen at once: a signal other than the agent's SIGTERM, then an exit without a note
         (os._exit), then a raise (peers raise on the lost connection), then SIGTERM."""
         signal_name = err.failures[r].signal_name()
         kind = 0 if r in died else 3 if signal_name == "SIGTERM" else 2 if r in notes else 1
-        return gone[r], kind, notes.get(r, {}).get("time", 0)
+        return lost_peer(r), gone[r], kind, notes.get(r, {}).get("time", 0)
 
     if gone:
         rank = min(gone, key=cause_first)
     elif died:
         rank = min(died, key=lambda r: died[r].timestamp)
     elif notes:
-        rank = min(notes, key=lambda r: notes[r].get("time", 0))
+        rank = min(notes, key=lambda r: (lost_peer(r), notes[r].get("time", 0)))
     else:
         rank, _ = err.get_first_failure()
     message = own_error(rank)
