@@ -237,8 +237,8 @@ def test_published_moe_rows(published_errors):
     docs/moe-cost.md for what is left)."""
     errors = np.abs(list(published_errors.values()))
     assert len(errors) >= 4
-    assert np.median(errors) <= 0.15, published_errors  # 11.1% today
-    assert errors.max() <= 0.25, published_errors  # 16.2% today (GPT-OSS-20B)
+    assert np.median(errors) <= 0.15, published_errors  # 11.3% today
+    assert errors.max() <= 0.25, published_errors  # 18.6% today (GPT-OSS-20B)
 
 
 def test_published_rows_route_with_the_benchmarks_gate():

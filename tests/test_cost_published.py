@@ -33,6 +33,11 @@ def table_errors(request):
     for row in MEGATRON_TABLE1:
         plan, est = best(*megatron_candidates(row, request.param))
         assert (plan.tp, plan.pp, plan.recompute) == (row.tp, row.pp, "full")
+        assert plan.micro_batch_size == row.micro_batch  # the run script's (examples/sc21/run_table_1.sh)
+        layers = {"1.7b": 24, "3.6b": 30, "7.5b": 36, "18.4b": 40, "39.1b": 48, "76.1b": 60, "145.6b": 80,
+                  "310.1b": 96, "529.6b": 105, "1t": 128}[row.size]  # the paper's Table 1
+        per_stage = row.layers_per_virtual_stage or layers // row.pp
+        assert plan.virtual_stages * plan.pp * per_stage == layers
         errors[f"table1 {row.size}"] = est.hw_tflops_per_gpu / row.tflops_per_gpu - 1
     for row in KORTHIKANTI_TABLE5:
         for selective in (False, True):
@@ -44,11 +49,11 @@ def table_errors(request):
 
 
 def test_megatron_and_korthikanti_rows_both_gpt_files(table_errors):
-    """Every one of the 18 figures within 8%, median within 3.5% (issue 10 asks 3%: see docs/hardware.md
-    for what is left), whichever way the GPT is written."""
+    """Every one of the 18 figures within 8%, median within 3% (issue 10's bounds), whichever way the GPT
+    is written; Table 1 rows as the paper's run script ran them."""
     errors = np.abs(list(table_errors.values()))
     assert errors.max() <= 0.08, table_errors
-    assert np.median(errors) <= 0.035, table_errors
+    assert np.median(errors) <= 0.03, table_errors
 
 
 @pytest.mark.parametrize("row", LLAMA3_TABLE4, ids=lambda r: f"{r.gpus}gpus")

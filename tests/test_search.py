@@ -42,8 +42,8 @@ def test_space_has_no_duplicates_and_only_valid_plans():
 def test_default_planner_beats_megatrons_published_configurations(row):
     """Megatron-LM SC'21 Table 1 (data/published/megatron_sc21_table1.csv) on its own cluster and
     runtime. Rule: the published configuration is the paper's tp and pp with full recompute, no
-    ZeRO, fp32 gradient reduction and 25 MB buckets, the micro-batch and interleaving left to the
-    cost model (`megatron_candidates`, as `experiments/cost_vs_published.py` predicts the row);
+    ZeRO, 16-bit gradient reduction and 25 MB buckets, the micro-batch, interleaving and DDP of its
+    run script (`megatron_candidates`, as `experiments/cost_vs_published.py` predicts the row);
     the plan of `autopar search` (the rl planner's top-8, which never enumerates the space) must be
     at least as fast under the same cost model. Today it is 1.3-1.7x faster (less recompute)."""
     w, published = megatron_candidates(row)
