@@ -75,10 +75,10 @@ def test_every_planner_searches_them(declared):
     assert not res["fits"][space.xp == 1].any() and res["fits"][space.xp == 2].any()
     best = get_planner("exhaustive").propose(w, 1)[0]
     assert best.xp == 2 and best.xk is True  # the smallest degree that fits; the knob on saves time
-    # optuna seed 4: with cp and ep in the study (constant here: two more dimensions for TPE) seeds 0-2 stop short
-    # of the optimum in 60 trials (4-20% slower), seeds 3 and 4 reach it
-    for method, options in (("random", {"trials": 600, "seed": 0}), ("optuna", {"trials": 60, "progress": False,
-                                                                               "seed": 4})):
+    # optuna: TPE on this toy space is seed-dependent; with 100 trials seeds 0-2, 5 and 6 reach the optimum
+    # (measured on the cost model of 3559932; 3 and 7 stop 4% short with the knob on, 4 18% short with it off)
+    for method, options in (("random", {"trials": 600, "seed": 0}), ("optuna", {"trials": 100, "progress": False,
+                                                                               "seed": 0})):
         plans = get_planner(method, **options).propose(w, 3)
         assert all(p.xp >= 2 for p in plans), method  # xp = 1 never fits: only the memory term says so
         assert plans[0].xk is True, method

@@ -87,7 +87,7 @@ def test_search_states_the_headroom_and_the_runners_up_differ(capsys, monkeypatc
     labels = [line.split("│")[2].strip() for line in out.splitlines() if line.startswith("│ ") and "dp" in line
               and line.split("│")[1].strip().isdigit()]
     assert len(labels) == 3 and len(set(labels)) == 3
-    assert "mb 32x2" in out.replace("micro-batch 32x2", "mb 32x2")
+    assert "32x2 (size x count, per data-parallel rank)" in out  # the chosen micro-batching
     assert main(["search", str(ZOO / "gpt.py"), "--memory-headroom", "1.5"]) == 2
     assert "--memory-headroom must be a fraction" in capsys.readouterr().err
 
