@@ -31,13 +31,12 @@ def table_errors(request):
     the bundled GPT's rows only; the SDPA GPT is never fitted)."""
     errors = {}
     for row in MEGATRON_TABLE1:
-        plan, est = best(*megatron_candidates(row, request.param))
+        w, candidates = megatron_candidates(row, request.param)
+        plan, est = best(w, candidates)
         assert (plan.tp, plan.pp, plan.recompute) == (row.tp, row.pp, "full")
         assert plan.micro_batch_size == row.micro_batch  # the run script's (examples/sc21/run_table_1.sh)
-        layers = {"1.7b": 24, "3.6b": 30, "7.5b": 36, "18.4b": 40, "39.1b": 48, "76.1b": 60, "145.6b": 80,
-                  "310.1b": 96, "529.6b": 105, "1t": 128}[row.size]  # the paper's Table 1
-        per_stage = row.layers_per_virtual_stage or layers // row.pp
-        assert plan.virtual_stages * plan.pp * per_stage == layers
+        per_stage = row.layers_per_virtual_stage or w.profile.num_layers // row.pp
+        assert plan.virtual_stages * plan.pp * per_stage == w.profile.num_layers
         errors[f"table1 {row.size}"] = est.hw_tflops_per_gpu / row.tflops_per_gpu - 1
     for row in KORTHIKANTI_TABLE5:
         for selective in (False, True):

@@ -123,7 +123,8 @@ def megatron_candidates(row: MegatronRow, model=ZOO_GPT):
     s = enumerate_plans(w)
     full_all = s.recompute_blocks == np.array([s.splits.entries[i]["layers"].max() for i in s.split])
     chunks = row.layers_per_virtual_stage and w.profile.num_layers // (row.pp * row.layers_per_virtual_stage)
-    sched = (s.schedule == INTERLEAVED) & (s.virtual_stages == chunks) if chunks else (s.schedule != GPIPE) & (s.virtual_stages == 1)
+    sched = ((s.schedule == INTERLEAVED) & (s.virtual_stages == chunks) if chunks
+             else (s.schedule != GPIPE) & (s.virtual_stages == 1))
     mask = ((s.tp == row.tp) & (s.pp == row.pp) & (s.micro_batch_size == row.micro_batch) & sched
             & (s.recompute == FULL) & full_all & (s.zero == 0) & ~s.sequence_parallel
             & (s.grad_comm_dtype == GRAD16) & (s.mesh_order == DEFAULT_ORDER) & (s.bucket_mb == 25.0))
