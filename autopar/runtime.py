@@ -39,11 +39,16 @@ MEGATRON_SWITCHES = {
               "per destination node (forwarded over NVLink to its experts there)",
     "moe_a2a_overlap": "--overlap-moe-expert-parallel-comm: the dispatch and combine all-to-alls of one micro-batch "
                        "run under another micro-batch's compute (1F1B A2A overlap)",
+    "megatron_softmax": "Megatron-LM's unfused attention (baddbmm, FusedScaleMaskSoftmax, dropout, bmm) under a "
+                        "runtime other than megatron, whatever the model file writes: its traffic and saved bytes "
+                        "from the score count, as runtime megatron prices it without flash_attn (the Megatron-DeepSpeed "
+                        "runs vTrain measured)",
     "overlap_p2p_comm": "--overlap-p2p-communication: the interleaved schedule's stage-to-stage sends and "
                         "receives under the next chunk's compute (one per micro-batch stays exposed)",
 }
 NEMO_SWITCHES = ("flash_attn", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")  # dense recipes'
 MOE_SWITCHES = ("deepep", "moe_a2a_overlap")  # MoE only; allowed under the torch runtime too
+ANY_RUNTIME = (*MOE_SWITCHES, "megatron_softmax")  # switches that name kernels, not Megatron-Core's scheduling
 
 
 def check_runtime(runtime: str, switches) -> tuple[str, ...]:
@@ -55,7 +60,9 @@ def check_runtime(runtime: str, switches) -> tuple[str, ...]:
     if unknown:
         raise AutoparError(f"unknown Megatron switch(es) {', '.join(unknown)}; use any of "
                            f"{', '.join(MEGATRON_SWITCHES)}")
-    megatron_only = [o for o in switches if o not in MOE_SWITCHES]  # DeepEP also serves torch (AutoModel)
+    megatron_only = [o for o in switches if o not in ANY_RUNTIME]  # DeepEP also serves torch (AutoModel)
+    if {"flash_attn", "megatron_softmax"} <= set(switches):
+        raise AutoparError("flash_attn and megatron_softmax name two different attention kernels; give one")
     if megatron_only and runtime != "megatron":
         raise AutoparError(f"{', '.join(megatron_only)}: Megatron-Core switches need runtime 'megatron' "
                            "(the torch runtime overlaps as DDP and FSDP2 do)")

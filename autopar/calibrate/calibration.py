@@ -85,7 +85,9 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
                            + (f" ({len(problems)} malformed line(s): {first})" if problems else " (empty)"))
     say(f"{len(records)} trace records; profiling their models")
     ds = build_dataset(records, base, sources, models)
-    start = Coefficients.from_dict(base.coefficients)
+    # the coefficients the cost model uses on this cluster under the traces' runtime: the GPU type's
+    # fit (docs/hardware.md) under the cluster's own; what the rows cannot identify keeps these
+    start = Coefficients.for_cluster(base, ds.groups[0].workload.runtime if ds.groups else "torch")
 
     collectives, fixed = None, []
     if allreduce:

@@ -160,18 +160,22 @@ def build_dataset(records, cluster, sources: list[str] | None = None, models=Non
         if size not in clusters:
             clusters[size] = base.with_nodes(*size)
         batch = int(record.workload["global_batch"])
-        workload = Workload(profiles[key], clusters[size], batch)
+        # what ran the plan (autopar.runtime): records without these keys ran autopar's executor
+        runtime, switches = record.workload.get("runtime", "torch"), record.workload.get("switches") or ()
+        switches = (switches,) if isinstance(switches, str) else tuple(map(str, switches))
         try:
+            workload = Workload(profiles[key], clusters[size], batch, runtime=str(runtime), switches=switches)
             plan.validate(workload)
         except AutoparError as e:
             raise AutoparError(f"{source}: {e}") from None
         seconds = float(record.measured["median_step_s"])
-        run = key + size + (batch, json.dumps(record.plan, sort_keys=True))
+        run = key + size + (workload.runtime, workload.switches, batch, json.dumps(record.plan, sort_keys=True))
         if run in rows_of:  # the same plan measured again: one row, the median of its runs
             samples[rows_of[run]].append(seconds)
             continue
         rows_of[run] = len(samples)
-        bucket = buckets.setdefault(key + size, {"workload": workload, "plans": [], "rows": []})
+        bucket = buckets.setdefault(key + size + (workload.runtime, workload.switches),
+                                    {"workload": workload, "plans": [], "rows": []})
         bucket["plans"].append(plan)
         bucket["rows"].append(len(samples))
         samples.append([seconds])

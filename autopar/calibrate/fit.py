@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.cost.coefficients import Coefficients
+from autopar.cost.coefficients import FITTED_BOUNDS, Coefficients, gpu_calibration
 from autopar.errors import AutoparError
 
 ROWS_PER_PARAMETER = 2  # a fit needs at least this many rows per fitted coefficient
@@ -42,7 +42,9 @@ PARAMS = {p.name: p for p in (
     Param("gemm_efficiency", 0.2, 1.0, help="fraction of peak FLOP/s a large GEMM reaches"),
     Param("gemm_half_flops", 1e6, 1e13, log=True, help="per-GPU forward FLOPs of a block at which efficiency halves"),
     Param("hbm_efficiency", 0.1, 1.0, help="fraction of HBM bandwidth streaming kernels reach"),
-    Param("elementwise_traffic", 0.02, 4.0, log=True, help="HBM bytes per profiled elementwise byte"),
+    # a fused kernel still reads its inputs and writes its outputs: the GPU types' physical floor
+    Param("elementwise_traffic", FITTED_BOUNDS["elementwise_traffic"][0], 4.0, log=True,
+          help="HBM bytes per profiled elementwise byte"),
     Param("latency_scale", 0.05, 100.0, log=True, help="multiplies the per-hop latency of collectives"),
     Param("dp_overlap", 0.0, 1.0, help="fraction of backward compute hiding data-parallel communication"),
     Param("step_overhead_s", 1e-5, 30.0, log=True, help="fixed seconds per iteration", start=1e-3),
@@ -67,6 +69,16 @@ def param(name: str) -> Param:
         return Param(name, *LINK_BOUNDS, help=f"fraction of the {name.split('.', 1)[1]} link rate reached")
     known = sorted(PARAMS) + ["link_efficiency.<kind>"]
     raise AutoparError(f"unknown coefficient {name!r}; fittable: {', '.join(known)}")
+
+
+def _bounded(p: Param, dataset) -> Param:
+    """`p` with the GEMM efficiency kept below the measured maximum achievable matmul FLOP/s of the
+    rows' GPU type (`GpuCalibration.gemm_ceiling`, docs/hardware.md): no GEMM beats it."""
+    cluster = getattr(dataset, "base_cluster", None)
+    ceiling = gpu_calibration(cluster.gpu.name).gemm_ceiling if cluster is not None else None
+    if p.name == "gemm_efficiency" and ceiling:
+        return dataclasses.replace(p, hi=min(p.hi, ceiling))
+    return p
 
 
 def get_value(c: Coefficients, name: str) -> float:
@@ -178,7 +190,7 @@ def fit(dataset, start: Coefficients | None = None, names: list[str] | None = No
 
     start = start or Coefficients()
     names = list(names) if names is not None else default_parameters(dataset, start, rows=len(dataset))
-    params = [param(n) for n in names]
+    params = [_bounded(param(n), dataset) for n in names]
     need = needed_rows(len(params))
     if len(dataset) < need:
         raise AutoparError(f"too few measured rows to calibrate: {len(dataset)} usable row(s), but fitting "

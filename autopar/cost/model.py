@@ -90,9 +90,11 @@ def _attention_as_run(k: dict[str, np.ndarray], workload, c: Coefficients) -> di
     (forward FLOPs of attention run by a fused kernel, whose backward recomputes the scores).
     torch runs the model file's own ops. Megatron-Core runs its own attention whatever the file
     writes: the file's core (traffic, saved bytes) is replaced by Megatron's, from the score count
-    alone: none with flash attention, MEGATRON_SOFTMAX_* bytes per score without."""
+    alone: none with flash attention, MEGATRON_SOFTMAX_* bytes per score without; the same core
+    under another runtime with the `megatron_softmax` switch (Megatron-DeepSpeed's runs)."""
     k = dict(k)
-    if workload.runtime != "megatron":
+    megatron = workload.runtime == "megatron"
+    if not megatron and "megatron_softmax" not in workload.switches:
         k["fused_attn_flops"] = k["attn_flops"] - k["attn_core_flops"]
         return k
     flash = "flash_attn" in workload.switches
@@ -102,7 +104,8 @@ def _attention_as_run(k: dict[str, np.ndarray], workload, c: Coefficients) -> di
     # not); Megatron's 13 bytes per score are already HBM bytes of its fused kernels: undo that scale once
     core_io = np.zeros_like(scores) if flash else MEGATRON_SOFTMAX_IO_BYTES / c.elementwise_traffic * scores
     core_saved = np.zeros_like(scores) if flash else MEGATRON_SOFTMAX_SAVED_BYTES * scores
-    layer_io = megatron_layer_io(profile)  # Megatron's own fused layer, not the file's ops (cost/fused.py)
+    # Megatron-Core's own fused layer, not the file's ops (cost/fused.py); the switch replaces the core only
+    layer_io = megatron_layer_io(profile) if megatron else None
     outside_core = k["io_bytes"] - k["attn_core_io_bytes"]
     if layer_io is not None:
         outside_core = np.where(k["is_layer"] > 0, layer_io * DTYPE_BYTES[profile.dtype] / 2, outside_core)

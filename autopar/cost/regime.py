@@ -53,8 +53,9 @@ def regime_note(workload, plan, est=None) -> str:
 
 def attention_fused(workload) -> bool:
     """Whether the workload's attention runs as a fused (flash) kernel: Megatron-Core's with its
-    flash_attn switch, else (torch) the model file's own, when it keeps no seq x seq tensor."""
-    if workload.runtime == "megatron":
+    flash_attn switch (Megatron-LM's unfused one under the megatron_softmax switch), else (torch)
+    the model file's own, when it keeps no seq x seq tensor."""
+    if workload.runtime == "megatron" or "megatron_softmax" in workload.switches:
         return "flash_attn" in workload.switches
     layers = workload.profile.layers
     return all(b.attn_core_bytes == 0 for b in layers) and any(b.attn_flops > 0 for b in layers)

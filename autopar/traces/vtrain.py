@@ -50,6 +50,9 @@ FRAMEWORK = "Megatron-DeepSpeed (measured by vTrain, MICRO 2024)"
 # DGX A100 nodes with 4 x HDR (800 Gb/s) per node, as vTrain's configurations give its cluster
 # (autopar/cluster/presets.py)
 CLUSTER = "vtrain-a100"
+# Megatron-DeepSpeed's attention (baddbmm, FusedScaleMaskSoftmax, dropout, bmm: vTrain's
+# src/model/gpt_modeling.py mirrors it), whatever the model file writes (autopar/runtime.py)
+SWITCHES = ("megatron_softmax",)
 
 # CSV header -> field; the multi-node file adds "Parameters (billion)"
 COLUMNS = {
@@ -194,7 +197,7 @@ def import_vtrain(path, cluster: str = CLUSTER, vocab: int = VOCAB, precision: s
             profiles[row.shape] = profile_model(MODEL_FILE, row.model_args(vocab), dtype=precision)
         plan = row.plan(precision, zero, vocab)
         nodes, gpn = _cluster_size(base.gpus_per_node, row.gpus)
-        workload = Workload(profiles[row.shape], base.with_nodes(nodes, gpn), row.global_batch)
+        workload = Workload(profiles[row.shape], base.with_nodes(nodes, gpn), row.global_batch, switches=SWITCHES)
         try:
             plan.validate(workload)
         except AutoparError as e:
@@ -225,7 +228,8 @@ def import_vtrain(path, cluster: str = CLUSTER, vocab: int = VOCAB, precision: s
                      "backend": "nccl"},
             model={"name": "megatron_gpt", "path": MODEL, "args": args, "digest": model_digest(MODEL_FILE, args),
                    "dims": dict(profile.dims), "params": profile.params},
-            workload={"global_batch": row.global_batch, "seq_len": row.seq_len},
+            workload={"global_batch": row.global_batch, "seq_len": row.seq_len, "runtime": workload.runtime,
+                      "switches": list(workload.switches)},
             plan=plan.to_dict(),
             outcome="ok",
             measured={"step_times_s": [], "median_step_s": seconds,
