@@ -18,6 +18,7 @@ from autopar.calibrate.folds import group_holdout, group_kfold
 from autopar.cli import main
 from autopar.cluster import load_cluster
 from autopar.cost import Coefficients, PlanArrays, evaluate
+from autopar.cost.coefficients import FITTED_BOUNDS, gpu_calibration
 from autopar.cost.model import TIME_PARTS
 from autopar.errors import AutoparError
 from autopar.plan import Plan
@@ -259,15 +260,17 @@ def test_vtrain_single_node_cv_and_multi_node_transfer(tmp_path):
     result = calibrate([single], VTRAIN_CLUSTER, folds=5, evaluate=[multi], allreduce=tables)
     v = result.validation
     assert v["rows"] == 1440 and len(v["folds"]) == 5
-    assert v["mape"] <= 0.08 and v["spearman"] >= 0.95, (v["mape"], v["spearman"])
+    # 6.68% (the issue asks 6%: not met, docs/hardware.md "vTrain" says what was tried)
+    assert v["mape"] <= 0.07 and v["spearman"] >= 0.95, (v["mape"], v["spearman"])
     m = result.evaluations[str(multi)]
-    # on vTrain's 800 Gb/s per node (preset vtrain-a100) 10.4%; on a DGX A100's 1,600 Gb/s it was 11.75%
-    assert m["rows"] == 108 and m["mape"] <= 0.11, m["mape"]  # 109 runs: one plan ran twice (one row, the median)
+    # 9.08% with Megatron-DeepSpeed's attention (switch megatron_softmax); 10.40% with the file's eager ops
+    assert m["rows"] == 108 and m["mape"] <= 0.10, m["mape"]  # 109 runs: one plan ran twice (one row, the median)
     ratios = {g["group"].split(" on ")[0]: g["ratio"] for g in m["groups"]}
     assert len(ratios) == 4 and max(ratios.values()) <= 1.05, ratios
     # the fitted cluster keeps the datasheet rates: efficiencies are fractions of them
     c = Coefficients.from_dict(result.cluster.coefficients)
-    assert 0 < c.link("nvlink") <= 1 and 0 < c.gemm_efficiency <= 1
+    assert 0 < c.link("nvlink") <= 1 and 0 < c.gemm_efficiency <= gpu_calibration("A100-SXM4-80GB").gemm_ceiling
+    assert c.elementwise_traffic >= FITTED_BOUNDS["elementwise_traffic"][0]  # fused kernels still move their bytes
     print(f"vTrain: single-node 5-fold MAPE {v['mape']:.2%} Spearman {v['spearman']:.3f}; multi-node MAPE "
           f"{m['mape']:.2%}; picks {ratios}; {time.perf_counter() - started:.0f} s")
 
@@ -298,3 +301,19 @@ def test_repeated_runs_of_a_plan_make_one_row_at_their_median():
     ds = build_dataset(records + again, "dgx-a100-80g")
     assert len(ds) == 4 and [label["runs"] for label in ds.labels] == [1, 3, 1, 1]
     assert ds.measured[1] == pytest.approx(records[1].measured["median_step_s"])  # median of 1, 1.5, 0.9
+
+
+def test_records_say_what_ran_them():
+    """A record's workload names its runtime and switches (vTrain's: Megatron's attention); the
+    dataset prices it so, a plan run under other switches is another row, and a switch autopar does
+    not know is one line naming the record. Records without the keys ran autopar's executor."""
+    records = _synthetic_records(TRUE)[:2]
+    switched = [dataclasses.replace(r, workload={**r.workload, "switches": ["megatron_softmax"]}) for r in records]
+    ds = build_dataset(records + switched, "dgx-a100-80g")
+    assert len(ds) == 4 and sorted(g.workload.switches for g in ds.groups) == [(), ("megatron_softmax",)]
+    assert all(g.workload.runtime == "torch" for g in ds.groups)
+    pred = ds.predict(TRUE)
+    assert not np.allclose(pred[:2], pred[2:])  # the attention core priced as Megatron runs it
+    bad = dataclasses.replace(records[0], workload={**records[0].workload, "switches": ["warp_drive"]})
+    with pytest.raises(AutoparError, match="record 1: unknown Megatron switch"):
+        build_dataset([bad], "dgx-a100-80g")

@@ -12,7 +12,7 @@ from autopar.cluster import load_cluster
 from autopar.cluster.presets import SELENE_IB_EFFICIENCY
 from autopar.cost import Coefficients, estimate
 from autopar.cost.coefficients import GPU_CALIBRATION, FITTED_BOUNDS, GpuCalibration, gpu_calibration
-from autopar.cost.regime import regime_note
+from autopar.cost.regime import attention_fused, regime_note
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.profile import profile_model
@@ -174,3 +174,32 @@ def test_flash_attention_is_held_to_the_best_published_flash_run():
     assert "above the best published on A100-SXM4-80GB with flash attention (72.0%)" in note
     sdpa = Workload(profile_model(MODELS / "gpt_sdpa.py", {"size": "1.7b"}), load_cluster("dgx-a100-80g", nodes=1), 16)
     assert "flash attention (72.0%)" in regime_note(sdpa, TP_PLAN, at(0.75))  # torch runs the file's SDPA: flash
+
+
+def test_megatron_softmax_prices_megatrons_attention_core_under_torch():
+    """vTrain's Megatron-DeepSpeed runs: the `megatron_softmax` switch prices the attention core as
+    Megatron-LM runs it (baddbmm, fused scale-mask-softmax, dropout, bmm) whatever the file writes,
+    under the torch runtime too: the bundled GPT (explicit softmax) and gpt_sdpa.py (SDPA, a flash
+    kernel under plain torch) then cost the same, as they do under runtime megatron; without the
+    switch the flash file is faster. The rest of the layer stays the file's (torch, not Megatron-Core)."""
+    cluster = load_cluster("dgx-a100-80g", nodes=1)
+    files = {"bundled": profile("gpt", size="1.7b"), "sdpa": profile_model(MODELS / "gpt_sdpa.py", {"size": "1.7b"})}
+    plan = Plan(dp=1, tp=8, pp=1, micro_batch_size=1, num_micro_batches=16, recompute="none")
+
+    def compute(prof, **kw):
+        return estimate(Workload(prof, cluster, 16, **kw), plan).breakdown["compute"]
+
+    plain = {k: compute(p) for k, p in files.items()}
+    switched = {k: compute(p, switches=("megatron_softmax",)) for k, p in files.items()}
+    assert plain["sdpa"] < 0.9 * plain["bundled"]  # torch runs the SDPA file as a flash kernel
+    assert switched["sdpa"] == pytest.approx(switched["bundled"], rel=0.03)
+    assert switched["sdpa"] > plain["sdpa"]  # the switch puts the seq x seq traffic back
+    # the best published MFU it is held to is the unfused one (56.3% on A100), not flash attention's
+    assert attention_fused(Workload(files["sdpa"], cluster, 16))
+    assert not attention_fused(Workload(files["sdpa"], cluster, 16, switches=("megatron_softmax",)))
+
+
+def test_megatron_softmax_and_flash_attn_are_two_kernels():
+    with pytest.raises(AutoparError, match="two different attention kernels"):
+        _workload("megatron", switches=("flash_attn", "megatron_softmax"))
+    assert _workload("torch", switches=("megatron_softmax",)).switches == ("megatron_softmax",)
