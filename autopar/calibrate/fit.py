@@ -74,11 +74,10 @@ def param(name: str) -> Param:
 def _bounded(p: Param, dataset) -> Param:
     """`p` with the GEMM efficiency kept below the measured maximum achievable matmul FLOP/s of the
     rows' GPU type (`GpuCalibration.gemm_ceiling`, docs/hardware.md): no GEMM beats it."""
-    cluster = getattr(dataset, "base_cluster", None)
-    ceiling = gpu_calibration(cluster.gpu.name).gemm_ceiling if cluster is not None else None
-    if p.name == "gemm_efficiency" and ceiling:
-        return dataclasses.replace(p, hi=min(p.hi, ceiling))
-    return p
+    if p.name != "gemm_efficiency" or dataset.base_cluster is None:
+        return p
+    ceiling = gpu_calibration(dataset.base_cluster.gpu.name).gemm_ceiling
+    return dataclasses.replace(p, hi=min(p.hi, ceiling)) if ceiling else p
 
 
 def get_value(c: Coefficients, name: str) -> float:
