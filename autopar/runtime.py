@@ -43,12 +43,16 @@ MEGATRON_SWITCHES = {
                         "runtime other than megatron, whatever the model file writes: its traffic and saved bytes "
                         "from the score count, as runtime megatron prices it without flash_attn (the Megatron-DeepSpeed "
                         "runs vTrain measured)",
+    "megatron_cross_entropy": "Megatron-LM's vocab-parallel cross-entropy on fp32 logits (output.float(), max, "
+                              "exp, sum, divide: unfused passes over the logits) instead of the file's loss, under any "
+                              "runtime (the Megatron-DeepSpeed runs vTrain measured)",
     "overlap_p2p_comm": "--overlap-p2p-communication: the interleaved schedule's stage-to-stage sends and "
                         "receives under the next chunk's compute (one per micro-batch stays exposed)",
 }
 NEMO_SWITCHES = ("flash_attn", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")  # dense recipes'
 MOE_SWITCHES = ("deepep", "moe_a2a_overlap")  # MoE only; allowed under the torch runtime too
-ANY_RUNTIME = (*MOE_SWITCHES, "megatron_softmax")  # switches that name kernels, not Megatron-Core's scheduling
+ANY_RUNTIME = (*MOE_SWITCHES, "megatron_softmax", "megatron_cross_entropy")  # switches that name kernels,
+# not Megatron-Core's scheduling
 
 
 def check_runtime(runtime: str, switches) -> tuple[str, ...]:

@@ -260,10 +260,12 @@ def test_vtrain_single_node_cv_and_multi_node_transfer(tmp_path):
     result = calibrate([single], VTRAIN_CLUSTER, folds=5, evaluate=[multi], allreduce=tables)
     v = result.validation
     assert v["rows"] == 1440 and len(v["folds"]) == 5
-    # 6.68% (the issue asks 6%: not met, docs/hardware.md "vTrain" says what was tried)
-    assert v["mape"] <= 0.07 and v["spearman"] >= 0.95, (v["mape"], v["spearman"])
+    # 6.20% (the issue asks 6%: not met, docs/hardware.md "vTrain" says what was tried); 6.68% without
+    # Megatron's softmax fallback and fp32 loss (switch megatron_cross_entropy)
+    assert v["mape"] <= 0.065 and v["spearman"] >= 0.95, (v["mape"], v["spearman"])
     m = result.evaluations[str(multi)]
-    # 9.08% with Megatron-DeepSpeed's attention (switch megatron_softmax); 10.40% with the file's eager ops
+    # 9.47% with Megatron-DeepSpeed's attention and loss (switches megatron_softmax, megatron_cross_entropy);
+    # 10.40% with the file's eager ops
     assert m["rows"] == 108 and m["mape"] <= 0.10, m["mape"]  # 109 runs: one plan ran twice (one row, the median)
     ratios = {g["group"].split(" on ")[0]: g["ratio"] for g in m["groups"]}
     assert len(ratios) == 4 and max(ratios.values()) <= 1.05, ratios

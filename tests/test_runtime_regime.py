@@ -203,3 +203,86 @@ def test_megatron_softmax_and_flash_attn_are_two_kernels():
     with pytest.raises(AutoparError, match="two different attention kernels"):
         _workload("megatron", switches=("flash_attn", "megatron_softmax"))
     assert _workload("torch", switches=("megatron_softmax",)).switches == ("megatron_softmax",)
+
+
+# -- Megatron's eager paths: the softmax fallback and the fp32 vocab-parallel loss ----------------------
+def _megatron_gpt(hidden=1024, layers=4):
+    from autopar.traces.vtrain import MODEL_FILE, VOCAB
+
+    return profile_model(MODEL_FILE, {"hidden": hidden, "heads": 16, "layers": layers, "vocab": VOCAB,
+                                      "seq_len": 1024}, dtype="fp16")
+
+
+def _vtrain_estimate(prof, plan, switches=("megatron_softmax",), coefficients=None):
+    cluster = load_cluster("vtrain-a100", nodes=1)
+    if coefficients is not None:
+        cluster = dataclasses.replace(cluster, coefficients=coefficients.to_dict())
+    return estimate(Workload(prof, cluster, plan.dp * plan.micro_batch_size * plan.num_micro_batches,
+                             switches=switches), plan)
+
+
+def test_megatron_softmax_falls_back_exactly_when_attention_batches_are_not_a_multiple_of_4(monkeypatch):
+    """Megatron's fused scale-mask-softmax needs micro-batch x heads per rank to be a multiple of 4;
+    otherwise its torch path makes 32 more HBM bytes per score in forward and 34 in backward. With 16
+    heads that is tp 8 at micro-batch 1 (2 batches) and nothing else among tp 1-8, micro-batch 1-4;
+    the extra compute is exactly those bytes at the HBM rate."""
+    from autopar.cost import softmax_fallback
+
+    prof = _megatron_gpt()
+    hbm = load_cluster("vtrain-a100", nodes=1).gpu.hbm_bytes_per_s * Coefficients().hbm_efficiency
+    scores = prof.layers[0].attn_scores * prof.layers[0].count
+    for tp in (1, 2, 4, 8):
+        for mb in (1, 2, 4):
+            plan = Plan(dp=8 // tp, tp=tp, pp=1, micro_batch_size=mb, num_micro_batches=1, precision="fp16")
+            with_fb = _vtrain_estimate(prof, plan).breakdown["compute"]
+            monkeypatch.setattr(softmax_fallback, "FALLBACK_IO_BYTES", (0.0, 0.0))
+            without = _vtrain_estimate(prof, plan).breakdown["compute"]
+            monkeypatch.undo()
+            expected = 66.0 * mb * scores / tp / hbm if (tp, mb) == (8, 1) else 0.0
+            assert with_fb - without == pytest.approx(expected, rel=1e-9, abs=1e-12), (tp, mb)
+    # runtime megatron's unfused core falls back the same way; flash attention never does
+    plan = Plan(dp=1, tp=8, pp=1, micro_batch_size=1, num_micro_batches=1, precision="fp16")
+    mega = lambda sw: Workload(prof, load_cluster("vtrain-a100", nodes=1), 1, runtime="megatron", switches=sw)  # noqa: E731
+    assert softmax_fallback.fallback(mega(()), [1], [8], [True]).tolist() == [[1.0]]
+    assert softmax_fallback.fallback(mega(("flash_attn",)), [1], [8], [True]).tolist() == [[0.0]]
+    assert softmax_fallback.fallback(mega(()), [1], [8], [False]).tolist() == [[0.0]]  # fp32: no kernel at all
+
+
+def test_megatron_softmax_fallback_adds_its_launches_to_the_host_time():
+    """On a calibrated cluster (host time priced), the fallback's 4 extra operations per layer pass
+    over a layer's 18 add that share of a layer's host time; with host_overlap 1 (host and GPU add
+    up) the overhead shows it exactly."""
+    from autopar.cost import softmax_fallback
+
+    prof = _megatron_gpt(layers=4)
+    c = dataclasses.replace(Coefficients(), block_host_s=1e-3, host_overlap=1.0, step_overhead_s=0.0)
+    over = {mb: _vtrain_estimate(prof, Plan(dp=1, tp=8, pp=1, micro_batch_size=mb, num_micro_batches=1,
+                                            precision="fp16"), coefficients=c).breakdown["overhead"]
+            for mb in (1, 2)}
+    blocks = 4 + 2  # layers, embedding and head: 3 passes each (forward, backward's two), no recompute
+    assert over[2] == pytest.approx(3 * blocks * 1e-3, rel=1e-9)
+    share = softmax_fallback.FALLBACK_EXTRA_OPS / softmax_fallback.FUSED_LAYER_OPS
+    assert over[1] - over[2] == pytest.approx(3 * 4 * 1e-3 * share, rel=1e-9)
+
+
+def test_megatron_cross_entropy_is_priced_from_the_logits_not_the_files_loss():
+    """The `megatron_cross_entropy` switch prices the loss as Megatron runs it (fp32, unfused: 38 HBM
+    bytes per logit forward, 14 backward, sharded by tp over the vocabulary) and drops the file's own
+    head traffic: a file whose loss moved ten times the bytes costs the same under the switch."""
+    from autopar.cost.cross_entropy import CROSS_ENTROPY_BYTES
+
+    prof = _megatron_gpt()
+    heavy = dataclasses.replace(prof, blocks=(*prof.blocks[:-1],
+                                              dataclasses.replace(prof.blocks[-1], io_bytes=10 * prof.blocks[-1].io_bytes)))
+    silent = dataclasses.replace(prof, blocks=(*prof.blocks[:-1], dataclasses.replace(prof.blocks[-1], io_bytes=0.0)))
+    hbm = load_cluster("vtrain-a100", nodes=1).gpu.hbm_bytes_per_s * Coefficients().hbm_efficiency
+    on = ("megatron_cross_entropy", "megatron_softmax")
+    for tp, mb in ((1, 1), (2, 4), (8, 2)):
+        plan = Plan(dp=8 // tp, tp=tp, pp=1, micro_batch_size=mb, num_micro_batches=1, precision="fp16")
+        compute = lambda p, sw: _vtrain_estimate(p, plan, switches=sw).breakdown["compute"]  # noqa: E731
+        assert compute(heavy, on) == pytest.approx(compute(prof, on), rel=1e-12)
+        assert compute(heavy, on[1:]) > compute(prof, on[1:])
+        logits = mb * 1024 * prof.dims["vocab"] / tp
+        added = sum(CROSS_ENTROPY_BYTES) * logits / hbm
+        assert compute(silent, on) - compute(silent, on[1:]) == pytest.approx(added, rel=1e-9)
+    assert _workload("torch", ("megatron_cross_entropy",)).switches == ("megatron_cross_entropy",)

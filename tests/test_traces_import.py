@@ -45,8 +45,9 @@ def test_import_builds_megatron_plans(tmp_path):
     assert r.cluster == {"name": "dgx-a100-80g", "nodes": 1, "gpus_per_node": 2, "gpu": "A100-SXM4-80GB",
                          "backend": "nccl"}
     assert r.model["args"] == {"hidden": 256, "heads": 4, "layers": 4, "vocab": 51200, "seq_len": 128}
-    # Megatron-DeepSpeed ran it: Megatron's attention kernels, not the model file's eager softmax
-    assert r.workload == {"global_batch": 8, "seq_len": 128, "runtime": "torch", "switches": ["megatron_softmax"]}
+    # Megatron-DeepSpeed ran it: Megatron's attention kernels and fp32 loss, not the model file's eager ops
+    assert r.workload == {"global_batch": 8, "seq_len": 128, "runtime": "torch",
+                          "switches": ["megatron_cross_entropy", "megatron_softmax"]}
     p = r.plan
     assert (p["dp"], p["tp"], p["pp"], p["micro_batch_size"], p["num_micro_batches"]) == (1, 1, 2, 2, 4)
     assert (p["recompute"], p["recompute_blocks"], p["schedule"], p["precision"], p["zero"]) == \

@@ -21,7 +21,9 @@ runs as the model file writes it and DDP / FSDP hide `dp_overlap` of backward's 
 ``megatron`` attention is Megatron's own whatever the file writes (its unfused softmax priced from
 the score count, or with `flash_attn` a flash kernel whose backward recomputes the scores), the
 pipeline's boundary activations travel scattered over the tensor-parallel ranks, and each overlap
-switch the workload turns on hides its collective as Megatron-Core schedules it.
+switch the workload turns on hides its collective as Megatron-Core schedules it. Megatron's eager
+paths are priced where they run: its torch softmax where the fused kernel cannot
+(cost/softmax_fallback.py), its fp32 vocabulary-parallel loss under a switch (cost/cross_entropy.py).
 What each overlap hid is returned as `hidden_tp_comm` and `hidden_dp_comm`.
 
 Shapes: N plans; K block kinds of the profile (embed, layer kinds, head); J representative
@@ -37,6 +39,7 @@ from autopar.cost.arrays import PlanArrays, mesh_order_of, unique_rows
 from autopar.cost.coefficients import Coefficients
 from autopar.cost.collectives import all_gather_time, all_reduce_time
 from autopar.cost import moe
+from autopar.cost import cross_entropy, softmax_fallback
 from autopar.cost import precision as fp8
 from autopar.cost.fused import megatron_layer_io
 from autopar.cost.context_parallel import gradient_group_size, sequence_share
@@ -150,6 +153,8 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     recompute, sequence parallel, precision and mesh order."""
     profile, cluster = workload.profile, workload.cluster
     k = moe.dispatch_as_run(_attention_as_run(_kind_arrays(profile), workload, c), workload)
+    if cross_entropy.applies(workload):  # the loss is priced from the logit count (cost/cross_entropy.py)
+        k["io_bytes"] = np.where(np.arange(len(k["io_bytes"])) == len(k["io_bytes"]) - 1, 0.0, k["io_bytes"])
     tp_overlap = "tp_comm_overlap" in workload.switches
     col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (G,) -> (G, 1)
 
@@ -177,6 +182,16 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     compute_f = flops_f * scale["gemm"] / rate + io_f + scale["cast_f"]
     # a fused attention backward recomputes q·kᵀ: half its forward FLOPs again
     compute_b = (flops_b * scale["gemm"] + 0.5 * b * k["fused_attn_flops"] / t) / rate + 2 * io_f + scale["cast_b"]
+    # Megatron's torch softmax where its fused kernel cannot run: more HBM passes over the scores
+    hbm_raw = cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency  # HBM bytes counted as such, not profiled ones
+    sixteen_bit = np.array([storage_dtype(p) in ("bf16", "fp16") for p in PRECISIONS])[g.precision]
+    unfused = softmax_fallback.fallback(workload, g.micro_batch_size, g.tp, sixteen_bit)
+    score_io = unfused * b * k["attn_scores"] / t / hbm_raw
+    compute_f = compute_f + softmax_fallback.FALLBACK_IO_BYTES[0] * score_io
+    compute_b = compute_b + softmax_fallback.FALLBACK_IO_BYTES[1] * score_io
+    if cross_entropy.applies(workload):  # Megatron's fp32 loss instead of the file's (head io zeroed above)
+        loss_f, loss_b = cross_entropy.head_times(workload, b, t, hbm_raw, compute_f.shape[1])
+        compute_f, compute_b = compute_f + loss_f, compute_b + loss_b
     routed = moe.pipeline_terms(workload, g, c, b, sp_div, col(PRECISION_BYTES[g.precision]), peak)
     compute_f, compute_b = compute_f + routed["expert_f"], compute_b + routed["expert_b"]
     if tp_overlap:  # TE userbuffers: each pass's collective in t chunks under that pass's GEMMs
@@ -225,6 +240,9 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
         replayed = np.where(mode == SELECTIVE, n_layers, ckpt_frac * n_layers)
         checkpointing = np.where(mode == SELECTIVE, c.selective_host_s, 0.0) * n_layers
         host_mb = per_pass * (3 * counts.sum(axis=2) + replayed) + checkpointing
+        # the torch softmax's extra operations, in every pass of every layer
+        host_mb = host_mb + (unfused * per_pass * (3 * n_layers + replayed)
+                             * softmax_fallback.FALLBACK_EXTRA_OPS / softmax_fallback.FUSED_LAYER_OPS)
         per_mb = _norm(gpu_mb, host_mb, c.host_overlap)
     else:
         per_mb = gpu_mb

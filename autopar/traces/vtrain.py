@@ -51,8 +51,9 @@ FRAMEWORK = "Megatron-DeepSpeed (measured by vTrain, MICRO 2024)"
 # (autopar/cluster/presets.py)
 CLUSTER = "vtrain-a100"
 # Megatron-DeepSpeed's attention (baddbmm, FusedScaleMaskSoftmax, dropout, bmm: vTrain's
-# src/model/gpt_modeling.py mirrors it), whatever the model file writes (autopar/runtime.py)
-SWITCHES = ("megatron_softmax",)
+# src/model/gpt_modeling.py mirrors it) and its fp32 vocab-parallel loss, whatever the model file
+# writes (autopar/runtime.py)
+SWITCHES = ("megatron_cross_entropy", "megatron_softmax")
 
 # CSV header -> field; the multi-node file adds "Parameters (billion)"
 COLUMNS = {

@@ -1,0 +1,36 @@
+"""Megatron's vocab-parallel cross-entropy, priced from the logit count instead of the file's loss.
+
+Megatron-LM (and Megatron-DeepSpeed, whose runs vTrain measured) computes the loss as
+`vocab_parallel_cross_entropy(output.float(), labels)` (megatron/model/gpt_model.py;
+megatron/core/tensor_parallel/cross_entropy.py, `_VocabParallelCrossEntropy`): unfused eager ops
+on fp32 logits, each a pass over the logits in HBM. Per logit element on a rank:
+forward: `float()` reads 2 and writes 4 bytes, the max reads 4, subtracting it reads 4 and writes
+4, `exp` reads 4 and writes 4, the sum reads 4, the in-place division that leaves the softmax for
+backward reads 4 and writes 4 (38); backward: the in-place multiply by the loss gradient reads 4
+and writes 4, and `float()`'s backward casts to 16-bit, reading 4 and writing 2 (14). These are
+HBM bytes, priced at the GPU's streaming rate (not scaled by the fitted `elementwise_traffic`,
+which is relative to the file's profiled ops). The head's profiled elementwise traffic (the
+file's own loss and final norm) is replaced: the final norm moves under 2% of the loss's bytes at
+vocabularies over 30k per hidden size of 2k. A file's loss is usually fused or 16-bit
+(`F.cross_entropy` is one log-softmax kernel), which is what the torch runtime prices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CROSS_ENTROPY_BYTES = (38.0, 14.0)  # HBM bytes per logit element: forward, backward
+
+
+def applies(workload) -> bool:
+    return "megatron_cross_entropy" in workload.switches and "vocab" in (workload.profile.dims or {})
+
+
+def head_times(workload, b: np.ndarray, tp: np.ndarray, hbm_bytes_per_s: float, kinds: int):
+    """Forward and backward seconds of the loss per micro-batch and block kind, shape (G, K): on the
+    head only (the last kind), b samples' logits sharded over the vocabulary by tp."""
+    profile = workload.profile
+    logits = b * profile.seq_len * profile.dims["vocab"] / tp / hbm_bytes_per_s  # (G, 1)
+    head = np.zeros(kinds)
+    head[-1] = 1.0
+    return CROSS_ENTROPY_BYTES[0] * logits * head, CROSS_ENTROPY_BYTES[1] * logits * head
