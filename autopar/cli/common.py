@@ -45,8 +45,9 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
                              "Transformer Engine; it decides which communication overlaps")
     parser.add_argument("--megatron", action="append", default=[], metavar="SWITCH",
                         help="a Megatron-Core switch that is on (flash_attn, tp_comm_overlap, overlap_grad_reduce, "
-                             "overlap_param_gather; repeatable; needs --runtime megatron; deepep, moe_a2a_overlap "
-                             "and megatron_softmax, Megatron-LM's unfused attention, serve any runtime)")
+                             "overlap_param_gather, overlap_p2p_comm; repeatable; needs --runtime megatron; deepep, "
+                             "moe_a2a_overlap, megatron_softmax (Megatron-LM's unfused attention) and "
+                             "megatron_cross_entropy (its fp32 vocab-parallel loss) serve any runtime)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     add_profile_timeout_flag(parser)
 
