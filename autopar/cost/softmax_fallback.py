@@ -11,7 +11,7 @@ each a host launch (and an autograd node in backward). vTrain's Megatron-DeepSpe
 tensor parallelism 8 and micro-batch 1 (2 heads per rank) take about 0.9 ms more per layer and
 micro-batch than at micro-batch 2, at both hidden sizes (docs/hardware.md, "vTrain").
 
-Not modelled: the kernel's key-length limit (2,048 to 16,384 by version) and its block-size
+Not modelled: the kernel's key-length limit (2,048 to 8,192 by version) and its block-size
 condition below 128 keys; the fp32 probabilities it keeps for backward (memory).
 """
 
@@ -40,8 +40,8 @@ def unfused_core(workload) -> bool:
 
 def fallback(workload, micro_batch: np.ndarray, tp: np.ndarray, sixteen_bit: np.ndarray) -> np.ndarray:
     """1.0 per plan whose attention batches per rank are not a multiple of 4 (the torch softmax
-    runs), else 0.0; shape (G, 1). The kernel takes only 16-bit scores: in fp32 both paths are the
-    torch one, and the unfused core's price already is. All zeros when the model names no head count."""
+    runs), else 0.0; shape (G, 1). The kernel takes only 16-bit scores, so an fp32 plan never had it
+    to lose. All zeros when the model names no head count."""
     heads = (workload.profile.dims or {}).get("heads")
     b = np.asarray(micro_batch, dtype=float)
     if not heads or not unfused_core(workload):
