@@ -55,6 +55,12 @@ ANY_RUNTIME = (*MOE_SWITCHES, "megatron_softmax", "megatron_cross_entropy")  # s
 # not Megatron-Core's scheduling
 
 
+def megatron_attention(workload) -> bool:
+    """Whether Megatron's own attention runs whatever the model file writes: under runtime megatron,
+    or under another runtime with the megatron_softmax switch (Megatron-DeepSpeed's runs)."""
+    return workload.runtime == "megatron" or "megatron_softmax" in workload.switches
+
+
 def check_runtime(runtime: str, switches) -> tuple[str, ...]:
     """The switches as a sorted tuple, after checking both names (one-line errors)."""
     if runtime not in RUNTIMES:

@@ -27,6 +27,16 @@ def applies(workload) -> bool:
     return "megatron_cross_entropy" in workload.switches and "vocab" in (workload.profile.dims or {})
 
 
+def loss_as_run(k: dict[str, np.ndarray], workload) -> dict[str, np.ndarray]:
+    """The per-kind figures with the head's profiled elementwise traffic (the file's loss) taken out
+    under the switch, `head_times` pricing Megatron's instead; as profiled otherwise."""
+    if not applies(workload):
+        return k
+    io = k["io_bytes"].copy()
+    io[-1] = 0.0  # the head is the last kind
+    return {**k, "io_bytes": io}
+
+
 def head_times(workload, b: np.ndarray, tp: np.ndarray, hbm_bytes_per_s: float, kinds: int):
     """Forward and backward seconds of the loss per micro-batch and block kind, shape (G, K): on the
     head only (the last kind), b samples' logits sharded over the vocabulary by tp."""

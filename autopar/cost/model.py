@@ -44,10 +44,12 @@ from autopar.cost import precision as fp8
 from autopar.cost.fused import megatron_layer_io
 from autopar.cost.context_parallel import gradient_group_size, sequence_share
 from autopar.cost.gemm import kind_efficiency
+from autopar.runtime import megatron_attention
 from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, knobs, storage_dtype
 
 PRECISION_BYTES = np.array([DTYPE_BYTES[p] for p in PRECISIONS], dtype=float)
 COMM_BYTES = np.array([DTYPE_BYTES[p] for p in COMM_DTYPES], dtype=float)
+SIXTEEN_BIT = np.array([storage_dtype(p) in ("bf16", "fp16") for p in PRECISIONS])  # Megatron's fused softmax takes these
 SELECTIVE, FULL = RECOMPUTE_MODES.index("selective"), RECOMPUTE_MODES.index("full")
 GPIPE, INTERLEAVED = SCHEDULES.index("gpipe"), SCHEDULES.index("interleaved")
 
@@ -97,7 +99,7 @@ def _attention_as_run(k: dict[str, np.ndarray], workload, c: Coefficients) -> di
     under another runtime with the `megatron_softmax` switch (Megatron-DeepSpeed's runs)."""
     k = dict(k)
     megatron = workload.runtime == "megatron"
-    if not megatron and "megatron_softmax" not in workload.switches:
+    if not megatron_attention(workload):
         k["fused_attn_flops"] = k["attn_flops"] - k["attn_core_flops"]
         return k
     flash = "flash_attn" in workload.switches
@@ -153,8 +155,7 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     recompute, sequence parallel, precision and mesh order."""
     profile, cluster = workload.profile, workload.cluster
     k = moe.dispatch_as_run(_attention_as_run(_kind_arrays(profile), workload, c), workload)
-    if cross_entropy.applies(workload):  # the loss is priced from the logit count (cost/cross_entropy.py)
-        k["io_bytes"] = np.where(np.arange(len(k["io_bytes"])) == len(k["io_bytes"]) - 1, 0.0, k["io_bytes"])
+    k = cross_entropy.loss_as_run(k, workload)  # the loss priced from the logit count (head_times below)
     tp_overlap = "tp_comm_overlap" in workload.switches
     col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (G,) -> (G, 1)
 
@@ -184,12 +185,11 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     compute_b = (flops_b * scale["gemm"] + 0.5 * b * k["fused_attn_flops"] / t) / rate + 2 * io_f + scale["cast_b"]
     # Megatron's torch softmax where its fused kernel cannot run: more HBM passes over the scores
     hbm_raw = cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency  # HBM bytes counted as such, not profiled ones
-    sixteen_bit = np.array([storage_dtype(p) in ("bf16", "fp16") for p in PRECISIONS])[g.precision]
-    unfused = softmax_fallback.fallback(workload, g.micro_batch_size, g.tp, sixteen_bit)
+    unfused = softmax_fallback.fallback(workload, g.micro_batch_size, g.tp, SIXTEEN_BIT[g.precision])
     score_io = unfused * b * k["attn_scores"] / t / hbm_raw
     compute_f = compute_f + softmax_fallback.FALLBACK_IO_BYTES[0] * score_io
     compute_b = compute_b + softmax_fallback.FALLBACK_IO_BYTES[1] * score_io
-    if cross_entropy.applies(workload):  # Megatron's fp32 loss instead of the file's (head io zeroed above)
+    if cross_entropy.applies(workload):  # Megatron's fp32 loss instead of the file's (loss_as_run above)
         loss_f, loss_b = cross_entropy.head_times(workload, b, t, hbm_raw, compute_f.shape[1])
         compute_f, compute_b = compute_f + loss_f, compute_b + loss_b
     routed = moe.pipeline_terms(workload, g, c, b, sp_div, col(PRECISION_BYTES[g.precision]), peak)

@@ -10,6 +10,7 @@ is the traces', which the calibration report states, so no note is made for them
 from __future__ import annotations
 
 from autopar.cost.coefficients import gpu_calibration
+from autopar.runtime import megatron_attention
 
 _TRACE_FITTED = ("gemm_efficiency", "gemm_half_flops", "block_host_s")
 
@@ -55,7 +56,7 @@ def attention_fused(workload) -> bool:
     """Whether the workload's attention runs as a fused (flash) kernel: Megatron-Core's with its
     flash_attn switch (Megatron-LM's unfused one under the megatron_softmax switch), else (torch)
     the model file's own, when it keeps no seq x seq tensor."""
-    if workload.runtime == "megatron" or "megatron_softmax" in workload.switches:
+    if megatron_attention(workload):
         return "flash_attn" in workload.switches
     layers = workload.profile.layers
     return all(b.attn_core_bytes == 0 for b in layers) and any(b.attn_flops > 0 for b in layers)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar.runtime import megatron_attention
+
 # Extra HBM bytes per score element over the fused kernel (which reads and writes the 16-bit scores
 # once: 4 bytes forward; backward reads the gradient and the saved probabilities and writes one: 6).
 # Forward: float() 2 + 4, * scale 4 + 4, masked_fill_ 4 + 4, Softmax 4 + 4, half() 4 + 2 = 36.
@@ -30,21 +32,13 @@ FALLBACK_EXTRA_OPS = 4
 FUSED_LAYER_OPS = 18
 
 
-def unfused_core(workload) -> bool:
-    """Whether the workload runs Megatron's unfused attention core (runtime megatron without
-    flash attention, or the megatron_softmax switch)."""
-    if "flash_attn" in workload.switches:
-        return False
-    return workload.runtime == "megatron" or "megatron_softmax" in workload.switches
-
-
 def fallback(workload, micro_batch: np.ndarray, tp: np.ndarray, sixteen_bit: np.ndarray) -> np.ndarray:
     """1.0 per plan whose attention batches per rank are not a multiple of 4 (the torch softmax
     runs), else 0.0; shape (G, 1). The kernel takes only 16-bit scores, so an fp32 plan never had it
     to lose. All zeros when the model names no head count."""
     heads = (workload.profile.dims or {}).get("heads")
     b = np.asarray(micro_batch, dtype=float)
-    if not heads or not unfused_core(workload):
+    if not heads or not megatron_attention(workload) or "flash_attn" in workload.switches:
         return np.zeros((len(b), 1))
     batches = np.rint(b * heads / np.asarray(tp, dtype=float))
     return ((batches % 4 != 0) & np.asarray(sixteen_bit, dtype=bool)).astype(float)[:, None]
