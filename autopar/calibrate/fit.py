@@ -74,10 +74,9 @@ def param(name: str) -> Param:
 def _bounded(p: Param, dataset) -> Param:
     """`p` with the GEMM efficiency kept below the measured maximum achievable matmul FLOP/s of the
     rows' GPU type (`GpuCalibration.gemm_ceiling`, docs/hardware.md): no GEMM beats it."""
-    if p.name != "gemm_efficiency" or dataset.base_cluster is None:
+    if dataset.base_cluster is None:
         return p
-    ceiling = gpu_calibration(dataset.base_cluster.gpu.name).gemm_ceiling
-    return dataclasses.replace(p, hi=min(p.hi, ceiling)) if ceiling else p
+    return dataclasses.replace(p, hi=gpu_calibration(dataset.base_cluster.gpu.name).upper_bound(p.name, p.hi))
 
 
 def get_value(c: Coefficients, name: str) -> float:

@@ -156,13 +156,17 @@ class GpuCalibration:
     def calibrated(self) -> bool:
         return bool(self.fitted)
 
+    def upper_bound(self, name: str, hi: float) -> float:
+        """`hi` for coefficient `name`, lowered to the measured GEMM ceiling for gemm_efficiency: no
+        GEMM on this GPU beats it (the shipped fits and `autopar calibrate` both keep to it)."""
+        return min(hi, self.gemm_ceiling) if name == "gemm_efficiency" and self.gemm_ceiling else hi
+
     def __post_init__(self):
         if len(self.fitted) > MAX_FITTED:
             raise ValueError(f"at most {MAX_FITTED} fitted coefficients per GPU type, got {sorted(self.fitted)}")
         for name, value in self.fitted.items():
             lo, hi = FITTED_BOUNDS[name]
-            if name == "gemm_efficiency" and self.gemm_ceiling:
-                hi = min(hi, self.gemm_ceiling)
+            hi = self.upper_bound(name, hi)
             if not lo <= value <= hi:
                 raise ValueError(f"{name} = {value} outside its physical range [{lo}, {hi}]")
 
