@@ -11,9 +11,10 @@ import pytest
 from conftest import VTRAIN, workload
 
 from autopar.calibrate import metrics
-from autopar.calibrate.collectives import AllReduceTable, fit_allreduce, predict_allreduce, read_allreduce_table
+from autopar.calibrate.collectives import (AllReduceTable, fit_allreduce, log_size_weights, predict_allreduce,
+                                          read_allreduce_table)
 from autopar.calibrate.dataset import build_dataset
-from autopar.calibrate.fit import default_parameters, fit, get_value
+from autopar.calibrate.fit import default_parameters, fit, get_value, with_values
 from autopar.calibrate.folds import group_holdout, group_kfold
 from autopar.cli import main
 from autopar.cluster import load_cluster
@@ -162,9 +163,37 @@ def test_allreduce_fit_recovers_link_coefficients():
 def test_allreduce_fit_on_vtrain_tables():
     tables = [read_allreduce_table(VTRAIN / f"a100_allreduce_{n}gpu.csv") for n in (2, 4, 8)]
     assert [int(t.ranks[0]) for t in tables] == [2, 4, 8] and all(len(t.seconds) == 1024 for t in tables)
-    fitted = fit_allreduce(tables, load_cluster("dgx-a100-80g"))
+    cluster = load_cluster("dgx-a100-80g")
+    fitted = fit_allreduce(tables, cluster)
     assert fitted.mape < 0.08
     assert 0.6 < fitted.efficiency <= 1.0  # docs/references.md §3: large messages reach ~78% of 300 GB/s
+    # the sizes a tensor-parallel all-reduce moves (1-64 MB: 61 of each table's 1,024 rows, sampled every
+    # MiB) fit as well as the rest: 12.5 / 18.2 / 22.0% at worst on 2 / 4 / 8 GPUs (60.5 / 44.9 / 19.0%
+    # fitted unweighted, with the per-hop latency driven to its lower bound)
+    c = with_values(Coefficients.from_dict(cluster.coefficients),
+                    ["link_efficiency.nvlink", "latency_scale", "collective_latency_s"],
+                    [fitted.efficiency, fitted.latency_scale, fitted.collective_latency_s])
+    for t in tables:
+        small = t.nbytes <= 64 * 2**20
+        err = predict_allreduce(cluster.with_nodes(1, 8), c, t.ranks[small], t.nbytes[small]) / t.seconds[small] - 1
+        assert np.abs(err).max() < 0.25, (int(t.ranks[0]), np.abs(err).max())
+    assert fitted.latency_scale > 0.01
+
+
+def test_log_size_weights_count_each_decade_alike():
+    """A table sampled at even byte steps in one decade of message size (901 rows) and evenly in log
+    size in the next (49 rows) gives both decades the same total weight; each rank count's weights sum
+    to its row count."""
+    dense, sparse = np.linspace(1e6, 1e7, 901), np.geomspace(1e7, 1e8, 50)[1:]
+    nbytes = np.concatenate([dense, sparse, np.geomspace(1e3, 1e9, 7)])
+    ranks = np.array([8] * (len(dense) + len(sparse)) + [2] * 7)
+    w = log_size_weights(ranks, nbytes)
+    eight = ranks == 8
+    assert w[eight].sum() == pytest.approx(eight.sum()) and w[~eight].sum() == pytest.approx(7)
+    low, high = w[eight & (nbytes < 1e7)].sum(), w[eight & (nbytes > 1e7)].sum()
+    assert low == pytest.approx(high, rel=0.03), (low, high)  # the row at 10 MB aside (1% of the span)
+    assert np.allclose(w[~eight][1:-1], w[~eight][1])  # evenly spaced in log size: alike but the two ends
+    assert log_size_weights(np.array([4, 4]), np.array([5e6, 5e6])).tolist() == [1.0, 1.0]
 
 
 # -- CLI and bad input ------------------------------------------------------------------------------------
@@ -260,12 +289,12 @@ def test_vtrain_single_node_cv_and_multi_node_transfer(tmp_path):
     result = calibrate([single], VTRAIN_CLUSTER, folds=5, evaluate=[multi], allreduce=tables)
     v = result.validation
     assert v["rows"] == 1440 and len(v["folds"]) == 5
-    # 6.20% (the issue asks 6%: not met, docs/hardware.md "vTrain" says what was tried); 6.68% without
+    # 6.19% (the issue asks 6%: not met, docs/hardware.md "vTrain" says what was tried); 6.68% without
     # Megatron's softmax fallback and fp32 loss (switch megatron_cross_entropy)
     assert v["mape"] <= 0.065 and v["spearman"] >= 0.95, (v["mape"], v["spearman"])
     m = result.evaluations[str(multi)]
-    # 9.47% with Megatron-DeepSpeed's attention and loss (switches megatron_softmax, megatron_cross_entropy);
-    # 10.40% with the file's eager ops
+    # 9.16% with Megatron-DeepSpeed's attention and loss (switches megatron_softmax, megatron_cross_entropy)
+    # and the all-reduce tables weighted by log size (9.47% unweighted); 10.40% with the file's eager ops
     assert m["rows"] == 108 and m["mape"] <= 0.10, m["mape"]  # 109 runs: one plan ran twice (one row, the median)
     ratios = {g["group"].split(" on ")[0]: g["ratio"] for g in m["groups"]}
     assert len(ratios) == 4 and max(ratios.values()) <= 1.05, ratios

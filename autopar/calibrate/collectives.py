@@ -8,7 +8,11 @@ The cost model times a ring all-reduce of B bytes over n ranks as
 cluster's datasheet figures for the ring those ranks get and `efficiency` is the per-link-kind
 coefficient. Given tables of (bytes, ranks, seconds), this fits the link kind's efficiency
 (bounded by 1: no link beats its rate), latency_scale and collective_latency_s by least squares
-on log time, with the same cost-model functions the planner uses.
+on log time, with the same cost-model functions the planner uses. Each row weighs its share of the
+table's span of log message size (`log_size_weights`): nccl-tests tables are often sampled at even
+byte steps (vTrain's: every MiB from 1 MiB to 1 GiB, 99% of rows above 10 MB), which unweighted would
+fit the bandwidth of large messages alone and leave the latency terms, what a tensor-parallel
+all-reduce of a few MB pays, to wherever they fall.
 
 Table formats read: nccl-tests output saved as CSV (columns "size(B)" and "time(ns)", optionally
 twice for out-of-place and in-place; the rank count comes from the file name, e.g.
@@ -115,6 +119,23 @@ def predict_allreduce(cluster, coeffs, ranks, nbytes) -> np.ndarray:
     return out
 
 
+def log_size_weights(ranks: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Per row, its share of the span of log message size its rank count's rows cover (half the gap
+    to each neighbour), scaled so each rank count's weights sum to its row count: every decade of
+    message size counts the same however densely the table samples it."""
+    weights = np.ones(len(nbytes))
+    for n in np.unique(ranks):
+        rows = np.flatnonzero(ranks == n)
+        rows = rows[np.argsort(nbytes[rows], kind="stable")]
+        log_b = np.log(nbytes[rows])
+        if len(rows) < 2 or log_b[-1] == log_b[0]:
+            continue  # one size: nothing to spread
+        edges = np.concatenate([[log_b[0]], (log_b[1:] + log_b[:-1]) / 2, [log_b[-1]]])
+        share = np.diff(edges)
+        weights[rows] = share * len(rows) / share.sum()
+    return weights
+
+
 def fit_allreduce(tables: list[AllReduceTable], cluster, start=None) -> CollectiveFit:
     """Fit the link efficiency of the kind the tables' rings run over, latency_scale and
     collective_latency_s. The cluster must hold as many ranks per node as the largest table."""
@@ -143,8 +164,10 @@ def fit_allreduce(tables: list[AllReduceTable], cluster, start=None) -> Collecti
     def coeffs(z):
         return with_values(start, names, np.exp(z))
 
+    root_w = np.sqrt(log_size_weights(ranks, nbytes))  # least squares weighs squared residuals
+
     def residuals(z):
-        return np.log(predict_allreduce(cluster, coeffs(z), ranks, nbytes)) - np.log(seconds)
+        return root_w * (np.log(predict_allreduce(cluster, coeffs(z), ranks, nbytes)) - np.log(seconds))
 
     res = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, x_scale="jac")
     c = coeffs(res.x)
