@@ -269,6 +269,14 @@ def test_cli_allreduce_only(tmp_path, capsys):
     c = load_cluster(str(out)).coefficients
     assert c["link_efficiency"]["nvlink"] == pytest.approx(report["collectives"]["efficiency"])
     assert report["mape"] < 0.08
+    # the tables set the link's three coefficients and nothing else: the A100's GEMM fit and the
+    # runtime's elementwise traffic still come from the GPU type on the written cluster
+    fitted = {"link_efficiency", "latency_scale", "collective_latency_s"}
+    for runtime in ("torch", "megatron"):
+        before = Coefficients.for_cluster(load_cluster("dgx-a100-80g"), runtime).to_dict()
+        after = Coefficients.for_cluster(load_cluster(str(out)), runtime).to_dict()
+        assert {k: v for k, v in after.items() if k not in fitted} == {k: v for k, v in before.items() if k not in fitted}
+        assert {**after["link_efficiency"], "nvlink": 0} == {**before["link_efficiency"], "nvlink": 0}
 
 
 # -- the vTrain figures (acceptance 1 and 2) ----------------------------------------------------------------

@@ -184,10 +184,11 @@ def _print_figures(console, title: str, fig: dict) -> None:
 
 def _collectives_only(args, err) -> int:
     base = load_cluster(args.cluster)
-    start = Coefficients.from_dict(base.coefficients)
-    fitted = fit_allreduce([read_allreduce_table(p) for p in args.allreduce], base, start)
-    coeffs = {**start.to_dict(), **fitted.coefficients(),
-              "link_efficiency": {**start.link_efficiency, fitted.kind: fitted.efficiency}}
+    fitted = fit_allreduce([read_allreduce_table(p) for p in args.allreduce], base, Coefficients.for_cluster(base))
+    # only what the tables fitted joins the cluster's own coefficients: written in full, the
+    # dataclass defaults would override the GPU type's fit (docs/hardware.md) wherever the file is used
+    coeffs = {**base.coefficients, **fitted.coefficients(),
+              "link_efficiency": {**base.coefficients.get("link_efficiency", {}), fitted.kind: fitted.efficiency}}
     cluster = dataclasses.replace(base, name=f"{base.name}-calibrated", coefficients=coeffs)
     if args.output:
         write_cluster(cluster, args.output)
