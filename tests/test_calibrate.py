@@ -356,3 +356,18 @@ def test_records_say_what_ran_them():
     bad = dataclasses.replace(records[0], workload={**records[0].workload, "switches": ["warp_drive"]})
     with pytest.raises(AutoparError, match="record 1: unknown Megatron switch"):
         build_dataset([bad], "dgx-a100-80g")
+
+
+def test_calibration_takes_one_runtime(tmp_path, capsys):
+    """The GPU type's fit starts the calibration differently per runtime (eager torch moves every
+    profiled byte, Megatron's fused kernels fewer): traces of two runtimes are refused in one line,
+    exit code 2, no file written."""
+    records = _synthetic_records(TRUE)
+    megatron = [dataclasses.replace(r, workload={**r.workload, "runtime": "megatron"}) for r in records[::2]]
+    path, out = tmp_path / "mixed.jsonl", tmp_path / "fitted.json"
+    write_records(path, records[1::2] + megatron)
+    assert main(["calibrate", str(path), "--cluster", "dgx-a100-80g", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("autopar: error: the traces hold runs of 2 runtimes (megatron, torch)")
+    assert "Traceback" not in err and err.count("error") == 1
+    assert not out.exists()

@@ -85,9 +85,13 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
                            + (f" ({len(problems)} malformed line(s): {first})" if problems else " (empty)"))
     say(f"{len(records)} trace records; profiling their models")
     ds = build_dataset(records, base, sources, models)
+    runtimes = sorted({g.workload.runtime for g in ds.groups})
+    if len(runtimes) > 1:  # one set of coefficients prices one runtime's kernels (Coefficients.for_cluster)
+        raise AutoparError(f"the traces hold runs of {len(runtimes)} runtimes ({', '.join(runtimes)}); one calibrated "
+                           f"cluster prices one runtime's kernels: calibrate each runtime's traces separately")
     # the coefficients the cost model uses on this cluster under the traces' runtime: the GPU type's
     # fit (docs/hardware.md) under the cluster's own; what the rows cannot identify keeps these
-    start = Coefficients.for_cluster(base, ds.groups[0].workload.runtime if ds.groups else "torch")
+    start = Coefficients.for_cluster(base, runtimes[0] if runtimes else "torch")
 
     collectives, fixed = None, []
     if allreduce:
