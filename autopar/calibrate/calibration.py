@@ -24,7 +24,7 @@ import numpy as np
 from autopar.calibrate import metrics
 from autopar.calibrate.collectives import fit_allreduce, read_allreduce_table
 from autopar.calibrate.dataset import Dataset, build_dataset, load_traces
-from autopar.calibrate.fit import FitResult, default_parameters, fit, needed_rows
+from autopar.calibrate.fit import FitResult, default_parameters, fit, needed_rows, onto, with_values
 from autopar.calibrate.folds import group_holdout, group_kfold
 from autopar.cluster import Cluster, load_cluster
 from autopar.cost.coefficients import Coefficients
@@ -98,9 +98,7 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
 
         tables = [read_allreduce_table(p) for p in allreduce]
         collectives = fit_allreduce(tables, base, start)
-        start = Coefficients.from_dict({**start.to_dict(), **collectives.coefficients(),
-                                        "link_efficiency": {**start.link_efficiency,
-                                                            collectives.kind: collectives.efficiency}})
+        start = with_values(start, list(collectives.fitted()), list(collectives.fitted().values()))
         fixed = [f"link_efficiency.{collectives.kind}", *COLLECTIVE_PARAMS]
         say(f"collectives from {len(tables)} all-reduce table(s): {collectives.kind} efficiency "
             f"{collectives.efficiency:.3f}, per-call latency {collectives.collective_latency_s * 1e6:.1f} us "
@@ -153,7 +151,10 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
         rows = (ds, ds.predict(final.coefficients))
         validation = {"method": "in-sample (no --folds or --holdout: these rows were fitted)", **score(*rows)}
 
-    calibrated = dataclasses.replace(base, name=f"{base.name}-calibrated", coefficients=final.coefficients.to_dict())
+    # what was fitted, over the cluster's own coefficients: read back under the traces' runtime it
+    # prices exactly as `final` does, and the rest still follows the GPU type's fit
+    written = onto(base.coefficients, {**(collectives.fitted() if collectives else {}), **final.fitted()})
+    calibrated = dataclasses.replace(base, name=f"{base.name}-calibrated", coefficients=written)
     evaluations, evaluated_rows = {}, {}
     for path in evaluate:
         recs, srcs, probs = load_traces([path])

@@ -27,9 +27,9 @@ import numpy as np
 
 from autopar.atomic import atomic_path
 from autopar.calibrate.collectives import AllReduceTable, fit_allreduce
+from autopar.calibrate.fit import onto
 from autopar.cluster import detect, load_cluster
 from autopar.cluster.hardware import Link
-from autopar.cost.coefficients import Coefficients
 from autopar.cost.collectives import all_reduce_time
 from autopar.errors import AutoparError
 
@@ -334,7 +334,6 @@ def profile_cluster(ranks=(2, 4), sizes=DEFAULT_SIZES, backend: str = "auto", ma
         cluster = dataclasses.replace(base, name="local-cpu-profiled", gpu=gpu, links=links, coefficients=coeffs)
     else:
         base = detect()
-        start_c = Coefficients.from_dict(base.coefficients)
         if result.allreduce:
             table = AllReduceTable("profile", np.array([r[1] for r in result.allreduce]),
                                    np.array([r[0] for r in result.allreduce], dtype=float),
@@ -342,19 +341,20 @@ def profile_cluster(ranks=(2, 4), sizes=DEFAULT_SIZES, backend: str = "auto", ma
             fitted = fit_allreduce([table], base)
             result.fit = {"kind": fitted.kind, "efficiency": fitted.efficiency, "latency_scale": fitted.latency_scale,
                           "collective_latency_s": fitted.collective_latency_s, "mape": fitted.mape}
-            link_coeffs = fitted.coefficients()
+            link_coeffs = fitted.fitted()
         else:
             result.fit = {"kind": "none", "note": "one GPU: no collective to time; link coefficients unchanged"}
-            link_coeffs = {"link_efficiency": {}}
+            link_coeffs = {}
         peak = base.gpu.peak_flops
         gemm = min(1.0, max(best[d] / peak[d] for d in best))
-        coeffs = {**start_c.to_dict(), **link_coeffs,
-                  "gemm_efficiency": gemm, "gemm_half_flops": fit_gemm_half(result.matmul, max(best.values())),
-                  "hbm_efficiency": min(1.0, result.memory_bytes_per_s / base.gpu.hbm_bytes_per_s)}
+        measured = {**link_coeffs, "gemm_efficiency": gemm,
+                    "gemm_half_flops": fit_gemm_half(result.matmul, max(best.values())),
+                    "hbm_efficiency": min(1.0, result.memory_bytes_per_s / base.gpu.hbm_bytes_per_s)}
         if result.collectives:
-            coeffs["collective_efficiency"] = collective_efficiency(result.allreduce, result.collectives)
-        coeffs["link_efficiency"] = {**start_c.link_efficiency, **link_coeffs["link_efficiency"]}
-        cluster = dataclasses.replace(base, name=f"{base.name}-profiled", coefficients=coeffs)
+            measured["collective_efficiency"] = collective_efficiency(result.allreduce, result.collectives)
+        # what was measured, over the detected cluster's own coefficients; the rest (the elementwise
+        # traffic of the runtime's kernels above all) still comes from the GPU type's fit
+        cluster = dataclasses.replace(base, name=f"{base.name}-profiled", coefficients=onto(base.coefficients, measured))
     result.wall_s = time.perf_counter() - start
     return cluster, result
 

@@ -101,8 +101,9 @@ class CollectiveFit:
     rows: int
     busbw_peak: float  # fitted bus bandwidth, bytes/s (efficiency x rate of the ring)
 
-    def coefficients(self) -> dict:
-        return {"link_efficiency": {self.kind: self.efficiency}, "latency_scale": self.latency_scale,
+    def fitted(self) -> dict[str, float]:
+        """The three coefficients, named as calibrate/fit.py's `param` names them."""
+        return {f"link_efficiency.{self.kind}": self.efficiency, "latency_scale": self.latency_scale,
                 "collective_latency_s": self.collective_latency_s}
 
 

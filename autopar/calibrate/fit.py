@@ -96,6 +96,20 @@ def with_values(c: Coefficients, names, values) -> Coefficients:
     return dataclasses.replace(c, link_efficiency=links, **plain)
 
 
+def onto(coefficients: dict, values: dict) -> dict:
+    """A cluster's `coefficients` (its JSON dict) with `values` (names as `param` spells them,
+    link_efficiency.<kind> included) written over it, and nothing else: whatever was not fitted or
+    measured keeps coming from the GPU type's fit (Coefficients.for_cluster) wherever the cluster is
+    used, under each runtime."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in coefficients.items()}
+    for name, value in values.items():
+        if name.startswith("link_efficiency."):
+            out.setdefault("link_efficiency", {})[name.split(".", 1)[1]] = float(value)
+        else:
+            out[name] = value
+    return out
+
+
 def _encode(p: Param, value: float) -> float:
     if p.start is not None and not p.lo < value < p.hi:
         value = p.start

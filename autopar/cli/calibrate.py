@@ -12,7 +12,7 @@ from rich.table import Table
 from autopar.calibrate.calibration import calibrate
 from autopar.calibrate.cluster_profile import write_cluster
 from autopar.calibrate.collectives import fit_allreduce, read_allreduce_table
-from autopar.calibrate.fit import get_value, param
+from autopar.calibrate.fit import get_value, onto, param
 from autopar.cli.common import add_trace_model_flags, model_sources, print_json
 from autopar.cluster import load_cluster
 from autopar.cost.coefficients import Coefficients
@@ -185,10 +185,7 @@ def _print_figures(console, title: str, fig: dict) -> None:
 def _collectives_only(args, err) -> int:
     base = load_cluster(args.cluster)
     fitted = fit_allreduce([read_allreduce_table(p) for p in args.allreduce], base, Coefficients.for_cluster(base))
-    # only what the tables fitted joins the cluster's own coefficients: written in full, the
-    # dataclass defaults would override the GPU type's fit (docs/hardware.md) wherever the file is used
-    coeffs = {**base.coefficients, **fitted.coefficients(),
-              "link_efficiency": {**base.coefficients.get("link_efficiency", {}), fitted.kind: fitted.efficiency}}
+    coeffs = onto(base.coefficients, fitted.fitted())  # the three link coefficients, nothing else
     cluster = dataclasses.replace(base, name=f"{base.name}-calibrated", coefficients=coeffs)
     if args.output:
         write_cluster(cluster, args.output)
