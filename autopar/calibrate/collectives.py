@@ -156,7 +156,7 @@ def fit_allreduce(tables: list[AllReduceTable], cluster, start=None) -> Collecti
         raise AutoparError(f"the tables' rings run over different link kinds ({', '.join(sorted(kinds))}); "
                            f"fit one kind at a time")
     kind = kinds.pop()
-    start = start or Coefficients.from_dict(cluster.coefficients)
+    start = start or Coefficients.for_cluster(cluster)
     names = [f"link_efficiency.{kind}", "latency_scale", "collective_latency_s"]
     lo, hi = np.array([np.log(0.02), np.log(1e-3), np.log(1e-8)]), np.array([0.0, np.log(1e3), np.log(1e-2)])
     x0 = np.clip(np.log([max(start.link(kind), 0.02), max(start.latency_scale, 1e-3),

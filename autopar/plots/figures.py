@@ -35,7 +35,7 @@ def plan_figure(workload, plan, est, path, headroom_bytes: float = 0.0) -> None:
     """Timeline per pipeline rank (left) and memory of the most loaded GPU by component (right)."""
     plt = pyplot()
 
-    step = Coefficients.from_dict(workload.cluster.coefficients).step_overhead_s
+    step = Coefficients.for_cluster(workload.cluster, workload.runtime).step_overhead_s  # as the estimate ran
     segments = from_estimate(plan, est, forward_share(workload.profile), step)
     fig, (ax, mem) = plt.subplots(1, 2, figsize=(14, max(3.4, 1.8 + 0.45 * plan.pp)), width_ratios=(3.2, 1),
                                   layout="constrained")
