@@ -98,7 +98,8 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
 
         tables = [read_allreduce_table(p) for p in allreduce]
         collectives = fit_allreduce(tables, base, start)
-        start = with_values(start, list(collectives.fitted()), list(collectives.fitted().values()))
+        link = collectives.fitted()
+        start = with_values(start, link.keys(), link.values())
         fixed = [f"link_efficiency.{collectives.kind}", *COLLECTIVE_PARAMS]
         say(f"collectives from {len(tables)} all-reduce table(s): {collectives.kind} efficiency "
             f"{collectives.efficiency:.3f}, per-call latency {collectives.collective_latency_s * 1e6:.1f} us "

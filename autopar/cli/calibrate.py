@@ -15,7 +15,6 @@ from autopar.calibrate.collectives import fit_allreduce, read_allreduce_table
 from autopar.calibrate.fit import get_value, onto, param
 from autopar.cli.common import add_trace_model_flags, model_sources, print_json
 from autopar.cluster import load_cluster
-from autopar.cost.coefficients import Coefficients
 from autopar.errors import AutoparError
 
 
@@ -184,7 +183,7 @@ def _print_figures(console, title: str, fig: dict) -> None:
 
 def _collectives_only(args, err) -> int:
     base = load_cluster(args.cluster)
-    fitted = fit_allreduce([read_allreduce_table(p) for p in args.allreduce], base, Coefficients.for_cluster(base))
+    fitted = fit_allreduce([read_allreduce_table(p) for p in args.allreduce], base)  # starts from for_cluster
     coeffs = onto(base.coefficients, fitted.fitted())  # the three link coefficients, nothing else
     cluster = dataclasses.replace(base, name=f"{base.name}-calibrated", coefficients=coeffs)
     if args.output:

@@ -165,7 +165,8 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     act_scale = col(PRECISION_BYTES[g.precision] / DTYPE_BYTES[profile.dtype])
     # the bf16 rate for fp8 too: cost/precision.py scales the time of the GEMMs fp8 runs
     peak = col(np.array([cluster.gpu.peak_flops[storage_dtype(p)] for p in PRECISIONS])[g.precision])
-    hbm = cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency / c.elementwise_traffic
+    hbm_raw = cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency  # HBM bytes counted as such (Megatron's own ops)
+    hbm = hbm_raw / c.elementwise_traffic  # the model file's profiled bytes, fused as the fit found
     links = _links(cluster, g, c)
     tp_bw, tp_lat = col(links["tp_bw"]), col(links["tp_lat"])
 
@@ -184,7 +185,6 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     # a fused attention backward recomputes q·kᵀ: half its forward FLOPs again
     compute_b = (flops_b * scale["gemm"] + 0.5 * b * k["fused_attn_flops"] / t) / rate + 2 * io_f + scale["cast_b"]
     # Megatron's torch softmax where its fused kernel cannot run: more HBM passes over the scores
-    hbm_raw = cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency  # HBM bytes counted as such, not profiled ones
     unfused = softmax_fallback.fallback(workload, g.micro_batch_size, g.tp, SIXTEEN_BIT[g.precision])
     score_io = unfused * b * k["attn_scores"] / t / hbm_raw
     compute_f = compute_f + softmax_fallback.FALLBACK_IO_BYTES[0] * score_io
