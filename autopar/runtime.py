@@ -9,7 +9,8 @@ overlap is named in an estimate's ``hidden`` breakdown (seconds of communication
 
 Megatron's switches are off unless the workload names them, as in Megatron-LM's own defaults and
 in the runs of its 2021-22 papers (unfused attention with a fused scale-mask-softmax kernel, no
-overlaps); NeMo's pretraining recipes turn them all on (`NEMO_SWITCHES`).
+overlaps); NeMo's dense pretraining recipes turn on flash attention and the three overlaps of
+`NEMO_SWITCHES` (with `overlap_p2p_comm` for the interleaved schedule).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Published mixture-of-experts training throughput the cost model is checked against
-(`data/published/moe_automodel_dgx_h100_bf16.csv`, docs/references.md §10).
+(`data/published/moe_automodel_dgx_h100_bf16.csv`, docs/references.md §11).
 
 NVIDIA NeMo AutoModel's DGX-H100 BF16 table: PyTorch FSDP2 with expert parallelism, Transformer
 Engine's kernels (linear, RMSNorm, fused attention), DeepEP's dispatcher, torch.distributed.pipelining
