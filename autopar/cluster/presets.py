@@ -56,7 +56,9 @@ PRESETS: dict[str, dict] = {
     # Sockets: Xeon E5 with QPI 9.6 GT/s (19.2 GB/s); 4 x 100 Gb/s EDR IB, one per 2 GPUs.
     "dgx-v100": _dgx("v100-32g", 4, nvlink=150e9, pcie=16e9, upi=19.2e9, ib=12.5e9),
     # Sockets: AMD EPYC joined by xGMI, one x16 link at 16 GT/s; 8 x HDR IB, one per GPU.
-    "dgx-a100-40g": _dgx("a100-40g", 8, nvlink=300e9, pcie=32e9, upi=32e9, ib=25e9),
+    # (the 40 and 80 GB DGX A100 share the NVLink 3 fabric: six NVSwitches, 300 GB/s per GPU each way)
+    "dgx-a100-40g": {**_dgx("a100-40g", 8, nvlink=300e9, pcie=32e9, upi=32e9, ib=25e9),
+                     "coefficients": {"link_efficiency": {"nvlink": DGX_A100_NVLINK_EFFICIENCY}}},
     "dgx-a100-80g": {**_dgx("a100-80g", 8, nvlink=300e9, pcie=32e9, upi=32e9, ib=25e9),
                      "coefficients": {"link_efficiency": {"nvlink": DGX_A100_NVLINK_EFFICIENCY}}},
     # NVIDIA's Selene (DGX A100 80GB SuperPOD, 8 x HDR per node), where Megatron-LM's published runs
