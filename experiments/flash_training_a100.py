@@ -15,7 +15,6 @@ flash-attention estimates on A100, which no calibration data covers (docs/hardwa
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import numpy as np
@@ -26,28 +25,30 @@ from autopar.cluster import load_cluster
 from autopar.cost import estimate
 from autopar.plan import Plan
 from autopar.profile import profile_model
+from autopar.search.published import read_table
 from autopar.workload import Workload
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "data" / "published" / "flashattention_training_a100.csv"
-SDPA_GPT = ROOT / "tests" / "models" / "gpt_sdpa.py"
+SDPA_GPT = Path(__file__).resolve().parents[1] / "tests" / "models" / "gpt_sdpa.py"
 
 
 def rows() -> list[dict]:
-    with open(DATA, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
+    return read_table("flashattention_training_a100.csv")
 
 
-def predicted(row: dict, compile_blocks: bool):
-    """(tokens/s of the node, MFU, plan, estimate) for the row's plan."""
+def predicted(row: dict) -> dict:
+    """Per compile setting (False: eager, True: each block compiled): (tokens/s of the node, MFU,
+    plan, estimate) for the row's plan, both on one workload."""
     args = {"size": "gpt3-125m", **{k: int(row[k]) for k in ("hidden", "layers", "heads", "seq_len", "vocab")}}
     gpus, batch, micro = int(row["gpus"]), int(row["global_batch"]), int(row["micro_batch"])
     w = Workload(profile_model(SDPA_GPT, args, dtype="bf16"), load_cluster("dgx-a100-80g", nodes=1, gpus_per_node=gpus),
                  batch, runtime="torch")
-    plan = Plan(dp=gpus, micro_batch_size=micro, num_micro_batches=batch // (gpus * micro), zero=int(row["zero"]),
-                recompute="none", compile=compile_blocks)
-    est = estimate(w, plan)
-    return batch * w.profile.seq_len / est.iteration_time_s, est.mfu, plan, est
+    out = {}
+    for compiled in (False, True):
+        plan = Plan(dp=gpus, micro_batch_size=micro, num_micro_batches=batch // (gpus * micro), zero=int(row["zero"]),
+                    recompute="none", compile=compiled)
+        est = estimate(w, plan)
+        out[compiled] = (batch * w.profile.seq_len / est.iteration_time_s, est.mfu, plan, est)
+    return out
 
 
 def main() -> None:
@@ -56,15 +57,12 @@ def main() -> None:
         table.add_column(name, justify="left" if name in ("model", "plan (eager)") else "right")
     errors = {False: [], True: []}
     for row in rows():
-        cells = {}
-        for compiled in (False, True):
-            tokens, mfu, plan, est = predicted(row, compiled)
+        (eager, _, eager_plan, est), (comp, comp_mfu, _, _) = predicted(row).values()
+        for compiled, tokens in ((False, eager), (True, comp)):
             errors[compiled].append(tokens / float(row["tokens_per_s"]) - 1)
-            cells[compiled] = (tokens, mfu, plan, est)
-        eager_plan, est = cells[False][2], cells[True][3]
         table.add_row(row["model"], eager_plan.describe(), f"{float(row['tokens_per_s']):,.0f}",
-                      f"{cells[False][0]:,.0f}", f"{errors[False][-1]:+.1%}", f"{cells[True][0]:,.0f}",
-                      f"{errors[True][-1]:+.1%}", f"{cells[True][1]:.1%}", "yes" if est.fits else "no")
+                      f"{eager:,.0f}", f"{errors[False][-1]:+.1%}", f"{comp:,.0f}",
+                      f"{errors[True][-1]:+.1%}", f"{comp_mfu:.1%}", "yes" if est.fits else "no")
     console = Console(width=200)
     console.print(table)
     for compiled, errs in errors.items():
