@@ -81,6 +81,7 @@ def main() -> None:
         ratios = [a / d for a, d in zip(results["autopar.apply"], results["hand-written DDP"])]
         print("ratio per run pair: " + " ".join(f"{r:.3f}" for r in ratios))
         print(f"step-time ratio autopar.apply / DDP (median of {args.runs} pairs): {statistics.median(ratios):.3f}")
+    par.close()
     dist.destroy_process_group()
 
 

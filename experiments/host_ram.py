@@ -53,6 +53,7 @@ def _rank(rank: int, port: int, model_args: dict, name: str) -> None:
     dist.all_gather_object(rows, row)
     if rank == 0:
         print(json.dumps({"plan": name, "model": model_args, "ranks": rows}), flush=True)
+    par.close()
     dist.destroy_process_group()
 
 

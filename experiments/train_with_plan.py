@@ -61,6 +61,7 @@ def main() -> None:
     if args.save:
         save_checkpoint(par, args.save, step)
     dist.barrier()  # no rank closes its connections while a peer still uses them
+    par.close()  # nothing refers to the process groups any more: destroying them joins their threads
     dist.destroy_process_group()
 
 

@@ -1,5 +1,8 @@
-"""Executor pieces that need no process group (plus one single-rank apply): TP styles, pipeline
+"""Executor pieces that need no process group (plus single-rank applies): TP styles, pipeline
 cuts, data shares, measurement summaries, launch command lines, refusals."""
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,6 +163,29 @@ def test_single_rank_apply_matches_the_plain_loop(one_rank_world):
     losses = par.global_losses([par.train_step(*par.local_batch(*batch)) for _ in range(3)])
     assert losses == pytest.approx(reference_losses(build, optimizer, GPT.loss_fn, [batch] * 3), rel=1e-5)
     assert losses[2] < losses[0]
+
+
+def _gloo_threads() -> int:
+    """Threads gloo runs for live process groups (named by torch and gloo; Linux's /proc)."""
+    tasks = Path("/proc/self/task")
+    return sum("gloo" in (tasks / t / "comm").read_text() for t in os.listdir(tasks))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads through Linux's /proc")
+def test_close_lets_destroying_the_groups_join_their_threads(one_rank_world):
+    """`close` drops every reference the ParallelModel holds to the process groups, so that
+    destroy_process_group joins gloo's threads rather than leave them to interpreter exit (an abort
+    when one is still freeing a collective's tensors then). Without close they outlive destroy."""
+    assert _gloo_threads() == 0
+    p = plan(zero=3)  # FSDP2: its hooks hold the mesh in reference cycles
+    par = apply(p, lambda: GPT.build(**ARGS), lambda params: torch.optim.SGD(params, lr=0.1), GPT.loss_fn,
+                blocks=GPT.blocks)
+    par.global_losses([par.train_step(*par.local_batch(*GPT.example_batch(p.global_batch, device="cpu", **ARGS)))])
+    assert _gloo_threads() > 0
+    par.close()
+    dist.destroy_process_group()
+    assert _gloo_threads() == 0
+    assert par.model is None and par.schedule is None
 
 
 def _selective_run(block, x):

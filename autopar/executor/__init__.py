@@ -3,7 +3,8 @@
 Public API (imported lazily, so `import autopar.executor` costs nothing until used):
 
 * `apply(plan, build_model, optimizer, loss_fn, *, tp_plan, blocks, seed)` -> `ParallelModel`
-  with `train_step(inputs, targets)`, `local_batch(...)`, `global_losses(...)`;
+  with `train_step(inputs, targets)`, `local_batch(...)`, `global_losses(...)` and `close()`
+  (before `destroy_process_group`);
 * `make_loader(dataset, plan, topo)`: a DistributedSampler loader of this rank's batches (whole
   sequences: under context parallelism `shard_sequence(batch, plan.cp, topo.rank("cp"))` cuts a
   batch to the rank's tokens, as `local_batch` does);

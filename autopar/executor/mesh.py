@@ -76,6 +76,17 @@ def init_distributed(backend: str = "auto", timeout_s: float | None = None) -> t
     return device
 
 
+def release_meshes() -> None:
+    """Let meshes nothing else uses be freed. DTensor's sharding-propagation caches keep every mesh
+    an op ran on, and a mesh keeps its process groups (its `_pg_registry`): while they live,
+    destroying the groups does not join gloo's worker threads (see `ParallelModel.close`)."""
+    from torch.distributed.tensor import debug  # torch 2.6 lacks the helper: the caches then stay
+
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear is not None:
+        clear()
+
+
 def current_backend(backend: str = "auto") -> str:
     """The backend of the process group if one is initialised, else the one `backend` resolves to."""
     return dist.get_backend() if dist.is_initialized() else resolve_backend(backend)

@@ -12,6 +12,7 @@ whole model exists once, in rank 0's host RAM, and no stage reaches a device uns
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,7 +37,7 @@ from autopar.executor.expert_parallel import (
     moe_experts,
     shard_experts,
 )
-from autopar.executor.mesh import Topology, build_mesh, current_backend, init_distributed
+from autopar.executor.mesh import Topology, build_mesh, current_backend, init_distributed, release_meshes
 from autopar.executor.pipeline import blocks_name, build_schedule, cut_stages, rank_view, stage_ids
 from autopar.executor.precision import (autocast, autocast_calls, autocast_forward, compile_blocks, convert_fp8,
                                        fp8_refusal, grad_scaler)
@@ -161,6 +162,19 @@ class ParallelModel:
             return None
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         return torch.stack([l.detach().float() for l in losses]).mean() / scale
+
+    def close(self) -> None:
+        """Release this rank's model, optimizer, schedule and mesh, and collect them: call it before
+        `dist.destroy_process_group()`. The parts hold the process groups in reference cycles, which
+        a collection at interpreter exit would free only after the groups were destroyed; until the
+        last reference goes, gloo's worker threads live on, and one still freeing a finished
+        collective's tensors when the interpreter exits aborts the process ("terminate called
+        without an active exception"). Once nothing refers to a group, destroying it joins its
+        threads. The ParallelModel cannot train after this."""
+        self.model = self.parts = self.optimizer = self.schedule = self.scaler = None
+        self.tp_leaves, self.tied, self.experts, self.topo = [], None, None, None
+        release_meshes()
+        gc.collect()
 
     def global_losses(self, losses: Sequence[torch.Tensor | None]) -> list[float]:
         """Global-batch mean losses of steps, from every rank's `train_step` results (a collective:

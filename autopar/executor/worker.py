@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import importlib
 import json
 import os
@@ -166,11 +165,10 @@ def _train(args: argparse.Namespace) -> None:
     dist.all_gather_object(gathered, (times[options.warmup:] or times[-1:], peak_memory_bytes(par.device)))
     rank, backend, device = dist.get_rank(), dist.get_backend(), par.device
     dist.barrier()  # no rank closes its connections while a peer still uses them
-    # free the model (the reference needs the device's memory) while its groups still exist: the
-    # schedule's loss closure holds it in a cycle, which a later collection would tear down after
-    # the process group is gone
-    del par, local_inputs, local_targets, losses
-    gc.collect()
+    # free the model (the reference needs the device's memory) and every reference to the process
+    # groups (an elastic run holds `par` too), so that destroying them joins gloo's threads
+    par.close()
+    del local_inputs, local_targets, losses
     dist.destroy_process_group()
     if rank != 0:
         return
