@@ -20,6 +20,7 @@ from autopar.executor import weights
 from autopar.executor.parity import max_relative_difference, reference_losses
 from autopar.executor.state import load_checkpoint, save_checkpoint
 from autopar.executor.train_step import apply
+from autopar.executor.mesh import release_meshes
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
 
@@ -119,6 +120,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    release_meshes()  # the plans' models and meshes: destroying the groups then joins their threads
     dist.destroy_process_group()
 
 

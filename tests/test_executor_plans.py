@@ -28,6 +28,7 @@ from autopar.errors import PlanError
 from autopar.executor.parity import TOLERANCES, max_relative_difference, reference_losses
 from autopar.executor.support import refusal
 from autopar.executor.train_step import apply
+from autopar.executor.mesh import release_meshes
 from autopar.modelfile import load_model_file
 from autopar.plan import PRECISIONS, Plan
 from autopar.search.space import enumerate_plans
@@ -121,6 +122,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                 os._exit(1)  # mp.spawn then ends the peers
             f.write(json.dumps({"case": name, **result}) + "\n")
             f.flush()
+    release_meshes()  # the plans' models and meshes: destroying the groups then joins their threads
     dist.destroy_process_group()
 
 

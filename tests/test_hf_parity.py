@@ -21,6 +21,7 @@ from hf_configs import PARITY_FAMILIES, write_configs  # noqa: E402
 
 from autopar.executor.parity import max_relative_difference, reference_losses  # noqa: E402
 from autopar.executor.train_step import apply  # noqa: E402
+from autopar.executor.mesh import release_meshes  # noqa: E402
 from autopar.modelfile import load_model_file  # noqa: E402
 from autopar.plan import Plan  # noqa: E402
 
@@ -98,6 +99,7 @@ def _worker(rank: int, port: int, out: str, cases: dict) -> None:
                in cases.items()}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
+    release_meshes()  # the plans' models and meshes: destroying the groups then joins their threads
     dist.destroy_process_group()
 
 

@@ -7,6 +7,7 @@ whether this node has a GPU for every rank, unless the caller forces one.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -77,14 +78,16 @@ def init_distributed(backend: str = "auto", timeout_s: float | None = None) -> t
 
 
 def release_meshes() -> None:
-    """Let meshes nothing else uses be freed. DTensor's sharding-propagation caches keep every mesh
-    an op ran on, and a mesh keeps its process groups (its `_pg_registry`): while they live,
+    """Free the meshes and models nothing uses any more, before `dist.destroy_process_group()`.
+    DTensor's sharding-propagation caches keep every mesh an op ran on, a mesh keeps its process
+    groups (its `_pg_registry`), and models hold them in reference cycles: while any lives,
     destroying the groups does not join gloo's worker threads (see `ParallelModel.close`)."""
     from torch.distributed.tensor import debug  # torch 2.6 lacks the helper: the caches then stay
 
     clear = getattr(debug, "_clear_sharding_prop_cache", None)
     if clear is not None:
         clear()
+    gc.collect()
 
 
 def current_backend(backend: str = "auto") -> str:

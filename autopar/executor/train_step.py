@@ -12,7 +12,6 @@ whole model exists once, in rank 0's host RAM, and no stage reaches a device uns
 from __future__ import annotations
 
 import contextlib
-import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -174,7 +173,6 @@ class ParallelModel:
         self.model = self.parts = self.optimizer = self.schedule = self.scaler = None
         self.tp_leaves, self.tied, self.experts, self.topo = [], None, None, None
         release_meshes()
-        gc.collect()
 
     def global_losses(self, losses: Sequence[torch.Tensor | None]) -> list[float]:
         """Global-batch mean losses of steps, from every rank's `train_step` results (a collective:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.executor.train_step import apply
+from autopar.executor.mesh import release_meshes
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
 
@@ -50,6 +51,7 @@ def main(out: str, backend: str) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    release_meshes()  # the plans' models and meshes: destroying the groups then joins their threads
     dist.destroy_process_group()
 
 
