@@ -17,10 +17,10 @@ import torch.multiprocessing as mp
 from conftest import free_port
 
 from autopar.executor import weights
+from autopar.executor.mesh import release_meshes
 from autopar.executor.parity import max_relative_difference, reference_losses
 from autopar.executor.state import load_checkpoint, save_checkpoint
 from autopar.executor.train_step import apply
-from autopar.executor.mesh import release_meshes
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
 

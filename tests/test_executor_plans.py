@@ -25,10 +25,10 @@ from torch.multiprocessing.spawn import ProcessException
 from conftest import free_port, workload
 
 from autopar.errors import PlanError
+from autopar.executor.mesh import release_meshes
 from autopar.executor.parity import TOLERANCES, max_relative_difference, reference_losses
 from autopar.executor.support import refusal
 from autopar.executor.train_step import apply
-from autopar.executor.mesh import release_meshes
 from autopar.modelfile import load_model_file
 from autopar.plan import PRECISIONS, Plan
 from autopar.search.space import enumerate_plans

@@ -19,9 +19,9 @@ pytest.importorskip("transformers")
 
 from hf_configs import PARITY_FAMILIES, write_configs  # noqa: E402
 
+from autopar.executor.mesh import release_meshes  # noqa: E402
 from autopar.executor.parity import max_relative_difference, reference_losses  # noqa: E402
 from autopar.executor.train_step import apply  # noqa: E402
-from autopar.executor.mesh import release_meshes  # noqa: E402
 from autopar.modelfile import load_model_file  # noqa: E402
 from autopar.plan import Plan  # noqa: E402
 

@@ -9,8 +9,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from autopar.executor.train_step import apply
 from autopar.executor.mesh import release_meshes
+from autopar.executor.train_step import apply
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
 
