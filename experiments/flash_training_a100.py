@@ -57,7 +57,9 @@ def main() -> None:
         table.add_column(name, justify="left" if name in ("model", "plan (eager)") else "right")
     errors = {False: [], True: []}
     for row in rows():
-        (eager, _, eager_plan, est), (comp, comp_mfu, _, _) = predicted(row).values()
+        runs = predicted(row)
+        eager, _, eager_plan, est = runs[False]
+        comp, comp_mfu, _, _ = runs[True]
         for compiled, tokens in ((False, eager), (True, comp)):
             errors[compiled].append(tokens / float(row["tokens_per_s"]) - 1)
         table.add_row(row["model"], eager_plan.describe(), f"{float(row['tokens_per_s']):,.0f}",
