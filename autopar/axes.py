@@ -296,6 +296,13 @@ def _dp_allowed(workload, dp: int) -> str | None:
                                          f"whose data-parallel part divides it")
 
 
+def padded_vocab(vocab: int, tp: int, elements: int = 8) -> int:
+    """The smallest vocabulary at least `vocab` whose slice on each of tp ranks is a multiple of
+    `elements`: 8 16-bit elements are the 16 bytes cuBLAS's tensor-core kernels align to
+    (autopar/cost/alignment.py); Megatron-LM pads the same way, to 128 x tp."""
+    return math.ceil(vocab / (elements * tp)) * elements * tp
+
+
 def _tp_allowed(workload, tp: int) -> str | None:
     profile = workload.profile
     if tp == 1:
@@ -304,8 +311,12 @@ def _tp_allowed(workload, tp: int) -> str | None:
         return f"tp={tp} but {profile.tp_note or 'the model has no tensor-parallel plan'}"
     bad = [u for u in profile.tp_units if u % tp]
     if bad:
-        return (f"tp={tp} does not divide {bad} (heads / sharded dims of the model); "
-                f"use a tp that divides {math.gcd(*profile.tp_units)}")
+        common = math.gcd(*profile.tp_units)
+        fix = f"use a tp that divides {common}" if common > 1 else "only tp=1 divides them all"
+        vocab = (profile.dims or {}).get("vocab")
+        if vocab in bad:  # Megatron-LM pads it (--make-vocab-size-divisible-by); a model file can too
+            fix += f", or pad the vocabulary to {padded_vocab(vocab, tp):,}"
+        return f"tp={tp} does not divide {bad} (heads / sharded dims of the model); {fix}"
 
     if not sequence_parallel_options(profile, tp):
         return (f"tp={tp} needs sequence parallelism for this model ({profile.limits['sp_off']}), but the sequence "
