@@ -132,7 +132,7 @@ def run(args) -> int:
     est = estimate(workload, plan)
     if args.json:
         print_json({**est.to_dict(), "plan": plan.to_dict(), "workload": workload_dict(workload),
-                    "calibration_note": regime_note(workload, plan, est)})
+                    "calibration_note": regime_note(workload, plan, est), "notes": notes(workload, plan, est)})
         return 0
     console = Console()
     console.print(f"[bold]{workload.describe()}[/bold]")

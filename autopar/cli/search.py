@@ -80,7 +80,7 @@ def run(args) -> int:
                              for p, e in zip(plans[1:], estimates[1:])],
             "why": [{"knob": r.knob, "chosen": r.chosen, "instead": r.text} for r in reasons],
             "workload": workload_dict(workload), "method": args.method,
-            "calibration_note": regime_note(workload, best, best_est),
+            "calibration_note": regime_note(workload, best, best_est), "notes": notes(workload, best, best_est),
             "confidence": None if confidence is None else {"probability": confidence.probability,
                                                            "min_step": confidence.min_step},
             "cost_model_evaluations": planner.evaluations, "wall_time_s": wall, "plot": written,
