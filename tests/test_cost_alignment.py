@@ -73,3 +73,20 @@ def test_estimate_prints_the_note_and_lists_it_in_json(capsys):
         "gpt", "dgx-h100", global_batch=16, size="tiny", vocab=250), _plan(1))]
     assert main(args) == 0
     assert "pad the vocabulary to 256" in " ".join(capsys.readouterr().out.split())
+
+
+def test_explain_prints_the_notes_search_and_estimate_print(tmp_path, capsys):
+    import json
+
+    from autopar.cli import main
+
+    path = tmp_path / "plan.json"
+    _plan(1).save(path)
+    args = ["explain", str(path), "gpt", "--model-arg", "size=tiny", "--model-arg", "vocab=250", "--cluster",
+            "dgx-h100", "--nodes", "1", "--global-batch", "16"]
+    assert main([*args, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert any("pad the vocabulary to 256" in n for n in d["notes"]) and "runtime torch" in d["calibration_note"]
+    assert main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "pad the vocabulary to 256" in out and "outside the calibrated regime" in out
