@@ -299,7 +299,7 @@ def _dp_allowed(workload, dp: int) -> str | None:
 def padded_vocab(vocab: int, tp: int, elements: int = 8) -> int:
     """The smallest vocabulary at least `vocab` whose slice on each of tp ranks is a multiple of
     `elements`: 8 16-bit elements are the 16 bytes cuBLAS's tensor-core kernels align to
-    (autopar/cost/alignment.py); Megatron-LM pads the same way, to 128 x tp."""
+    (autopar/cost/vocabulary.py); Megatron-LM pads the same way, to 128 x tp."""
     return math.ceil(vocab / (elements * tp)) * elements * tp
 
 

@@ -9,8 +9,8 @@ is the traces', which the calibration report states, so no note is made for them
 
 from __future__ import annotations
 
-from autopar.cost.alignment import alignment_note
 from autopar.cost.coefficients import gpu_calibration
+from autopar.cost.vocabulary import vocabulary_note
 from autopar.runtime import megatron_attention
 
 _TRACE_FITTED = ("gemm_efficiency", "gemm_half_flops", "block_host_s")
@@ -77,4 +77,4 @@ def selective_note(workload, plan) -> str:
 def notes(workload, plan, est=None) -> list[str]:
     """The one-line notes `autopar search` and `autopar estimate` print under an estimate."""
     return [n for n in (regime_note(workload, plan, est), selective_note(workload, plan),
-                        alignment_note(workload, plan)) if n]
+                        vocabulary_note(workload, plan)) if n]
