@@ -75,6 +75,6 @@ def selective_note(workload, plan) -> str:
 
 
 def notes(workload, plan, est=None) -> list[str]:
-    """The one-line notes `autopar search` and `autopar estimate` print under an estimate."""
+    """The one-line notes `autopar search`, `estimate` and `explain` print under an estimate."""
     return [n for n in (regime_note(workload, plan, est), selective_note(workload, plan),
                         vocabulary_note(workload, plan)) if n]
