@@ -28,6 +28,7 @@ from typing import Any
 
 from autopar.capability import context_parallel_allowed, context_parallel_offered, sequence_parallel_options
 from autopar.errors import PlanError
+from autopar.runtime import pads_vocabulary
 
 Check = Callable[[Any, int], "str | None"]  # (workload, degree) -> None when allowed, else why not
 
@@ -309,11 +310,12 @@ def _tp_allowed(workload, tp: int) -> str | None:
         return None
     if not profile.has_tp_plan:
         return f"tp={tp} but {profile.tp_note or 'the model has no tensor-parallel plan'}"
-    bad = [u for u in profile.tp_units if u % tp]
+    vocab = (profile.dims or {}).get("vocab")
+    units = [u for u in profile.tp_units if not (u == vocab and pads_vocabulary(workload))]
+    bad = [u for u in units if u % tp]
     if bad:
-        common = math.gcd(*profile.tp_units)
+        common = math.gcd(*units)
         fix = f"use a tp that divides {common}" if common > 1 else "only tp=1 divides them all"
-        vocab = (profile.dims or {}).get("vocab")
         if vocab in bad:  # Megatron-LM pads it (--make-vocab-size-divisible-by); a model file can too
             fix += f", or pad the vocabulary to {padded_vocab(vocab, tp):,}"
         return f"tp={tp} does not divide {bad} (heads / sharded dims of the model); {fix}"

@@ -56,6 +56,13 @@ ANY_RUNTIME = (*MOE_SWITCHES, "megatron_softmax", "megatron_cross_entropy")  # s
 # not Megatron-Core's scheduling
 
 
+def pads_vocabulary(workload) -> bool:
+    """Whether the runtime pads the vocabulary itself: Megatron-LM rounds it up to a multiple of 128 x
+    tp (`--make-vocab-size-divisible-by`, default 128), so every tp divides it and every rank's slice
+    is aligned; autopar's executor shards the model file's own vocabulary."""
+    return workload.runtime == "megatron"
+
+
 def megatron_attention(workload) -> bool:
     """Whether Megatron's own attention runs whatever the model file writes: under runtime megatron,
     or under another runtime with the megatron_softmax switch (Megatron-DeepSpeed's runs)."""

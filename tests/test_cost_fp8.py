@@ -150,7 +150,11 @@ def test_megatron_fp8_saves_activations_and_keeps_fp8_weight_copies():
     bf16 = evaluate(dataclasses.replace(w, fp8=False), _as(space, precision="bf16", fp8_recipe="none"))
     f8 = evaluate(w, _as(space, precision="fp8", fp8_recipe="tensorwise"))
     assert np.all(f8["activations"] < bf16["activations"]) and np.all(f8["weights"] > bf16["weights"])
-    assert np.median(f8["iteration_time"] / bf16["iteration_time"]) < 0.9  # TE's fp8 needs no compile
+    # TE's fp8 needs no compile: faster at every tensor-parallel degree, least where tp shrinks the GEMMs
+    # (Megatron pads GPT-2's vocabulary, so tp 2-8 are in the space beside tp 1)
+    ratio, tp = f8["iteration_time"] / bf16["iteration_time"], space.tp
+    assert np.median(ratio[tp == 1]) < 0.9
+    assert all(np.median(ratio[tp == t]) < 0.97 for t in np.unique(tp)) and len(np.unique(tp)) > 1
 
 
 def test_fsdp_gathers_fp8_weights_with_tensorwise_scaling():

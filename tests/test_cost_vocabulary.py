@@ -57,6 +57,20 @@ def test_note_exactly_when_the_vocabulary_limits_tp_or_is_off_the_16_byte_grid(v
     assert note in notes(w, plan)
 
 
+def test_megatron_pads_the_vocabulary_itself_so_any_tp_runs_and_nothing_is_said():
+    """Megatron-LM rounds the vocabulary up to a multiple of 128 x tp: under runtime megatron tp need
+    not divide the file's vocabulary, and there is nothing to note; under torch the same plan is refused."""
+    import dataclasses
+
+    torch_w = workload("gpt", "dgx-h100", global_batch=16, size="tiny", vocab=250)
+    megatron_w = dataclasses.replace(torch_w, runtime="megatron")
+    with pytest.raises(AutoparError, match="does not divide"):
+        _plan(tp=4).validate(torch_w)
+    _plan(tp=4).validate(megatron_w)
+    assert vocabulary_note(megatron_w, _plan(tp=4)) == "" and vocabulary_note(megatron_w, _plan(tp=1)) == ""
+    assert vocabulary_note(torch_w, _plan(tp=1)) != ""
+
+
 def test_no_note_for_a_model_without_a_vocabulary():
     assert vocabulary_note(workload("resnet", "dgx-h100", global_batch=16, size="tiny"), _plan(1)) == ""
 

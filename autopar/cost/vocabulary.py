@@ -1,7 +1,8 @@
 """What the output layer's vocabulary costs that the estimate does not show, as one note.
 
 Two things, both fixed by padding the vocabulary (Megatron-LM pads to a multiple of 128 x tp,
-`--make-vocab-size-divisible-by`; nanoGPT pads GPT-2's 50,257 to 50,304):
+`--make-vocab-size-divisible-by`, so under runtime megatron neither arises and tp need not divide
+the file's vocabulary; nanoGPT pads GPT-2's 50,257 to 50,304):
 
 - tensor parallelism shards the vocabulary, so tp must divide it (`autopar/axes.py`); a
   vocabulary such as 50,257 (29 x 1,733) leaves only tp 1, and the search cannot say why a plan
@@ -21,6 +22,7 @@ from __future__ import annotations
 import math
 
 from autopar.axes import divisors, padded_vocab
+from autopar.runtime import pads_vocabulary
 
 ALIGN_BYTES = 16
 HEAD_BYTES = {"fp32": 4}  # the head's GEMM input bytes by plan precision; 2 otherwise (fp8 keeps the head in bf16)
@@ -56,7 +58,7 @@ def vocabulary_note(workload, plan) -> str:
     tiles; "" otherwise."""
     profile = workload.profile
     columns = vocab_per_rank(profile, plan.tp)
-    if columns is None:
+    if columns is None or pads_vocabulary(workload):  # Megatron pads it to 128 x tp: nothing to say
         return ""
     vocab = profile.dims["vocab"]
     elements = ALIGN_BYTES // HEAD_BYTES.get(plan.precision, 2)
