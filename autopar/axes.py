@@ -16,7 +16,8 @@ where a cp axis is declared), the one declared today.
 
 Mesh orders are the few that matter, declared (`mesh_orders`), not every permutation: the
 default (axes by mesh position) and the one with data parallelism innermost. This module
-imports only the standard library (torch only inside `ParallelDims.build_mesh`).
+imports the standard library and the contract modules beside it (capability, errors, runtime;
+torch only inside `ParallelDims.build_mesh`).
 """
 
 from __future__ import annotations
