@@ -28,16 +28,6 @@ ALIGN_BYTES = 16
 HEAD_BYTES = {"fp32": 4}  # the head's GEMM input bytes by plan precision; 2 otherwise (fp8 keeps the head in bf16)
 
 
-def vocab_per_rank(profile, tp: int) -> int | None:
-    """Output columns of the head on one tensor-parallel rank (the largest slice), or None when the
-    profile names no vocabulary."""
-    vocab = (profile.dims or {}).get("vocab")
-    if not vocab:
-        return None
-    sharded = tp > 1 and profile.head.tp_params > 0
-    return math.ceil(vocab / tp) if sharded else int(vocab)
-
-
 def tp_limit(workload) -> tuple[int, int]:
     """(largest tp the vocabulary allows, largest the model's other sharded dims allow), both within
     one node (where tensor parallelism runs) and dividing the world; equal when the vocabulary is
@@ -57,10 +47,11 @@ def vocabulary_note(workload, plan) -> str:
     rank's slice of it is off the 16-byte grid on a GPU whose GEMMs run in cuBLAS's tensor-core
     tiles; "" otherwise."""
     profile = workload.profile
-    columns = vocab_per_rank(profile, plan.tp)
-    if columns is None or pads_vocabulary(workload):  # Megatron pads it to 128 x tp: nothing to say
+    vocab = (profile.dims or {}).get("vocab")
+    if not vocab or pads_vocabulary(workload):  # Megatron pads it to 128 x tp: nothing to say
         return ""
-    vocab = profile.dims["vocab"]
+    head_tp = plan.tp if profile.head.tp_params > 0 else 1  # a head without a tp plan keeps it whole
+    columns = math.ceil(vocab / head_tp)  # the largest rank's slice
     elements = ALIGN_BYTES // HEAD_BYTES.get(plan.precision, 2)
     allowed, possible = tp_limit(workload)
     misaligned = bool(workload.cluster.gpu.sms) and columns % elements != 0  # GPUs priced by their tiles
@@ -73,7 +64,7 @@ def vocabulary_note(workload, plan) -> str:
                     "on slower tensor-core kernels, which the estimate does not price")
     if not said:
         return ""
-    tp = possible if allowed < possible else (plan.tp if profile.head.tp_params > 0 else 1)
+    tp = possible if allowed < possible else head_tp
     per_rank = f" ({elements} per rank x tp {tp})" if tp > 1 else ""
     return (f"note: the output layer's vocabulary ({vocab:,}) {' and '.join(said)}; pad it to "
             f"{padded_vocab(vocab, tp, elements):,}{per_rank}")
