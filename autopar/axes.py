@@ -29,7 +29,7 @@ from typing import Any
 
 from autopar.capability import context_parallel_allowed, context_parallel_offered, sequence_parallel_options
 from autopar.errors import PlanError
-from autopar.runtime import pads_vocabulary
+from autopar.runtime import vocab_padding
 
 Check = Callable[[Any, int], "str | None"]  # (workload, degree) -> None when allowed, else why not
 
@@ -302,7 +302,20 @@ def padded_vocab(vocab: int, tp: int, elements: int = 8) -> int:
     """The smallest vocabulary at least `vocab` whose slice on each of tp ranks is a multiple of
     `elements`: 8 16-bit elements are the 16 bytes cuBLAS's tensor-core kernels align to
     (autopar/cost/vocabulary.py); Megatron-LM pads the same way, to 128 x tp."""
-    return math.ceil(vocab / (elements * tp)) * elements * tp
+    return -(-vocab // (elements * tp)) * elements * tp  # ceil, for NumPy arrays of tp too
+
+
+def tp_units(workload, vocab: bool = True) -> tuple[int, ...]:
+    """What tp must divide (heads, sharded widths, the vocabulary); without the vocabulary where the
+    runtime pads it itself, or when asked (cost/vocabulary.py: what the rest of the model allows).
+    Only the embedding's and head's vocabulary leaves: a layer's width equal to it stays."""
+    profile = workload.profile
+    v = (profile.dims or {}).get("vocab")
+    if v is None or vocab and not vocab_padding(workload):
+        return profile.tp_units
+    last = len(profile.blocks) - 1
+    return tuple(sorted({u for i, b in enumerate(profile.blocks) for u in b.tp_units
+                         if not (u == v and i in (0, last))}))
 
 
 def _tp_allowed(workload, tp: int) -> str | None:
@@ -312,7 +325,7 @@ def _tp_allowed(workload, tp: int) -> str | None:
     if not profile.has_tp_plan:
         return f"tp={tp} but {profile.tp_note or 'the model has no tensor-parallel plan'}"
     vocab = (profile.dims or {}).get("vocab")
-    units = [u for u in profile.tp_units if not (u == vocab and pads_vocabulary(workload))]
+    units = tp_units(workload)
     bad = [u for u in units if u % tp]
     if bad:
         common = math.gcd(*units)
@@ -332,7 +345,8 @@ def _tp_allowed(workload, tp: int) -> str | None:
 declare_axis(Axis("dp", "data", 1, _dp_allowed, derived=True, help="data-parallel degree", reduces_gradients=True))
 declare_axis(Axis("tp", "tensor", 3, _tp_allowed, help="tensor-parallel degree"))
 declare_axis(Axis("pp", "pipeline", 0, _pp_allowed, help="pipeline-parallel degree"))
-declare_axis(Axis("cp", "context", 2, context_parallel_allowed, reduces_gradients=True, offered=context_parallel_offered,
+declare_axis(Axis("cp", "context", 2, context_parallel_allowed, reduces_gradients=True,
+                  offered=context_parallel_offered,
                   help="context-parallel degree: the sequence split over cp ranks (docs/context-parallel.md)"))
 
 

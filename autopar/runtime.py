@@ -42,8 +42,8 @@ MEGATRON_SWITCHES = {
                        "run under another micro-batch's compute (1F1B A2A overlap)",
     "megatron_softmax": "Megatron-LM's unfused attention (baddbmm, FusedScaleMaskSoftmax, dropout, bmm) under a "
                         "runtime other than megatron, whatever the model file writes: its traffic and saved bytes "
-                        "from the score count, as runtime megatron prices it without flash_attn (the Megatron-DeepSpeed "
-                        "runs vTrain measured)",
+                        "from the score count, as runtime megatron prices it without flash_attn (the "
+                        "Megatron-DeepSpeed runs vTrain measured)",
     "megatron_cross_entropy": "Megatron-LM's vocab-parallel cross-entropy on fp32 logits (output.float(), max, "
                               "exp, sum, divide: unfused passes over the logits) instead of the file's loss, under any "
                               "runtime (the Megatron-DeepSpeed runs vTrain measured)",
@@ -56,11 +56,16 @@ ANY_RUNTIME = (*MOE_SWITCHES, "megatron_softmax", "megatron_cross_entropy")  # s
 # not Megatron-Core's scheduling
 
 
-def pads_vocabulary(workload) -> bool:
-    """Whether the runtime pads the vocabulary itself: Megatron-LM rounds it up to a multiple of 128 x
-    tp (`--make-vocab-size-divisible-by`, default 128), so every tp divides it and every rank's slice
-    is aligned; autopar's executor shards the model file's own vocabulary."""
-    return workload.runtime == "megatron"
+MEGATRON_VOCAB_MULTIPLE = 128  # --make-vocab-size-divisible-by's default
+
+
+def vocab_padding(workload) -> int:
+    """The multiple, per tensor-parallel rank, to which the runtime pads the vocabulary itself, 0 when it
+    runs the file's own: Megatron-LM rounds it up to a multiple of 128 x tp
+    (`--make-vocab-size-divisible-by`), so every tp divides it and every rank's slice is aligned, and
+    the padded rows and columns are weights and GEMM work like any other (cost/vocabulary.py
+    `tp_split`); autopar's executor shards the model file's own vocabulary."""
+    return MEGATRON_VOCAB_MULTIPLE if workload.runtime == "megatron" else 0
 
 
 def megatron_attention(workload) -> bool:

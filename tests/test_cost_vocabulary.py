@@ -118,3 +118,45 @@ def test_explain_prints_the_notes_search_and_estimate_print(tmp_path, capsys):
     assert main(args) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "pad it to 256" in out and "outside the calibrated regime" in out
+
+
+def test_megatron_prices_its_padded_vocabulary_as_weights_and_gemm_work(monkeypatch):
+    """Under runtime megatron the vocabulary runs padded to 128 x tp: GPT-2's 50,257 at tp 4 holds
+    and multiplies the weights of 50,688 columns, so its embedding and head weigh exactly what a
+    50,688 vocabulary's do, and its GEMM time lies between the unpadded price and the padded model's."""
+    import dataclasses
+
+    import autopar.cost.vocabulary as vocabulary
+    from autopar.cost import estimate
+
+    def est(vocab):
+        w = workload("gpt", "dgx-a100-80g", global_batch=64, size="gpt2-small", vocab=vocab)
+        plan = Plan(dp=2, tp=4, pp=1, micro_batch_size=4, num_micro_batches=8, precision="bf16")
+        return estimate(dataclasses.replace(w, runtime="megatron"), plan)
+
+    padded, aligned = est(50257), est(50688)
+    split = vocabulary.tp_split(dataclasses.replace(workload("gpt", "dgx-a100-80g", global_batch=64, size="tiny",
+                                                             vocab=250), runtime="megatron"), [1, 2, 4], 6)
+    assert split[:, 1:-1].tolist() == [[1.0] * 4, [2.0] * 4, [4.0] * 4]  # layers: tp
+    assert split[:, 0].tolist() == split[:, -1].tolist() == [250 / 256, 500 / 256, 1000 / 512]  # the ends padded
+    assert padded.memory["weights"] == aligned.memory["weights"]
+    monkeypatch.setattr(vocabulary, "vocab_padding", lambda w: 0)  # the file's vocabulary as it is
+    unpadded = est(50257)
+    assert unpadded.memory["weights"] < padded.memory["weights"]
+    # the loss's passes over the logits and their gather stay at the file's vocabulary (docs/hardware.md)
+    assert unpadded.breakdown["compute"] < padded.breakdown["compute"] < aligned.breakdown["compute"]
+
+
+def test_only_the_ends_vocabulary_leaves_what_tp_must_divide():
+    """The tiny GPT's MLP is 256 wide: with a 256 vocabulary that width still binds tp when the
+    vocabulary does not (runtime megatron pads it, or the note asks what the rest allows)."""
+    import dataclasses
+
+    from autopar.axes import tp_units
+
+    same = workload("gpt", "dgx-h100", global_batch=16, size="tiny", vocab=256)
+    assert same.profile.dims["ffn"] == 256 and 256 in tp_units(same, vocab=False)
+    assert 256 in tp_units(dataclasses.replace(same, runtime="megatron"))
+    other = workload("gpt", "dgx-h100", global_batch=16, size="tiny", vocab=250)
+    assert 250 in tp_units(other) and 250 not in tp_units(other, vocab=False)
+    assert tp_units(dataclasses.replace(other, runtime="megatron")) == tp_units(other, vocab=False)

@@ -39,7 +39,7 @@ from autopar.cost.arrays import PlanArrays, mesh_order_of, unique_rows
 from autopar.cost.coefficients import Coefficients
 from autopar.cost.collectives import all_gather_time, all_reduce_time
 from autopar.cost import moe
-from autopar.cost import cross_entropy, softmax_fallback
+from autopar.cost import cross_entropy, softmax_fallback, vocabulary
 from autopar.cost import precision as fp8
 from autopar.cost.fused import megatron_layer_io
 from autopar.cost.context_parallel import gradient_group_size, sequence_share
@@ -49,7 +49,8 @@ from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, PRECISIONS, RECOMPUTE_MODES,
 
 PRECISION_BYTES = np.array([DTYPE_BYTES[p] for p in PRECISIONS], dtype=float)
 COMM_BYTES = np.array([DTYPE_BYTES[p] for p in COMM_DTYPES], dtype=float)
-SIXTEEN_BIT = np.array([storage_dtype(p) in ("bf16", "fp16") for p in PRECISIONS])  # Megatron's fused softmax takes these
+# what Megatron's fused softmax takes
+SIXTEEN_BIT = np.array([storage_dtype(p) in ("bf16", "fp16") for p in PRECISIONS])
 SELECTIVE, FULL = RECOMPUTE_MODES.index("selective"), RECOMPUTE_MODES.index("full")
 GPIPE, INTERLEAVED = SCHEDULES.index("gpipe"), SCHEDULES.index("interleaved")
 
@@ -169,16 +170,17 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     hbm = hbm_raw / c.elementwise_traffic  # the model file's profiled bytes, fused as the fit found
     links = _links(cluster, g, c)
     tp_bw, tp_lat = col(links["tp_bw"]), col(links["tp_lat"])
+    split = vocabulary.tp_split(workload, g.tp, len(profile.blocks))  # t; less at Megatron's padded ends
 
     # -- per block kind, per micro-batch on one GPU: (G, K) --------------------------------------
-    flops_f = b * (k["tp_fwd_flops"] / t + (k["fwd_flops"] - k["tp_fwd_flops"]))
+    flops_f = b * (k["tp_fwd_flops"] / split + (k["fwd_flops"] - k["tp_fwd_flops"]))
     flops_b = flops_f * _ratio(k["bwd_flops"], k["fwd_flops"])
     shape = kind_efficiency(profile, b[:, 0], g.tp, cluster.gpu.sms)  # tile and wave quantisation
     eff = c.gemm_efficiency * shape * flops_f / (flops_f + c.gemm_half_flops)
     rate = peak * np.maximum(eff, 1e-9)
     scale = fp8.compute_scale(workload, g, b, flops_f, c)  # fp8's GEMMs and casts, compile's fusion
     shard = _ratio(k["saved_tp_bytes"], k["saved_bytes"])
-    io_f = b * act_scale * k["io_bytes"] * (shard / t + (1 - shard) / sp_div) / hbm * scale["elementwise"]
+    io_f = b * act_scale * k["io_bytes"] * (shard / split + (1 - shard) / sp_div) / hbm * scale["elementwise"]
     base = c.collective_latency_s
     tp_ar = np.where(t > 1, all_reduce_time(b * act_scale * k["tp_comm_bytes"], t, tp_bw, tp_lat, base), 0.0)
     compute_f = flops_f * scale["gemm"] / rate + io_f + scale["cast_f"]
@@ -201,7 +203,7 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
         tp_f = tp_b = tp_ar
     attn_io = b * act_scale * k["attn_core_io_bytes"] / t / hbm  # the core is split by heads
     selective_f = b * k["attn_core_flops"] / t / rate + attn_io
-    act_full = (b * act_scale * (k["saved_tp_bytes"] / t + (k["saved_bytes"] - k["saved_tp_bytes"]) / sp_div)
+    act_full = (b * act_scale * (k["saved_tp_bytes"] / split + (k["saved_bytes"] - k["saved_tp_bytes"]) / sp_div)
                 - scale["saved"])
     act_sel = act_full - b * act_scale * k["attn_core_bytes"] / t
     act_ckpt = b * act_scale * k["out_bytes"] / sp_div
@@ -269,10 +271,11 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
                                  (counts * (k["attn_core_flops"] * k["is_layer"])).sum(axis=2)], 0.0)
     return {
         "pipe": pipe, "pp_bubble": pipe - m1 * slowest, "compute": at(compute), "recompute": at(recompute),
-        "tp_comm": at(tp_comm), "ep_comm": at(ep_comm), "pp_p2p": at(p2p), "host": at(per_mb - gpu_mb) if host else np.zeros(len(g)),
+        "tp_comm": at(tp_comm), "ep_comm": at(ep_comm), "pp_p2p": at(p2p),
+        "host": at(per_mb - gpu_mb) if host else np.zeros(len(g)),
         "hidden_tp_comm": at(tp_hidden),
         "backward_s": on(compute_b + tp_b), "forward_s": on(compute_f + tp_f),
-        "local_params": on(k["tp_params"] / t + (k["params"] - k["tp_params"])),
+        "local_params": on(k["tp_params"] / split + (k["params"] - k["tp_params"])),
         "expert_local": on(routed["expert_params"]),
         "activations": act_mb * in_flight + working, "block_params": block_params,
         "model_flops_per_sample": np.full(len(g), _model_flops(profile, k, total_counts)),

@@ -1,8 +1,10 @@
-"""What the output layer's vocabulary costs that the estimate does not show, as one note.
+"""The output layer's vocabulary: what a runtime's padding of it costs, and, as one note, what the
+estimate does not show.
 
-Two things, both fixed by padding the vocabulary (Megatron-LM pads to a multiple of 128 x tp,
-`--make-vocab-size-divisible-by`, so under runtime megatron neither arises and tp need not divide
-the file's vocabulary; nanoGPT pads GPT-2's 50,257 to 50,304):
+Megatron-LM pads the vocabulary itself, to a multiple of 128 x tp (`--make-vocab-size-divisible-by`):
+its padded rows and columns are priced like the others (`tp_split`), tp need not divide the file's
+vocabulary there, and the note has nothing to say. Under other runtimes it says two things, both
+fixed by padding the vocabulary (nanoGPT pads GPT-2's 50,257 to 50,304):
 
 - tensor parallelism shards the vocabulary, so tp must divide it (`autopar/axes.py`); a
   vocabulary such as 50,257 (29 x 1,733) leaves only tp 1, and the search cannot say why a plan
@@ -21,11 +23,26 @@ from __future__ import annotations
 
 import math
 
-from autopar.axes import divisors, padded_vocab
-from autopar.runtime import pads_vocabulary
+import numpy as np
+
+from autopar.axes import divisors, padded_vocab, tp_units
+from autopar.runtime import vocab_padding
 
 ALIGN_BYTES = 16
 HEAD_BYTES = {"fp32": 4}  # the head's GEMM input bytes by plan precision; 2 otherwise (fp8 keeps the head in bf16)
+
+
+def tp_split(workload, tp, kinds: int) -> np.ndarray:
+    """Over how many ranks each block kind's tensor-parallel-sharded part is spread, shape (G, K): tp,
+    and at the ends (embedding rows, head columns) under a runtime that pads the vocabulary itself
+    tp x the file's vocabulary over the padded one: Megatron's padded rows and columns are weights,
+    GEMM work and logits like the others, though model FLOPs count the file's vocabulary."""
+    t = np.asarray(tp, dtype=float)
+    split = np.repeat(t[:, None], kinds, axis=1)
+    vocab, multiple = (workload.profile.dims or {}).get("vocab"), vocab_padding(workload)
+    if vocab and multiple:
+        split[:, [0, -1]] = (vocab * t / padded_vocab(vocab, t, multiple))[:, None]
+    return split
 
 
 def tp_limit(workload) -> tuple[int, int]:
@@ -36,8 +53,7 @@ def tp_limit(workload) -> tuple[int, int]:
     vocab = (profile.dims or {}).get("vocab")
     if not profile.has_tp_plan or vocab not in profile.tp_units:
         return 1, 1
-    others = [u for u in profile.tp_units if u != vocab]
-    common = math.gcd(*others)  # 0 when nothing else is sharded: every t divides it
+    common = math.gcd(*tp_units(workload, vocab=False))  # 0 when nothing else is sharded: every t divides it
     fits = [t for t in divisors(workload.world_size) if t <= cluster.gpus_per_node and common % t == 0]
     return max(t for t in fits if vocab % t == 0), max(fits)
 
@@ -48,7 +64,7 @@ def vocabulary_note(workload, plan) -> str:
     tiles; "" otherwise."""
     profile = workload.profile
     vocab = (profile.dims or {}).get("vocab")
-    if not vocab or pads_vocabulary(workload):  # Megatron pads it to 128 x tp: nothing to say
+    if not vocab or vocab_padding(workload):  # Megatron pads it to 128 x tp: nothing to say
         return ""
     head_tp = plan.tp if profile.head.tp_params > 0 else 1  # a head without a tp plan keeps it whole
     columns = math.ceil(vocab / head_tp)  # the largest rank's slice
