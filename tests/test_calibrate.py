@@ -309,11 +309,11 @@ def test_vtrain_single_node_cv_and_multi_node_transfer(tmp_path):
     result = calibrate([single], VTRAIN_CLUSTER, folds=5, evaluate=[multi], allreduce=tables)
     v = result.validation
     assert v["rows"] == 1440 and len(v["folds"]) == 5
-    # 6.19% (the issue asks 6%: not met, docs/hardware.md "vTrain" says what was tried); 6.68% without
-    # Megatron's softmax fallback and fp32 loss (switch megatron_cross_entropy)
-    assert v["mape"] <= 0.065 and v["spearman"] >= 0.95, (v["mape"], v["spearman"])
+    # 6.03% (the issue asks 6%: not met, docs/hardware.md "vTrain" says what was tried); 6.19% with the
+    # head untied from the embedding, 6.68% also without Megatron's softmax fallback and fp32 loss
+    assert v["mape"] <= 0.061 and v["spearman"] >= 0.95, (v["mape"], v["spearman"])
     m = result.evaluations[str(multi)]
-    # 9.16% with Megatron-DeepSpeed's attention and loss (switches megatron_softmax, megatron_cross_entropy)
+    # 9.14% (9.16% untied) with Megatron-DeepSpeed's attention and loss (switches megatron_softmax, megatron_cross_entropy)
     # and the all-reduce tables weighted by log size (9.47% unweighted); 10.40% with the file's eager ops
     assert m["rows"] == 108 and m["mape"] <= 0.10, m["mape"]  # 109 runs: one plan ran twice (one row, the median)
     ratios = {g["group"].split(" on ")[0]: g["ratio"] for g in m["groups"]}

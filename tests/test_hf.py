@@ -172,3 +172,13 @@ def test_the_pipeline_split_follows_base_model_pp_plan(refs):
     model.hf_config.base_model_pp_plan = {"embed_tokens": None, "layers": None, "extra": None, "norm": None}
     assert model_file.blocks(model) is None
     assert "pp" in model_limits(model, model_file.blocks(model), {})
+
+
+@pytest.mark.parametrize("family, tied", [("llama", False), ("qwen3", True), ("gemma2", True), ("gpt2", True)])
+def test_tied_word_embeddings_are_one_weight_in_the_profile(refs, family, tied):
+    """tie_word_embeddings (gpt2 and gemma2 by default): the head's weight is the embedding's, counted
+    once, and priced as a copy on the last pipeline stage (tests/test_cost_tied.py)."""
+    p = profile_model(refs[family], {}, dtype="fp32", cache=False)
+    vocab, hidden = p.dims["vocab"], p.dims["hidden"]
+    assert (p.tied_params, p.tied_tp_params) == ((vocab * hidden,) * 2 if tied else (0, 0))
+    assert p.head.params < vocab * hidden if tied else p.head.params >= vocab * hidden

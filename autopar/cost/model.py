@@ -5,7 +5,8 @@ micro-batch, each pipeline rank runs forward, backward and any recompute of its 
 tensor-parallel all-reduces on the critical path; a pipeline of m micro-batches takes
 sum over ranks + (m - 1) x the slowest rank (the (p - 1)/m bubble for even stages, (p - 1)/(v m)
 interleaved); data-parallel gradient reduction runs in buckets under the last backward and only
-its excess is exposed; the optimizer step is memory-bound. Small runs add fixed costs the big ones
+its excess is exposed (a tied embedding split over the pipeline adds its exposed all-reduce between
+the two ends); the optimizer step is memory-bound. Small runs add fixed costs the big ones
 hide: each collective call's base latency (`collective_latency_s`), and the host's kernel
 launches (`block_host_s` per block per pass, plus `tp_host_s` for DTensor's dispatch under
 tensor parallelism and `selective_host_s` for PyTorch's selective checkpoint), which the GPU hides
@@ -23,8 +24,8 @@ the score count, or with `flash_attn` a flash kernel whose backward recomputes t
 pipeline's boundary activations travel scattered over the tensor-parallel ranks, and each overlap
 switch the workload turns on hides its collective as Megatron-Core schedules it. Megatron's eager
 paths are priced where they run: its torch softmax where the fused kernel cannot
-(cost/softmax_fallback.py), its fp32 vocabulary-parallel loss under a switch (cost/cross_entropy.py).
-What each overlap hid is returned as `hidden_tp_comm` and `hidden_dp_comm`.
+(cost/softmax_fallback.py), its fp32 vocabulary-parallel loss under a switch (cost/cross_entropy.py),
+its padded vocabulary as weights and GEMM work (cost/vocabulary.py). What each overlap hid is returned as `hidden_tp_comm` and `hidden_dp_comm`.
 
 Shapes: N plans; K block kinds of the profile (embed, layer kinds, head); J representative
 pipeline ranks per plan (see SplitTable). Everything is seconds and bytes.
@@ -133,13 +134,14 @@ def _links(cluster, pa: PlanArrays, coeffs: Coefficients) -> dict[str, np.ndarra
     derived from the cluster graph once per distinct (degrees, mesh order)."""
     names = tuple(axes.AXES)
     first, inverse = unique_rows([getattr(pa, a) for a in names] + [pa.mesh_order])
-    table = np.zeros((len(first), 6))
+    table = np.zeros((len(first), 8))
     for row, i in enumerate(first):
         dims = axes.ParallelDims({a: int(getattr(pa, a)[i]) for a in names}, mesh_order_of(pa.mesh_order[i]))
         sizes, strides, pp = dims.degrees, dims.strides(), dims.degrees["pp"]
         for col, link in enumerate((cluster.ring(sizes["tp"], strides["tp"]),
                                     cluster.ring(*dims.gradient_group()),  # dp (x cp): the gradient group
-                                    cluster.p2p(strides["pp"]) if pp > 1 else None)):
+                                    cluster.p2p(strides["pp"]) if pp > 1 else None,
+                                    cluster.ring(2, (pp - 1) * strides["pp"]) if pp > 1 else None)):  # the ends
             if link is None:
                 table[row, 2 * col:2 * col + 2] = (np.inf, 0.0)
             else:
@@ -147,7 +149,7 @@ def _links(cluster, pa: PlanArrays, coeffs: Coefficients) -> dict[str, np.ndarra
                 table[row, 2 * col + 1] = link.latency * coeffs.latency_scale
     t = table[inverse.reshape(-1)]
     return {"tp_bw": t[:, 0], "tp_lat": t[:, 1], "dp_bw": t[:, 2], "dp_lat": t[:, 3],
-            "pp_bw": t[:, 4], "pp_lat": t[:, 5]}
+            "pp_bw": t[:, 4], "pp_lat": t[:, 5], "tied_bw": t[:, 6], "tied_lat": t[:, 7]}
 
 
 def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]:
@@ -264,6 +266,13 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     in_flight = np.select([sched == GPIPE, sched == INTERLEAVED], [m, chunks / v], np.minimum(pp - rank, m))
     working = np.where(ckpt_frac > 0, (act_full * k["is_layer"]).max(axis=1, keepdims=True), 0.0)
     block_params = ((k["tp_params"] / t + k["params"] - k["tp_params"]) * k["is_layer"]).max(axis=1)
+    # tied embeddings over a pipeline: the last stage keeps a copy of the embedding's weight, and the two
+    # ends all-reduce its gradient every step (Megatron's embedding group, DeepSpeed's tied modules,
+    # autopar's executor/tied.py)
+    tied = profile.tied_tp_params / split[:, -1:] + (profile.tied_params - profile.tied_tp_params)  # (G, 1)
+    ends = (counts[:, :, 0] > 0) | (counts[:, :, -1] > 0)
+    tied_rank = np.where(ends & (pp > 1), tied, 0.0)  # (G, J): what each rank all-reduces with the other end
+    tied_copy = np.where(counts[:, :, 0] > 0, 0.0, tied_rank)
 
     total_counts = np.array([1] + [blk.count for blk in profile.layers] + [1], dtype=float)
     recompute_flops = np.select([mode == FULL, mode == SELECTIVE],
@@ -275,7 +284,8 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
         "host": at(per_mb - gpu_mb) if host else np.zeros(len(g)),
         "hidden_tp_comm": at(tp_hidden),
         "backward_s": on(compute_b + tp_b), "forward_s": on(compute_f + tp_f),
-        "local_params": on(k["tp_params"] / split + (k["params"] - k["tp_params"])),
+        "local_params": on(k["tp_params"] / split + (k["params"] - k["tp_params"])) + tied_copy,
+        "tied_params": tied_rank,
         "expert_local": on(routed["expert_params"]),
         "activations": act_mb * in_flight + working, "block_params": block_params,
         "model_flops_per_sample": np.full(len(g), _model_flops(profile, k, total_counts)),
@@ -375,7 +385,10 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
                                       col(pa.micro_batch_size), col(np.where(pa.sequence_parallel, pa.tp, 1)))
     # the expert gradients' collectives (over edp) share backward's hiding with the dense ones
     edp = experts["edp_s"]
-    dp_time = exposed(np.maximum(hide_b - edp, 0.0), hide_f) + np.maximum(edp - hide_b, 0.0)
+    tied = all_reduce_time(part["tied_params"] * col(COMM_BYTES[pa.grad_comm_dtype]), 2, col(links["tied_bw"]),
+                           col(links["tied_lat"]), base)  # after backward, before the step: exposed
+    dp_time = (exposed(np.maximum(hide_b - edp, 0.0), hide_f) + np.maximum(edp - hide_b, 0.0)
+               + np.where(part["tied_params"] > 0, tied, 0.0))
     dp_hidden = exposed(0.0 * hide_b, 0.0 * hide_f) + edp - dp_time
     shard_states = np.where(zero >= 1, dpn, 1.0)
     opt_params = local_params / shard_states + experts["opt_params"]

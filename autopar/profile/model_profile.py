@@ -95,6 +95,11 @@ class ModelProfile:
     capacity_factor: float = 0.0  # MoE routing: 0.0 dropless, else tokens an expert takes x its balanced share
     node_limit: int = 0  # MoE routing: at most this many expert groups (nodes) per token; 0: no limit
     gate: str = "learned"  # MoE routing: "learned" top-k, or "balanced" (token i -> experts i*k ... i*k + k - 1)
+    # tied input and output embeddings: parameters the head uses that the embedding holds (counted in the
+    # embedding's params only); a pipeline's last stage keeps a copy and all-reduces its gradient with the
+    # first stage's every step (cost/model.py)
+    tied_params: int = 0
+    tied_tp_params: int = 0  # of which sharded by tensor parallelism
 
     def __post_init__(self):
         object.__setattr__(self, "blocks", tuple(self.blocks))

@@ -165,6 +165,7 @@ def _measure(mf: ModelFile, model_args: dict, dtype: str, digest: str) -> ModelP
     layers = [entry(type(rep).__name__, i, count, list(rep.modules()), list(rep.parameters()), heads)
               for i, (rep, count) in enumerate(runs)]
     ends = _outside_blocks(model, blocks if blocks else [model], owner)
+    tied = _tied(ends)
     chain = (entry("embed", "embed", 1, *ends["embed"]), *layers, entry("head", "head", 1, *ends["head"]))
     name = mf.name + "".join(f" {k}={v}" for k, v in sorted(model_args.items()))
     if plan:
@@ -178,6 +179,8 @@ def _measure(mf: ModelFile, model_args: dict, dtype: str, digest: str) -> ModelP
     return ModelProfile(name=name, digest=digest, seq_len=seq_len, dtype=dtype, blocks=chain,
                         has_tp_plan=bool(plan), tp_note=tp_note, dims=dims,
                         limits=model_limits(model, blocks, tp_plan), notes=getattr(mf.module, "notes", ()),
+                        tied_params=sum(p.numel() for p in tied),
+                        tied_tp_params=sum(p.numel() for p in tied if id(p) in sharded),
                         **routing_settings(model.modules()))
 
 
@@ -228,13 +231,13 @@ def _run(mf: ModelFile, model, units, inputs, targets, rec: Recorder, styles: di
 
 def _outside_blocks(model: nn.Module, blocks, owner: dict) -> dict:
     """(modules, parameters) of the embed and head segments: modules outside the blocks, by the
-    segment of their first call (never called: head); a shared parameter counts once."""
+    segment of their first call (never called: head); a shared parameter counts once, in the
+    embedding if it uses it (`_tied`)."""
     in_units = {id(m) for block in blocks for m in block.modules()}
     seen = {id(p) for block in blocks for p in block.parameters()}
     ends = {"embed": ([], []), "head": ([], [])}
-    for m in model.modules():
-        if id(m) in in_units:
-            continue
+    outside = [m for m in model.modules() if id(m) not in in_units]
+    for m in sorted(outside, key=lambda m: owner.get(m) != "embed"):  # the embedding's first: tied weights count there
         modules, params = ends["embed" if owner.get(m) == "embed" else "head"]
         modules.append(m)
         for p in m.parameters(recurse=False):
@@ -242,6 +245,13 @@ def _outside_blocks(model: nn.Module, blocks, owner: dict) -> dict:
                 seen.add(id(p))
                 params.append(p)
     return ends
+
+
+def _tied(ends: dict) -> list:
+    """Parameters of the head's modules that the embedding holds: tied input and output embeddings
+    (a language model's `output.weight = tok_embeddings.weight`), counted once, in the embedding."""
+    embedding = {id(p) for p in ends["embed"][1]}
+    return list({id(p): p for m in ends["head"][0] for p in m.parameters(recurse=False) if id(p) in embedding}.values())
 
 
 def _collective(rec: Recorder, out):
