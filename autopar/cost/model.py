@@ -25,7 +25,8 @@ pipeline's boundary activations travel scattered over the tensor-parallel ranks,
 switch the workload turns on hides its collective as Megatron-Core schedules it. Megatron's eager
 paths are priced where they run: its torch softmax where the fused kernel cannot
 (cost/softmax_fallback.py), its fp32 vocabulary-parallel loss under a switch (cost/cross_entropy.py),
-its padded vocabulary as weights and GEMM work (cost/vocabulary.py). What each overlap hid is returned as `hidden_tp_comm` and `hidden_dp_comm`.
+its padded vocabulary as weights and GEMM work (cost/vocabulary.py). What each overlap hid is
+returned as `hidden_tp_comm` and `hidden_dp_comm`.
 
 Shapes: N plans; K block kinds of the profile (embed, layer kinds, head); J representative
 pipeline ranks per plan (see SplitTable). Everything is seconds and bytes.
