@@ -59,4 +59,5 @@ def test_over_a_pipeline_the_last_stage_keeps_a_copy_and_the_ends_all_reduce_it(
     # bf16 gradients of the 256 x 64 embedding, between the first and the last stage
     expected = all_reduce_time(V * H * 2, 2, links["tied_bw"][0], links["tied_lat"][0], c.collective_latency_s)
     assert a.breakdown["dp_comm"] == pytest.approx(expected, rel=1e-12) and expected > 0
+    assert a.hidden["dp_comm"] == 0.0  # nothing hides it
     assert a.iteration_time_s - b.iteration_time_s == pytest.approx(expected, rel=1e-9)

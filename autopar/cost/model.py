@@ -386,11 +386,11 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
                                       col(pa.micro_batch_size), col(np.where(pa.sequence_parallel, pa.tp, 1)))
     # the expert gradients' collectives (over edp) share backward's hiding with the dense ones
     edp = experts["edp_s"]
-    tied = all_reduce_time(part["tied_params"] * col(COMM_BYTES[pa.grad_comm_dtype]), 2, col(links["tied_bw"]),
-                           col(links["tied_lat"]), base)  # after backward, before the step: exposed
-    dp_time = (exposed(np.maximum(hide_b - edp, 0.0), hide_f) + np.maximum(edp - hide_b, 0.0)
-               + np.where(part["tied_params"] > 0, tied, 0.0))
-    dp_hidden = exposed(0.0 * hide_b, 0.0 * hide_f) + edp - dp_time
+    tied = np.where(part["tied_params"] > 0,  # after backward, before the step: exposed
+                    all_reduce_time(part["tied_params"] * col(COMM_BYTES[pa.grad_comm_dtype]), 2,
+                                    col(links["tied_bw"]), col(links["tied_lat"]), base), 0.0)
+    dp_time = exposed(np.maximum(hide_b - edp, 0.0), hide_f) + np.maximum(edp - hide_b, 0.0) + tied
+    dp_hidden = exposed(0.0 * hide_b, 0.0 * hide_f) + edp + tied - dp_time
     shard_states = np.where(zero >= 1, dpn, 1.0)
     opt_params = local_params / shard_states + experts["opt_params"]
     hbm = cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency
