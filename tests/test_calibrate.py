@@ -313,7 +313,8 @@ def test_vtrain_single_node_cv_and_multi_node_transfer(tmp_path):
     # head untied from the embedding, 6.68% also without Megatron's softmax fallback and fp32 loss
     assert v["mape"] <= 0.061 and v["spearman"] >= 0.95, (v["mape"], v["spearman"])
     m = result.evaluations[str(multi)]
-    # 9.14% (9.16% untied) with Megatron-DeepSpeed's attention and loss (switches megatron_softmax, megatron_cross_entropy)
+    # 9.14% (9.16% untied) with Megatron-DeepSpeed's attention and loss (switches megatron_softmax,
+    # megatron_cross_entropy)
     # and the all-reduce tables weighted by log size (9.47% unweighted); 10.40% with the file's eager ops
     assert m["rows"] == 108 and m["mape"] <= 0.10, m["mape"]  # 109 runs: one plan ran twice (one row, the median)
     ratios = {g["group"].split(" on ")[0]: g["ratio"] for g in m["groups"]}
