@@ -66,8 +66,7 @@ def vocabulary_note(workload, plan) -> str:
     vocab = (profile.dims or {}).get("vocab")
     if not vocab or vocab_padding(workload):  # Megatron pads it to 128 x tp: nothing to say
         return ""
-    sharded = profile.head.tp_params > 0 or profile.tied_tp_params > 0  # its own weight, or the embedding's
-    head_tp = plan.tp if sharded else 1  # a head without a tp plan keeps it whole
+    head_tp = plan.tp if profile.head.tp_fwd_flops > 0 else 1  # a head whose GEMM tp does not split keeps it whole
     columns = math.ceil(vocab / head_tp)  # the largest rank's slice
     elements = ALIGN_BYTES // HEAD_BYTES.get(plan.precision, 2)
     allowed, possible = tp_limit(workload)
