@@ -23,6 +23,12 @@ import numpy as np
 CROSS_ENTROPY_BYTES = (38.0, 14.0)  # HBM bytes per logit element: forward, backward
 
 
+def vocab_parallel(workload) -> bool:
+    """Whether the loss runs on logits sharded over the vocabulary (Megatron's, under runtime megatron
+    or the switch), so that a vocab-sharded head never gathers them (cost/tensor_parallel.py)."""
+    return workload.runtime == "megatron" or "megatron_cross_entropy" in workload.switches
+
+
 def applies(workload) -> bool:
     return "megatron_cross_entropy" in workload.switches and "vocab" in (workload.profile.dims or {})
 

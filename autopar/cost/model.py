@@ -2,20 +2,20 @@
 
 Time follows Megatron-LM's accounting (Narayanan et al. SC'21; Korthikanti et al. 2022): per
 micro-batch, each pipeline rank runs forward, backward and any recompute of its blocks, with
-tensor-parallel all-reduces on the critical path; a pipeline of m micro-batches takes
-sum over ranks + (m - 1) x the slowest rank (the (p - 1)/m bubble for even stages, (p - 1)/(v m)
-interleaved); data-parallel gradient reduction runs in buckets under the last backward and only
-its excess is exposed (a tied embedding split over the pipeline adds its exposed all-reduce between
-the two ends); the optimizer step is memory-bound. Small runs add fixed costs the big ones
-hide: each collective call's base latency (`collective_latency_s`), and the host's kernel
-launches (`block_host_s` per block per pass, plus `tp_host_s` for DTensor's dispatch under
-tensor parallelism and `selective_host_s` for PyTorch's selective checkpoint), which the GPU hides
-only while it has more work queued than the host takes to launch it: a micro-batch on a rank
+tensor-parallel collectives on the critical path (each pass's own: cost/tensor_parallel.py); a
+pipeline of m micro-batches takes sum over ranks + (m - 1) x the slowest rank (the (p - 1)/m bubble
+for even stages, (p - 1)/(v m) interleaved); data-parallel gradient reduction runs in buckets under
+the last backward and only its excess is exposed (a tied embedding split over the pipeline adds its
+exposed all-reduce between the two ends); the optimizer step is memory-bound. Small runs add fixed
+costs the big ones hide: each collective call's base latency (`collective_latency_s`), and the
+host's kernel launches (`block_host_s` per block per pass, plus `tp_host_s` for DTensor's dispatch
+under tensor parallelism and `selective_host_s` for PyTorch's selective checkpoint), which the GPU
+hides only while it has more work queued than the host takes to launch it: a micro-batch on a rank
 takes the `host_overlap`-norm of its GPU time and its host time (the excess is reported as
 "overhead"). ZeRO's collectives follow what the executor runs (FSDP2, ZeroRedundancyOptimizer,
-torch.distributed.pipelining), at their measured `collective_efficiency`. Memory is the exact sum of weights,
-gradients, master weights and Adam moments by ZeRO stage, the activations the schedule keeps in
-flight on each rank (from the profiled saved bytes), communication buffers and a workspace.
+torch.distributed.pipelining), at their measured `collective_efficiency`. Memory is the exact sum of
+weights, gradients, master weights and Adam moments by ZeRO stage, the activations the schedule
+keeps in flight on each rank (from the profiled saved bytes), communication buffers and a workspace.
 
 The workload's runtime (autopar/runtime.py) decides what overlaps: under ``torch`` the attention
 runs as the model file writes it and DDP / FSDP hide `dp_overlap` of backward's time; under
@@ -41,7 +41,7 @@ from autopar.cost.arrays import PlanArrays, mesh_order_of, unique_rows
 from autopar.cost.coefficients import Coefficients
 from autopar.cost.collectives import all_gather_time, all_reduce_time
 from autopar.cost import moe
-from autopar.cost import cross_entropy, softmax_fallback, vocabulary
+from autopar.cost import cross_entropy, softmax_fallback, tensor_parallel, vocabulary
 from autopar.cost import precision as fp8
 from autopar.cost.fused import megatron_layer_io
 from autopar.cost.context_parallel import gradient_group_size, sequence_share
@@ -74,7 +74,7 @@ def memory_parts() -> tuple[str, ...]:
 def _kind_arrays(profile) -> dict[str, np.ndarray]:
     names = ("params", "tp_params", "fwd_flops", "bwd_flops", "tp_fwd_flops", "saved_bytes", "saved_tp_bytes",
              "attn_core_bytes", "attn_core_flops", "io_bytes", "out_bytes", "tp_comm_bytes", "attn_flops",
-             "attn_core_io_bytes", "attn_scores")
+             "attn_core_io_bytes", "attn_scores", "tp_gather_bytes")
     out = {n: np.array([float(getattr(b, n)) for b in profile.blocks]) for n in names}
     out["is_layer"] = np.array([0.0] + [1.0] * len(profile.layers) + [0.0])
     experts = moe.expert_kind_arrays(profile)  # the routed experts are priced by cost/moe.py
@@ -185,7 +185,8 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     shard = _ratio(k["saved_tp_bytes"], k["saved_bytes"])
     io_f = b * act_scale * k["io_bytes"] * (shard / split + (1 - shard) / sp_div) / hbm * scale["elementwise"]
     base = c.collective_latency_s
-    tp_ar = np.where(t > 1, all_reduce_time(b * act_scale * k["tp_comm_bytes"], t, tp_bw, tp_lat, base), 0.0)
+    # per pass: a layer's backward mirrors its forward, the ends do not (cost/tensor_parallel.py)
+    tp_fwd, tp_bwd = tensor_parallel.pass_times(k, workload, b, act_scale, t, tp_bw, tp_lat, base)
     compute_f = flops_f * scale["gemm"] / rate + io_f + scale["cast_f"]
     # a fused attention backward recomputes q·kᵀ: half its forward FLOPs again
     compute_b = (flops_b * scale["gemm"] + 0.5 * b * k["fused_attn_flops"] / t) / rate + 2 * io_f + scale["cast_b"]
@@ -200,10 +201,10 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     routed = moe.pipeline_terms(workload, g, c, b, sp_div, col(PRECISION_BYTES[g.precision]), peak)
     compute_f, compute_b = compute_f + routed["expert_f"], compute_b + routed["expert_b"]
     if tp_overlap:  # TE userbuffers: each pass's collective in t chunks under that pass's GEMMs
-        tp_f = np.maximum(tp_ar - flops_f / rate, tp_ar / t)
-        tp_b = np.maximum(tp_ar - flops_b / rate, tp_ar / t)
+        tp_f = np.maximum(tp_fwd - flops_f / rate, tp_fwd / t)
+        tp_b = np.maximum(tp_bwd - flops_b / rate, tp_bwd / t)
     else:
-        tp_f = tp_b = tp_ar
+        tp_f, tp_b = tp_fwd, tp_bwd
     attn_io = b * act_scale * k["attn_core_io_bytes"] / t / hbm  # the core is split by heads
     selective_f = b * k["attn_core_flops"] / t / rate + attn_io
     act_full = (b * act_scale * (k["saved_tp_bytes"] / split + (k["saved_bytes"] - k["saved_tp_bytes"]) / sp_div)
@@ -222,7 +223,7 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     compute = on(compute_f + compute_b)
     tp_comm = on(tp_f + tp_b)
     ep_comm = on(routed["a2a_f"] + routed["a2a_b"])
-    tp_hidden = on(2 * tp_ar) - tp_comm
+    tp_hidden = on(tp_fwd + tp_bwd) - tp_comm
     recompute = np.select([mode == FULL, mode == SELECTIVE],
                           [ckpt_frac * on_layers(compute_f + tp_f + routed["a2a_f"]), on_layers(selective_f)], 0.0)
     # boundary activations ~ the hidden states; Megatron's scatter/gather sends 1/t of them from each

@@ -15,7 +15,7 @@ from pathlib import Path
 from autopar.atomic import write_text_atomic
 from autopar.profile.model_profile import ModelProfile
 
-PROFILER_VERSION = "autopar-profiler-6"  # 5: mixture-of-experts fields; 6: tied embeddings
+PROFILER_VERSION = "autopar-profiler-7"  # 5: mixture-of-experts fields; 6: tied embeddings; 7: gathers
 ZOO = Path(__file__).resolve().parent.parent / "zoo"
 
 

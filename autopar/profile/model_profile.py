@@ -59,11 +59,13 @@ class BlockProfile:
     attn_core_flops: float  # forward FLOPs of those ops: what selective recompute redoes
     io_bytes: float  # bytes read + written by non-matmul ops in forward (memory-bound time)
     out_bytes: float  # bytes of the block's output per sample (pipeline p2p, checkpoint boundary)
-    tp_comm_bytes: float  # bytes all-reduced per sample in forward under TP (backward: the same)
+    tp_comm_bytes: float  # bytes all-reduced per sample in forward under TP (row-wise outputs, vocab embeddings)
     tp_units: tuple[int, ...] = ()  # the tensor-parallel degree must divide each of these
     attn_flops: float = 0.0  # forward FLOPs of attention's score and value products, fused kernel or not
     attn_core_io_bytes: float = 0.0  # part of io_bytes moved by the core's elementwise ops (unfused softmax)
     attn_scores: float = 0.0  # attention score elements per sample (heads x seq x seq), fused kernel or not
+    tp_gather_bytes: float = 0.0  # bytes all-gathered per sample in forward under TP (colwise_rep outputs, a
+    # vocab-sharded head's logits); what each pass of a block communicates: cost/tensor_parallel.py
     # mixture of experts (module docstring); all 0 in a dense block
     experts: int = 0  # routed experts
     top_k: int = 0  # routed experts per token

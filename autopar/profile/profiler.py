@@ -193,7 +193,8 @@ def _block_profile(kind: str, count: int, t: Tally, modules, params, sharded: di
         saved_bytes=t.saved_bytes(), saved_tp_bytes=t.saved_bytes("sharded"),
         attn_core_bytes=t.saved_bytes("core"),
         attn_core_flops=t.attn_core_flops, io_bytes=t.io_bytes, out_bytes=t.out_bytes,
-        tp_comm_bytes=t.tp_comm_bytes, tp_units=tuple(sorted({*_tp_units(modules, styles), *extra_units})),
+        tp_comm_bytes=t.tp_comm_bytes, tp_gather_bytes=t.tp_gather_bytes,
+        tp_units=tuple(sorted({*_tp_units(modules, styles), *extra_units})),
         attn_flops=t.attn_flops, attn_core_io_bytes=t.attn_core_io_bytes, attn_scores=t.attn_scores,
         **(moe or {}))
 
@@ -208,7 +209,7 @@ def _run(mf: ModelFile, model, units, inputs, targets, rec: Recorder, styles: di
 
     in_units = {id(m) for unit in units for m in unit.modules()}
     handles = [m.register_forward_pre_hook(first_call) for m in model.modules() if id(m) not in in_units]
-    handles += [m.register_forward_hook(lambda m, args, out: _collective(rec, out))
+    handles += [m.register_forward_hook(lambda m, args, out: _collective(rec, m, styles[id(m)], out))
                 for m in model.modules() if styles.get(id(m)) in _COLLECTIVE_STYLES]
     handles += _segment_hooks(rec, units)
     try:
@@ -254,11 +255,17 @@ def _tied(ends: dict) -> list:
     return list({id(p): p for m in ends["head"][0] for p in m.parameters(recurse=False) if id(p) in embedding}.values())
 
 
-def _collective(rec: Recorder, out):
-    """A module whose style ends in a collective: its output is replicated and was communicated."""
+def _collective(rec: Recorder, module: nn.Module, style: str, out):
+    """A module whose style ends in a collective: its output is replicated and was communicated,
+    all-reduced from partial sums (row-wise, a vocab-sharded embedding) or all-gathered from
+    shards (colwise_rep, a vocab-sharded head's logits)."""
     if isinstance(out, torch.Tensor):
         rec.untag(out)
-        rec.tally.tp_comm_bytes += tensor_bytes(out)
+        gathered = style == "colwise_rep" or (style == "vocab" and not isinstance(module, nn.Embedding))
+        if gathered:
+            rec.tally.tp_gather_bytes += tensor_bytes(out)
+        else:
+            rec.tally.tp_comm_bytes += tensor_bytes(out)
 
 
 def _segment_hooks(rec: Recorder, units: list[nn.Module]) -> list:

@@ -82,6 +82,7 @@ class Tally:
     attn_core_io_bytes: float = 0.0
     out_bytes: float = 0.0
     tp_comm_bytes: float = 0.0
+    tp_gather_bytes: float = 0.0
     saved: dict[int, Saved] = field(default_factory=dict)  # by storage key
 
     def saved_bytes(self, flag: str | None = None) -> float:
