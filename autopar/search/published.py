@@ -96,11 +96,12 @@ KORTHIKANTI_TABLE5 = tuple(
 def _workload(size: str, gpus: int, global_batch: int, model=ZOO_GPT, switches=()):
     """The paper's model (from `model`, any GPT file taking the zoo's sizes) on Selene's DGX A100s, run
     by Megatron-LM as of 2021-22: runtime megatron with none of the later overlap switches but
-    `switches` (what the paper's run did by other means)."""
+    `switches` (what the paper's run did by other means), and Megatron-LM's loss on fp32 logits
+    (`megatron_cross_entropy`: `--fp16-lm-cross-entropy` was off by default)."""
 
     profile = profile_model(model, {"size": size}, dtype="bf16")
     return Workload(profile, load_cluster("selene", nodes=gpus // 8 or 1, gpus_per_node=min(gpus, 8)),
-                    global_batch, runtime="megatron", switches=switches)
+                    global_batch, runtime="megatron", switches=tuple(sorted({*switches, "megatron_cross_entropy"})))
 
 
 def best(workload, candidates, coeffs=None):
