@@ -65,10 +65,9 @@ def test_megatrons_loss_keeps_the_logits_sharded(zoo):
     assert estimate(megatron, PLAN).breakdown["tp_comm"] == pytest.approx(layers + ends, rel=1e-12)
 
 
-def test_a_column_split_head_without_a_gather_still_reduces_its_input_gradient():
+def test_a_column_split_head_without_a_gather_still_reduces_its_input_gradient(zoo):
     """vTrain's file (Megatron's head: column-split, no gather) under torch with Megatron's loss."""
-    w = workload("gpt", "dgx-a100-80g", gpus_per_node=2, global_batch=2, size="tiny")
-    vtrain = Workload(profile_model(MODEL_FILE, {"size": "tiny"}, dtype="bf16"), w.cluster, 2,
+    vtrain = Workload(profile_model(MODEL_FILE, {"size": "tiny"}, dtype="bf16"), zoo.cluster, 2,
                       switches=("megatron_cross_entropy",))
     head = vtrain.profile.head
     assert (head.tp_comm_bytes, head.tp_gather_bytes) == (0, 0) and head.tp_fwd_flops > 0
