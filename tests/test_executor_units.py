@@ -26,7 +26,7 @@ from autopar.executor.mesh import resolve_backend
 from autopar.executor.support import check_supported
 from autopar.executor.parity import reference_losses
 from autopar.executor.pipeline import cut_stages, rank_view, stage_ids
-from autopar.executor.tensor_parallel import GatherSequence, tp_styles
+from autopar.executor.tensor_parallel import RegionInput, tp_styles
 from autopar.executor.train_step import apply
 from autopar.executor.weights import build_full_model, build_skeleton, unsaved_buffers
 from autopar.modelfile import load_model_file
@@ -54,6 +54,15 @@ def test_tp_styles_follow_megatron_regions():
     assert isinstance(styles["tok_embeddings.tok"], RowwiseParallel)  # vocab rows
     assert styles["output"].output_layouts == (Replicate(),)  # logits gathered for the loss
     assert not any(isinstance(s, SequenceParallel) for s in styles.values())
+    assert not any(isinstance(s, RegionInput) for s in styles.values())  # one entry linear per region
+
+
+def test_separate_entry_linears_share_one_replicated_input():
+    llama = load_model_file("llama")
+    model = llama.build(size="tiny")
+    styles = tp_styles(model, llama.tp_plan(model), model.layers, sequence_parallel=False)
+    for owner in ("layers.0.attention", "layers.3.feed_forward"):  # q, k, v; w1, w3
+        assert isinstance(styles[owner], RegionInput) and not styles[owner].sequence_sharded
 
 
 def test_sequence_parallel_shards_the_residual_stream():
@@ -62,7 +71,7 @@ def test_sequence_parallel_shards_the_residual_stream():
     for norm in ("layers.0.attention_norm", "layers.2.ffn_norm", "norm"):
         assert isinstance(styles[norm], SequenceParallel)
     gather = styles["layers.1.attention"]  # gathers the sequence once for the fused QKV
-    assert isinstance(gather, GatherSequence)  # by position or by keyword (transformers' attention)
+    assert isinstance(gather, RegionInput)  # by position or by keyword (transformers' attention)
     assert styles["layers.1.feed_forward.w2"].output_layouts == (Shard(1),)  # reduce-scatter
     assert isinstance(styles["tok_embeddings"], PrepareModuleOutput)  # tokens + positions, then scatter
     assert styles["output"].input_layouts == (Shard(1),)
@@ -78,7 +87,7 @@ def test_sequence_parallel_finds_where_the_stream_starts_and_ends(name):
         assert styles["output"].input_layouts == (Shard(1),)
     else:  # patches + CLS + positions run whole, then scatter; the classifier reads the whole sequence
         assert isinstance(styles["tok_embeddings"], PrepareModuleOutput)
-        assert isinstance(styles["output"], GatherSequence)
+        assert isinstance(styles["output"], RegionInput)
 
 
 def test_pipeline_cut_keeps_names_and_ends():

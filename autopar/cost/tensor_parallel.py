@@ -19,9 +19,9 @@ Under sequence parallelism the same bytes move as an all-gather and a reduce-sca
 between the passes differently (the embedding's backward all-gathers, the head's forward gathers
 its input); they are priced by their total, as all-reduces.
 
-Not priced: a model file that writes q, k and v (or gate and up) as separate column-wise
-linears runs one backward all-reduce per linear under torch without sequence parallelism (each
-`ColwiseParallel` reduces its own input's gradient); the layers are priced as one per region.
+A file that writes q, k and v (or gate and up) as separate column-wise linears sends the same:
+autopar's executor sums their input gradients before the region's collective
+(executor/tensor_parallel.py `RegionInput`; tests/test_tp_collectives.py records both passes).
 """
 
 from __future__ import annotations

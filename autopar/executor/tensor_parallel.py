@@ -9,13 +9,22 @@ those into PyTorch's ParallelStyles, as torchtitan's `apply_tp` does by hand:
 * "vocab" on an embedding shards its rows; on an output linear it shards the logits and
   gathers them for the loss.
 
+A block's submodule that owns a region's first linears (attention, MLP) takes its input as a
+DTensor replicated over the tp group (`RegionInput`, torchtitan's `PrepareModuleInput(...,
+use_local_output=False)`): the column-wise linears inside share it, their input gradients add up
+as partial sums and are reduced once for the region, as Megatron-LM's fused q/k/v does. Handed a
+plain tensor, each `ColwiseParallel` would all-reduce its own input gradient: three for separate
+q, k and v, two for gate and up (tests/test_tp_collectives.py counts them).
+
 With sequence parallelism the residual stream between the input module (`tok_embeddings`) and
 the head (`output`) is sharded along the sequence (dim 1). Norms on the stream run on their
-shard (`SequenceParallel`, which also reduces their gradients); a block's submodule that owns a
-region's first linears gathers the sequence once at its input (`GatherSequence`); an input
-module that is more than one vocab embedding (tokens + positions, patches) runs replicated and
-its output is scattered (`PrepareModuleOutput`); a head that is more than one vocab linear
-gathers its input and runs replicated. Other parameters must not touch the sharded stream.
+shard (`SequenceParallel`, which also reduces their gradients); a region's owner gathers the
+sequence once at its input and reduce-scatters the summed input gradient in backward
+(`RegionInput`); an input module that is more than one vocab embedding (tokens + positions,
+patches) runs replicated and its output is scattered (`PrepareModuleOutput`); a head that is
+more than one vocab linear gathers its input and runs replicated. Other parameters must not
+touch the sharded stream, and code inside a region owner must give its input only to the
+region's linears (as torchtitan's and transformers' attention and MLP modules do).
 """
 
 from __future__ import annotations
@@ -53,23 +62,33 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.lower().endswith("norm")
 
 
-class GatherSequence(ParallelStyle):
-    """All-gather a module's first input along the sequence (dim 1), whether it is passed by
-    position or by keyword (transformers calls attention as ``self_attn(hidden_states=...)``);
-    other inputs pass through. PrepareModuleInput needs to know which of the two it will be."""
+class RegionInput(ParallelStyle):
+    """Hand a module its first input, by position or by keyword (transformers calls attention as
+    ``self_attn(hidden_states=...)``), as a DTensor replicated over the group, gathered along the
+    sequence (dim 1) first when `sequence_sharded`. Kept a DTensor unless `local_output` (a head
+    that runs replicated), so that the gradients of the linears reading it are summed before the
+    one collective of its backward; other inputs pass through. PrepareModuleInput needs to know
+    which of the two ways the input comes."""
+
+    def __init__(self, sequence_sharded: bool, local_output: bool = False):
+        super().__init__()
+        self.sequence_sharded, self.local_output = sequence_sharded, local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         first = next(iter(inspect.signature(module.forward).parameters))
+        layout = Shard(1) if self.sequence_sharded else Replicate()
 
-        def gather(t):
-            return DTensor.from_local(t, device_mesh, (Shard(1),), run_check=False).redistribute(
-                placements=(Replicate(),)).to_local()
+        def enter(t):
+            d = DTensor.from_local(t, device_mesh, (layout,), run_check=False)
+            if self.sequence_sharded:
+                d = d.redistribute(placements=(Replicate(),))
+            return d.to_local() if self.local_output else d
 
         def hook(_, args, kwargs):
             if args:
-                return (gather(args[0]), *args[1:]), kwargs
+                return (enter(args[0]), *args[1:]), kwargs
             if first in kwargs:
-                return args, {**kwargs, first: gather(kwargs[first])}
+                return args, {**kwargs, first: enter(kwargs[first])}
             return args, kwargs
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -115,30 +134,31 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], blocks: nn.ModuleList |
                             f"{str(not sequence_parallel).lower()}")
         return plan
     styles: dict[str, ParallelStyle] = {}
-    replicated, gatherers = set(), set()  # whole modules off the stream / block parts that gather
+    block_names = {name for name, m in present.items() if blocks is not None and any(m is b for b in blocks)}
+    replicated = set()  # whole modules off the sequence-sharded stream
     if sequence_parallel:
         if not hasattr(model, INPUT):
             raise PlanError(f"sequence parallelism needs the model's input module named '{INPUT}' (torchtitan "
                             f"layout) to know where the sequence is split; use a plan without it")
-        block_names = {name for name, m in present.items() if blocks is not None and any(m is b for b in blocks)}
-        for end in (INPUT, HEAD):
-            if end in present and end not in plan:
-                replicated.add(end)
-        gatherers = {_parent(fqn) for fqn, style in plan.items()
-                     if style in _REGION_ENTRIES and _parent(fqn) not in block_names | {""}
-                     and not _inside(fqn, replicated)}
+        replicated = {end for end in (INPUT, HEAD) if end in present and end not in plan}
+    # the block parts that own a region's entry linears; without SP only where two or more share the
+    # input (one linear reduces its own gradient as well as its owner would)
+    entries = [_parent(fqn) for fqn, style in plan.items()
+               if style in _REGION_ENTRIES and _parent(fqn) not in block_names | {""} and not _inside(fqn, replicated)]
+    owners = {name for name in entries if sequence_parallel or entries.count(name) > 1}
+    styles.update({name: RegionInput(sequence_parallel) for name in owners})
+    if sequence_parallel:
         if INPUT in replicated:
             styles[INPUT] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
                                                 use_local_output=True)
         if HEAD in replicated:
-            styles[HEAD] = GatherSequence()
-        styles.update({name: GatherSequence() for name in gatherers})
+            styles[HEAD] = RegionInput(sequence_sharded=True, local_output=True)
         styles.update({name: SequenceParallel(use_local_output=True) for name, module in present.items()
                        if name and _is_norm(module) and name not in plan
-                       and not _inside(name, replicated | gatherers)})
+                       and not _inside(name, replicated | owners)})
     for fqn, style in plan.items():
         stream_out = sequence_parallel and not _inside(fqn, replicated)
-        stream_in = stream_out and not _inside(fqn, gatherers)
+        stream_in = stream_out and not _inside(fqn, owners)
         styles[fqn] = _linear_style(style, present[fqn], stream_in, stream_out)
     return styles
 
