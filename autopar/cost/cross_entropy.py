@@ -14,6 +14,14 @@ file's own loss and its final norm) is replaced; the final norm's bytes are unde
 loss's at vTrain's shapes (hidden 1,024-12,288, vocabulary 51,200). Without the switch the head
 costs what the file's loss does (`F.cross_entropy` is one fused log-softmax kernel), as autopar's
 executor runs it.
+
+Memory follows the loss that runs. The file's loss keeps what the profile saw it save
+(`loss_saved_bytes`: `F.cross_entropy` keeps its log-softmax of the gathered logits), whole on every
+rank under sequence parallelism too, since the head gathers the sequence before it. Where the logits
+stay sharded over the vocabulary (runtime megatron, or the switch), Megatron's loss keeps its fp32
+softmax of the rank's vocabulary share, the target mask and the masked target index
+(`ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)`: 4 bytes per logit and 9 per
+token; the fused Megatron-Core loss saves the same) instead.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from __future__ import annotations
 import numpy as np
 
 CROSS_ENTROPY_BYTES = (38.0, 14.0)  # HBM bytes per logit element: forward, backward
+SOFTMAX_SAVED_BYTES = 4.0  # per logit on a rank: the fp32 softmax Megatron's loss keeps for backward
+TARGET_SAVED_BYTES = 9.0  # per token: the target mask (bool) and the masked target index (int64)
 
 
 def vocab_parallel(workload) -> bool:
@@ -51,3 +61,20 @@ def head_times(workload, b: np.ndarray, tp: np.ndarray, hbm_bytes_per_s: float, 
     head = np.zeros(kinds)
     head[-1] = 1.0
     return CROSS_ENTROPY_BYTES[0] * logits * head, CROSS_ENTROPY_BYTES[1] * logits * head
+
+
+def saved_as_run(k: dict[str, np.ndarray], workload, b: np.ndarray, act_scale: np.ndarray,
+                 split: np.ndarray) -> np.ndarray:
+    """Bytes the loss keeps for backward per micro-batch and block kind (G, K), the head's only: the
+    file's loss's (its sharded part over `split`; the rest whole on every rank, sequence
+    parallelism or not, for the loss reads the gathered logits), or Megatron's where the logits
+    stay sharded over the vocabulary."""
+    out = np.zeros((len(b), len(k["saved_bytes"])))
+    dims = workload.profile.dims or {}
+    if vocab_parallel(workload) and "vocab" in dims:
+        out[:, -1] = b[:, 0] * workload.profile.seq_len * (SOFTMAX_SAVED_BYTES * dims["vocab"] / split[:, -1]
+                                                           + TARGET_SAVED_BYTES)
+    else:
+        loss, loss_tp = k["loss_saved_bytes"][-1], k["loss_saved_tp_bytes"][-1]
+        out[:, -1] = b[:, 0] * act_scale[:, 0] * (loss_tp / split[:, -1] + loss - loss_tp)
+    return out

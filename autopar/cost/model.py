@@ -74,7 +74,7 @@ def memory_parts() -> tuple[str, ...]:
 def _kind_arrays(profile) -> dict[str, np.ndarray]:
     names = ("params", "tp_params", "fwd_flops", "bwd_flops", "tp_fwd_flops", "saved_bytes", "saved_tp_bytes",
              "attn_core_bytes", "attn_core_flops", "io_bytes", "out_bytes", "tp_comm_bytes", "attn_flops",
-             "attn_core_io_bytes", "attn_scores", "tp_gather_bytes")
+             "attn_core_io_bytes", "attn_scores", "tp_gather_bytes", "loss_saved_bytes", "loss_saved_tp_bytes")
     out = {n: np.array([float(getattr(b, n)) for b in profile.blocks]) for n in names}
     out["is_layer"] = np.array([0.0] + [1.0] * len(profile.layers) + [0.0])
     experts = moe.expert_kind_arrays(profile)  # the routed experts are priced by cost/moe.py
@@ -207,8 +207,11 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
         tp_f, tp_b = tp_fwd, tp_bwd
     attn_io = b * act_scale * k["attn_core_io_bytes"] / t / hbm  # the core is split by heads
     selective_f = b * k["attn_core_flops"] / t / rate + attn_io
-    act_full = (b * act_scale * (k["saved_tp_bytes"] / split + (k["saved_bytes"] - k["saved_tp_bytes"]) / sp_div)
-                - scale["saved"])
+    # the loss's saved tensors apart: it reads the whole sequence's logits (cost/cross_entropy.py)
+    kept_tp = k["saved_tp_bytes"] - k["loss_saved_tp_bytes"]
+    kept = k["saved_bytes"] - k["loss_saved_bytes"] - kept_tp
+    act_full = (b * act_scale * (kept_tp / split + kept / sp_div) - scale["saved"]
+                + cross_entropy.saved_as_run(k, workload, b, act_scale, split))
     act_sel = act_full - b * act_scale * k["attn_core_bytes"] / t
     act_ckpt = b * act_scale * k["out_bytes"] / sp_div
 
@@ -266,6 +269,10 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     sched = col(g.schedule)
     chunks = np.minimum((pp - rank - 1) * 2 + (v - 1) * pp + 1, m * v)
     in_flight = np.select([sched == GPIPE, sched == INTERLEAVED], [m, chunks / v], np.minimum(pp - rank, m))
+    # the head ends the last chunk, whose backward follows each forward at once: one micro-batch's
+    # worth in flight (GPipe: all of them), not the rank's average over its chunks
+    head_act = counts[:, :, -1] * per_kind_act[:, -1:]
+    head_in_flight = np.where(sched == GPIPE, m, 1.0)
     working = np.where(ckpt_frac > 0, (act_full * k["is_layer"]).max(axis=1, keepdims=True), 0.0)
     block_params = ((k["tp_params"] / t + k["params"] - k["tp_params"]) * k["is_layer"]).max(axis=1)
     # tied embeddings over a pipeline: the last stage keeps a copy of the embedding's weight, and the two
@@ -289,7 +296,8 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
         "local_params": on(k["tp_params"] / split + (k["params"] - k["tp_params"])) + tied_copy,
         "tied_params": tied_rank,
         "expert_local": on(routed["expert_params"]),
-        "activations": act_mb * in_flight + working, "block_params": block_params,
+        "activations": (act_mb - head_act) * in_flight + head_act * head_in_flight + working,
+        "block_params": block_params,
         "model_flops_per_sample": np.full(len(g), _model_flops(profile, k, total_counts)),
         "recompute_flops_per_sample": (recompute_flops * mult).sum(axis=1),
     }

@@ -66,6 +66,9 @@ class BlockProfile:
     attn_scores: float = 0.0  # attention score elements per sample (heads x seq x seq), fused kernel or not
     tp_gather_bytes: float = 0.0  # bytes all-gathered per sample in forward under TP (colwise_rep outputs, a
     # vocab-sharded head's logits); what each pass of a block communicates: cost/tensor_parallel.py
+    loss_saved_bytes: float = 0.0  # part of saved_bytes the model file's loss_fn saved (head only): under
+    # Megatron's vocab-parallel loss the head saves that loss's tensors instead (cost/cross_entropy.py)
+    loss_saved_tp_bytes: float = 0.0  # of which sharded by tensor parallelism
     # mixture of experts (module docstring); all 0 in a dense block
     experts: int = 0  # routed experts
     top_k: int = 0  # routed experts per token

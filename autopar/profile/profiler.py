@@ -191,7 +191,8 @@ def _block_profile(kind: str, count: int, t: Tally, modules, params, sharded: di
         tp_params=sum(p.numel() for p in params if id(p) in sharded),
         fwd_flops=t.fwd_flops, bwd_flops=t.bwd_flops, tp_fwd_flops=t.tp_fwd_flops,
         saved_bytes=t.saved_bytes(), saved_tp_bytes=t.saved_bytes("sharded"),
-        attn_core_bytes=t.saved_bytes("core"),
+        attn_core_bytes=t.saved_bytes("core"), loss_saved_bytes=t.saved_bytes("loss"),
+        loss_saved_tp_bytes=t.saved_bytes("loss", "sharded"),
         attn_core_flops=t.attn_core_flops, io_bytes=t.io_bytes, out_bytes=t.out_bytes,
         tp_comm_bytes=t.tp_comm_bytes, tp_gather_bytes=t.tp_gather_bytes,
         tp_units=tuple(sorted({*_tp_units(modules, styles), *extra_units})),
@@ -214,7 +215,10 @@ def _run(mf: ModelFile, model, units, inputs, targets, rec: Recorder, styles: di
     handles += _segment_hooks(rec, units)
     try:
         with fused_norms(model), CudaKernels(), rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
-            loss = mf.loss_fn(model(*inputs), targets)
+            output = model(*inputs)
+            rec.in_loss = True
+            loss = mf.loss_fn(output, targets)
+            rec.in_loss = False
         rec.tallies["head"].out_bytes = tensor_bytes(loss)
         rec.backward = True
         with rec:

@@ -66,6 +66,7 @@ class Saved(NamedTuple):
     nbytes: int
     sharded: bool  # by tensor parallelism
     core: bool  # part of the attention core (seq x seq)
+    loss: bool  # saved by the model file's loss_fn (the head's; the cost model swaps in Megatron's)
 
 
 @dataclass
@@ -85,9 +86,10 @@ class Tally:
     tp_gather_bytes: float = 0.0
     saved: dict[int, Saved] = field(default_factory=dict)  # by storage key
 
-    def saved_bytes(self, flag: str | None = None) -> float:
-        """Bytes of the saved storages, or of those with ``flag`` ("sharded" or "core") set."""
-        return float(sum(v.nbytes for v in self.saved.values() if flag is None or getattr(v, flag)))
+    def saved_bytes(self, *flags: str) -> float:
+        """Bytes of the saved storages, or of those with every one of ``flags`` ("sharded", "core",
+        "loss") set."""
+        return float(sum(v.nbytes for v in self.saved.values() if all(getattr(v, f) for f in flags)))
 
 
 class Recorder(TorchDispatchMode):
@@ -99,6 +101,7 @@ class Recorder(TorchDispatchMode):
         self.excluded = excluded  # storage keys of parameters and buffers
         self.segment = "embed"
         self.backward = False
+        self.in_loss = False  # the model file's loss_fn is running
         self.tallies: dict = defaultdict(Tally)
         # storage key -> tensor; holding the tensors keeps the keys from being reused
         self._sharded: dict[int, torch.Tensor] = {}
@@ -134,7 +137,8 @@ class Recorder(TorchDispatchMode):
         """saved_tensors_hooks pack hook: record the storage (once per segment), keep the tensor."""
         key = storage_key(t)
         if key not in self.excluded and key not in self.tally.saved:
-            self.tally.saved[key] = Saved(t.untyped_storage().nbytes(), self.is_sharded(t), self.is_core(t))
+            self.tally.saved[key] = Saved(t.untyped_storage().nbytes(), self.is_sharded(t), self.is_core(t),
+                                          self.in_loss)
             self._keep.append(t)
         return t
 
