@@ -74,7 +74,8 @@ def memory_parts() -> tuple[str, ...]:
 def _kind_arrays(profile) -> dict[str, np.ndarray]:
     names = ("params", "tp_params", "fwd_flops", "bwd_flops", "tp_fwd_flops", "saved_bytes", "saved_tp_bytes",
              "attn_core_bytes", "attn_core_flops", "io_bytes", "out_bytes", "tp_comm_bytes", "attn_flops",
-             "attn_core_io_bytes", "attn_scores", "tp_gather_bytes", "loss_saved_bytes", "loss_saved_tp_bytes")
+             "attn_core_io_bytes", "attn_scores", "tp_gather_bytes", "loss_saved_bytes", "loss_saved_tp_bytes",
+             "entry_saved_bytes")
     out = {n: np.array([float(getattr(b, n)) for b in profile.blocks]) for n in names}
     out["is_layer"] = np.array([0.0] + [1.0] * len(profile.layers) + [0.0])
     experts = moe.expert_kind_arrays(profile)  # the routed experts are priced by cost/moe.py
@@ -209,9 +210,12 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     selective_f = b * k["attn_core_flops"] / t / rate + attn_io
     # the loss's saved tensors apart: it reads the whole sequence's logits (cost/cross_entropy.py)
     kept_tp = k["saved_tp_bytes"] - k["loss_saved_tp_bytes"]
-    kept = k["saved_bytes"] - k["loss_saved_bytes"] - kept_tp
-    act_full = (b * act_scale * (kept_tp / split + kept / sp_div) - scale["saved"]
-                + cross_entropy.saved_as_run(k, workload, b, act_scale, split))
+    kept = k["saved_bytes"] - k["loss_saved_bytes"] - kept_tp - k["entry_saved_bytes"]
+    # a column-wise linear's input: torch's DTensor linear saves it as gathered along the sequence, whole
+    # on every rank; Megatron's saves its sequence shard and gathers it again in backward
+    entry_div = sp_div if workload.runtime == "megatron" else 1.0
+    act_full = (b * act_scale * (kept_tp / split + kept / sp_div + k["entry_saved_bytes"] / entry_div)
+                - scale["saved"] + cross_entropy.saved_as_run(k, workload, b, act_scale, split))
     act_sel = act_full - b * act_scale * k["attn_core_bytes"] / t
     act_ckpt = b * act_scale * k["out_bytes"] / sp_div
 

@@ -36,6 +36,7 @@ DIM_ALIASES = {
     "seq_len": ("seq_len", "max_seq_len", "max_position_embeddings", "n_positions"),
 }
 _COLLECTIVE_STYLES = ("rowwise", "rowwise_in", "colwise_rep", "vocab")  # output leaves replicated
+_ENTRY_STYLES = ("colwise", "colwise_rep", "vocab")  # a linear's replicated input enters a region
 
 
 def profile_model(path_or_modelfile, model_args: dict | None = None, dtype: str = "bf16",
@@ -192,7 +193,7 @@ def _block_profile(kind: str, count: int, t: Tally, modules, params, sharded: di
         fwd_flops=t.fwd_flops, bwd_flops=t.bwd_flops, tp_fwd_flops=t.tp_fwd_flops,
         saved_bytes=t.saved_bytes(), saved_tp_bytes=t.saved_bytes("sharded"),
         attn_core_bytes=t.saved_bytes("core"), loss_saved_bytes=t.saved_bytes("loss"),
-        loss_saved_tp_bytes=t.saved_bytes("loss", "sharded"),
+        loss_saved_tp_bytes=t.saved_bytes("loss", "sharded"), entry_saved_bytes=t.saved_bytes("entry"),
         attn_core_flops=t.attn_core_flops, io_bytes=t.io_bytes, out_bytes=t.out_bytes,
         tp_comm_bytes=t.tp_comm_bytes, tp_gather_bytes=t.tp_gather_bytes,
         tp_units=tuple(sorted({*_tp_units(modules, styles), *extra_units})),
@@ -212,6 +213,8 @@ def _run(mf: ModelFile, model, units, inputs, targets, rec: Recorder, styles: di
     handles = [m.register_forward_pre_hook(first_call) for m in model.modules() if id(m) not in in_units]
     handles += [m.register_forward_hook(lambda m, args, out: _collective(rec, m, styles[id(m)], out))
                 for m in model.modules() if styles.get(id(m)) in _COLLECTIVE_STYLES]
+    handles += [m.register_forward_pre_hook(lambda m, args: _mark_entry_input(rec, args))
+                for m in model.modules() if styles.get(id(m)) in _ENTRY_STYLES and not isinstance(m, nn.Embedding)]
     handles += _segment_hooks(rec, units)
     try:
         with fused_norms(model), CudaKernels(), rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
@@ -270,6 +273,13 @@ def _collective(rec: Recorder, module: nn.Module, style: str, out):
             rec.tally.tp_gather_bytes += tensor_bytes(out)
         else:
             rec.tally.tp_comm_bytes += tensor_bytes(out)
+
+
+def _mark_entry_input(rec: Recorder, args):
+    """A column-wise linear's input: under sequence parallelism DTensor gathers it along the sequence
+    and the linear saves the gathered tensor (tests/test_sp_memory.py)."""
+    if args and isinstance(args[0], torch.Tensor):
+        rec.mark_entry(args[0])
 
 
 def _segment_hooks(rec: Recorder, units: list[nn.Module]) -> list:

@@ -67,6 +67,7 @@ class Saved(NamedTuple):
     sharded: bool  # by tensor parallelism
     core: bool  # part of the attention core (seq x seq)
     loss: bool  # saved by the model file's loss_fn (the head's; the cost model swaps in Megatron's)
+    entry: bool = False  # the input of a column-wise linear (whole on every rank under torch's SP)
 
 
 @dataclass
@@ -88,7 +89,7 @@ class Tally:
 
     def saved_bytes(self, *flags: str) -> float:
         """Bytes of the saved storages, or of those with every one of ``flags`` ("sharded", "core",
-        "loss") set."""
+        "loss", "entry") set."""
         return float(sum(v.nbytes for v in self.saved.values() if all(getattr(v, f) for f in flags)))
 
 
@@ -106,6 +107,7 @@ class Recorder(TorchDispatchMode):
         # storage key -> tensor; holding the tensors keeps the keys from being reused
         self._sharded: dict[int, torch.Tensor] = {}
         self._core: dict[int, torch.Tensor] = {}
+        self._entry: dict[int, torch.Tensor] = {}
         self._keep: list[torch.Tensor] = []  # saved tensors, held for the same reason
 
     @property
@@ -123,6 +125,14 @@ class Recorder(TorchDispatchMode):
     def is_sharded(self, t: torch.Tensor) -> bool:
         return storage_key(t) in self._sharded
 
+    def mark_entry(self, t: torch.Tensor):
+        """Mark ``t`` as the input of a column-wise linear (a region's entry), also where an op
+        before the linear already saved it."""
+        key = storage_key(t)
+        self._entry[key] = t
+        if key in self.tally.saved:
+            self.tally.saved[key] = self.tally.saved[key]._replace(entry=True)
+
     def is_core(self, t: torch.Tensor) -> bool:
         return storage_key(t) in self._core
 
@@ -138,7 +148,7 @@ class Recorder(TorchDispatchMode):
         key = storage_key(t)
         if key not in self.excluded and key not in self.tally.saved:
             self.tally.saved[key] = Saved(t.untyped_storage().nbytes(), self.is_sharded(t), self.is_core(t),
-                                          self.in_loss)
+                                          self.in_loss, key in self._entry)
             self._keep.append(t)
         return t
 

@@ -1,0 +1,106 @@
+"""Under sequence parallelism torch's DTensor linears save their input as gathered along the
+sequence, whole on every rank (autopar's executor hands a region's column-wise linears a
+replicated DTensor, as torchtitan's plans do), where Megatron's save the rank's sequence shard and
+gather it again in backward. The profiler marks those inputs (`entry_saved_bytes`) and the cost
+model keeps them whole under runtime torch. Checked against what the executor's autograd graph
+saves on torch's fake process group (two ranks, in-process)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import workload
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from autopar.cost import estimate
+from autopar.executor.tensor_parallel import apply_tp
+from autopar.executor.weights import build_full_model
+from autopar.modelfile import load_model_file
+from autopar.plan import Plan
+
+TP, BATCH = 2, 2
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialised in this test process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
+    yield init_device_mesh("cpu", (TP,))
+    dist.destroy_process_group()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _saved_entry_inputs(mesh, name: str, sequence_parallel: bool) -> int:
+    """Bytes on this rank of the saved tensors that are a column-wise linear's input, one forward."""
+    zoo = load_model_file(name)
+    model = build_full_model(lambda: zoo.build(size="tiny"), seed=0)
+    plan = zoo.tp_plan(model)
+    apply_tp(model, mesh, plan, zoo.blocks(model), sequence_parallel)
+    entries = {}  # storage key -> bytes of a column-wise linear's input on this rank
+
+    def note(module, args):
+        x = _local(args[0])
+        entries[x.untyped_storage()._cdata] = x.numel() * x.element_size()
+
+    colwise = [model.get_submodule(fqn) for fqn, style in plan.items()
+               if style in ("colwise", "vocab") and isinstance(model.get_submodule(fqn), torch.nn.Linear)]
+    handles = [m.register_forward_pre_hook(note) for m in colwise]
+    saved = set()
+
+    def pack(t):
+        saved.add(_local(t).untyped_storage()._cdata)
+        return t
+
+    x, _ = zoo.example_batch(BATCH, device="cpu", size="tiny")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*x)
+    for h in handles:
+        h.remove()
+    return sum(n for key, n in entries.items() if key in saved)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])  # fused q·k·v / separate q, k, v and gate, up
+def test_column_wise_inputs_are_saved_whole_under_sequence_parallel(mesh, name):
+    w = workload(name, gpus_per_node=TP, global_batch=BATCH, dtype="fp32", size="tiny")
+    p, (s, h) = w.profile, (w.profile.seq_len, w.profile.dims["hidden"])
+    # one input per region however many linears read it: the attention's and the MLP's, and the head's
+    assert [b.entry_saved_bytes for b in p.blocks] == [0.0, 2 * s * h * 4, s * h * 4]
+    whole = BATCH * sum(b.count * b.entry_saved_bytes for b in p.blocks)
+    assert _saved_entry_inputs(mesh, name, sequence_parallel=False) == whole
+    assert _saved_entry_inputs(mesh, name, sequence_parallel=True) == whole  # not whole / TP
+
+
+def test_cost_model_keeps_them_whole_under_torch_and_shards_them_under_megatron():
+    w = workload("llama", gpus_per_node=8, global_batch=8, size="small")
+    p = w.profile
+    entry = sum(b.count * b.entry_saved_bytes for b in p.blocks)
+    assert entry > 0
+    plan = Plan(dp=4, tp=2, pp=1, micro_batch_size=1, num_micro_batches=2)
+    sp = plan.with_(sequence_parallel=True)
+    replicated = sum(b.count * (b.saved_bytes - b.saved_tp_bytes - (b.loss_saved_bytes - b.loss_saved_tp_bytes))
+                     for b in p.blocks)
+    # runtime torch: sequence parallelism shards what stays replicated under tp, less the entries
+    torch_drop = estimate(w, plan).memory["activations"] - estimate(w, sp).memory["activations"]
+    assert torch_drop == pytest.approx((replicated - entry) / 2, rel=1e-9)
+    megatron = dataclasses.replace(w, runtime="megatron")
+    megatron_sp = estimate(megatron, sp).memory["activations"]
+    # Megatron saves the shard: half the entries less than torch, the rest priced alike
+    assert estimate(w, sp).memory["activations"] - megatron_sp == pytest.approx(
+        entry / 2 + _loss_gap(w, megatron, sp), rel=1e-9)
+
+
+def _loss_gap(torch_w, megatron_w, plan) -> float:
+    """What the two runtimes' losses keep differently (tests/test_cost_loss_memory.py checks it), and
+    nothing else: the activations of a plan without the entries' term."""
+    a = estimate(torch_w, plan.with_(sequence_parallel=False)).memory["activations"]
+    b = estimate(megatron_w, plan.with_(sequence_parallel=False)).memory["activations"]
+    return a - b
