@@ -47,6 +47,7 @@ class CalibrationResult:
     # each --evaluate file
     rows: tuple = ()
     evaluated_rows: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)  # records priced from an older profiler's stored profile
 
 
 def _row(ds: Dataset, i: int, predicted: float) -> dict:
@@ -167,4 +168,5 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
         evaluated_rows[str(path)] = (other, other.predict(final.coefficients))
         evaluations[str(path)] = score(*evaluated_rows[str(path)])
     return CalibrationResult(final, calibrated, start, validation, evaluations, collectives,
-                             [str(p) for p in problems], ds.skipped, rows, evaluated_rows)
+                             [str(p) for p in problems], ds.skipped, rows, evaluated_rows,
+                             ds.notes + [n for path in evaluate for n in evaluated_rows[str(path)][0].notes])

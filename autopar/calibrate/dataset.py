@@ -19,7 +19,7 @@ from autopar.cost import PlanArrays, evaluate
 from autopar.cost.arrays import DTYPE_BYTES_BY_CODE
 from autopar.errors import AutoparError
 from autopar.plan import RECOMPUTE_MODES, Plan
-from autopar.traces.models import ModelSources
+from autopar.traces.models import ModelSources, stale_note
 from autopar.traces.record import check_trace_file, read_records
 from autopar.workload import Workload
 
@@ -40,6 +40,7 @@ class Dataset:
     labels: list[dict]  # per row: model, shape, gpus, nodes, plan text, source
     base_cluster: object = None  # the Cluster the rows were sized from
     skipped: list[str] = field(default_factory=list)  # why some records were not used
+    notes: list[str] = field(default_factory=list)  # records priced from an older profiler's stored profile
 
     def __len__(self) -> int:
         return len(self.measured)
@@ -143,7 +144,7 @@ def build_dataset(records, cluster, sources: list[str] | None = None, models=Non
     profiles: dict[tuple, object] = {}
     clusters: dict[tuple, object] = {}
     buckets: dict[tuple, dict] = {}
-    samples, labels, skipped = [], [], []  # per row: the measured seconds of each run of its plan
+    samples, labels, skipped, notes = [], [], [], []  # per row: the measured seconds of each run of its plan
     rows_of: dict[tuple, int] = {}
     for n, record in enumerate(records):
         source = sources[n] if sources else f"record {n + 1}"
@@ -156,6 +157,8 @@ def build_dataset(records, cluster, sources: list[str] | None = None, models=Non
                str(model.get("digest")), plan.precision)
         if key not in profiles:
             profiles[key] = models.profile(model, plan.precision, source)
+            if (note := stale_note(profiles[key], source)) is not None:
+                notes.append(note)
         size = (int(record.cluster.get("nodes", 1)), int(record.cluster.get("gpus_per_node", base.gpus_per_node)))
         if size not in clusters:
             clusters[size] = base.with_nodes(*size)
@@ -187,7 +190,7 @@ def build_dataset(records, cluster, sources: list[str] | None = None, models=Non
         label["runs"] = len(times)
     groups = [Group(b["workload"], PlanArrays.from_plans(b["plans"], b["workload"].profile), np.array(b["rows"]))
               for b in buckets.values()]
-    return Dataset(np.array([float(np.median(t)) for t in samples]), groups, labels, base, skipped)
+    return Dataset(np.array([float(np.median(t)) for t in samples]), groups, labels, base, skipped, notes)
 
 
 def load_traces(paths, strict: bool = False):

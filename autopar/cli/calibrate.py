@@ -77,6 +77,8 @@ def run(args) -> int:
 
     for problem in result.problems:  # one plain line each, never wrapped
         print(f"autopar: warning: skipped malformed trace line {problem}", file=sys.stderr)
+    for note in result.notes:
+        print(f"autopar: warning: {note}", file=sys.stderr)
     if args.output:
 
         write_cluster(result.cluster, args.output)
@@ -122,6 +124,7 @@ def _report(result, args) -> dict:
         "output": args.output,
         "malformed": result.problems,
         "skipped": result.skipped,
+        "stale_profiles": result.notes,
     }
     if result.collectives is not None:
         c = result.collectives

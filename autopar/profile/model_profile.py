@@ -107,6 +107,8 @@ class ModelProfile:
     # first stage's every step (cost/model.py)
     tied_params: int = 0
     tied_tp_params: int = 0  # of which sharded by tensor parallelism
+    profiler: str = ""  # the profiler version that measured it (profile/cache.py); "" before version 9: a
+    # profile stored in a trace by an older autopar lacks what later versions tell apart
 
     def __post_init__(self):
         object.__setattr__(self, "blocks", tuple(self.blocks))

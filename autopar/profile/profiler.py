@@ -182,7 +182,7 @@ def _measure(mf: ModelFile, model_args: dict, dtype: str, digest: str) -> ModelP
                         limits=model_limits(model, blocks, tp_plan), notes=getattr(mf.module, "notes", ()),
                         tied_params=sum(p.numel() for p in tied),
                         tied_tp_params=sum(p.numel() for p in tied if id(p) in sharded),
-                        **routing_settings(model.modules()))
+                        profiler=profile_cache.PROFILER_VERSION, **routing_settings(model.modules()))
 
 
 def _block_profile(kind: str, count: int, t: Tally, modules, params, sharded: dict, styles: dict,

@@ -4,7 +4,9 @@ Calibration needs each record's model profile. A trace file is passed between te
 `model.path` in it must not make autopar import and run that file. A record's profile comes,
 in this order, from
   1. the profile stored in the record (`model.profile`, written by `autopar run`), checked
-     against the profile schema;
+     against the profile schema; one an older profiler measured is measured again when the
+     code below allows (it lacks what the profiler now tells apart), else used as stored
+     (`stale_note` says so);
   2. a model file bundled with autopar (the zoo, the vTrain importer's Megatron GPT), by name;
   3. a model file the user named on the command line (`--model FILE`) whose bytes and
      arguments match the record's `model.digest`;
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from autopar.errors import AutoparError
 from autopar.profile import ModelProfile, profile_model
+from autopar.profile.cache import PROFILER_VERSION
 from autopar.profile.model_profile import profile_schema
 from autopar.schema import check
 
@@ -74,7 +77,7 @@ class ModelSources:
                 profile = ModelProfile.from_dict(d)
             except (TypeError, ValueError) as e:
                 raise AutoparError(f"{source}: model.profile cannot be read ({e})") from None
-            if profile.dtype == dtype:
+            if profile.dtype == dtype and (profile.profiler == PROFILER_VERSION or not self._can_rebuild(model)):
                 return profile
         args = model.get("args")
         if args is None:
@@ -86,19 +89,40 @@ class ModelSources:
         except AutoparError as e:
             raise AutoparError(f"{source}: cannot profile the record's model {path!r}: {e}") from None
 
-    def _file(self, model: dict, source: str) -> str:
+    def _code(self, model: dict) -> str | None:
+        """The model file the user allows autopar to run for this record, if any."""
         bundled = _bundled(model)
         if bundled is not None:
             return str(bundled)
         for file in self.files:
             if Path(file).is_file() and model.get("digest") in _digests(file, model.get("args") or {}):
                 return file
-        named = str(model.get("path") or model.get("name"))
         if self.trust_paths:
-            return resolve_model_path(named)
+            return resolve_model_path(str(model.get("path") or model.get("name")))
+        return None
+
+    def _can_rebuild(self, model: dict) -> bool:
+        code = self._code(model)
+        return model.get("args") is not None and code is not None and Path(code).is_file()
+
+    def _file(self, model: dict, source: str) -> str:
+        code = self._code(model)
+        if code is not None:
+            return code
+        named = str(model.get("path") or model.get("name"))
         raise AutoparError(f"{source}: the record names the model file {named!r} and carries no profile; a trace is "
                            f"data and autopar does not run code it names: pass --model-file FILE (a file whose "
                            f"digest matches the record), or --trust-model-paths if you trust the traces' files")
+
+
+def stale_note(profile, source: str) -> str | None:
+    """One line when a record's profile comes from an older profiler and could not be measured again."""
+    if profile.profiler == PROFILER_VERSION:
+        return None
+    return (f"{source}: the record's stored profile is from {profile.profiler or 'a profiler before version 9'} "
+            f"({PROFILER_VERSION} now), and its model file is not available to measure it again: its loss's and "
+            f"column-wise inputs' memory is priced as that profile tells it; pass --model-file FILE (the file "
+            f"the record names) to re-profile")
 
 
 def resolve_model_path(path: str) -> str:
