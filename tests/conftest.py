@@ -96,3 +96,21 @@ def assert_exports_degree(plan, label: str, megatron_flag: str, torchtitan_flag:
         assert args[args.index(flag) + 1] == str(degree), target
     for target in ("deepspeed", "accelerate"):
         assert label in export_plan(plan, target).unexpressed_line(), target
+
+
+FAKE_TP = 2  # ranks of `fake_tp_mesh`
+
+
+@pytest.fixture(scope="module")
+def fake_tp_mesh():
+    """A tensor-parallel mesh of FAKE_TP ranks on torch's fake process group, in this process: DTensor
+    issues every collective with its real shapes and nothing is communicated (this process is rank 0)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialised in this test process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=FAKE_TP)
+    yield init_device_mesh("cpu", (FAKE_TP,))
+    dist.destroy_process_group()

@@ -11,11 +11,8 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
-from conftest import workload
-from torch.distributed.device_mesh import init_device_mesh
+from conftest import FAKE_TP, workload
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar.cost import estimate
 from autopar.executor.tensor_parallel import apply_tp
@@ -23,16 +20,9 @@ from autopar.executor.weights import build_full_model
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
 
-TP, BATCH = 2, 2
+TP, BATCH = FAKE_TP, 2
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialised in this test process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
-    yield init_device_mesh("cpu", (TP,))
-    dist.destroy_process_group()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -69,14 +59,14 @@ def _saved_entry_inputs(mesh, name: str, sequence_parallel: bool) -> int:
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])  # fused q·k·v / separate q, k, v and gate, up
-def test_column_wise_inputs_are_saved_whole_under_sequence_parallel(mesh, name):
+def test_column_wise_inputs_are_saved_whole_under_sequence_parallel(fake_tp_mesh, name):
     w = workload(name, gpus_per_node=TP, global_batch=BATCH, dtype="fp32", size="tiny")
     p, (s, h) = w.profile, (w.profile.seq_len, w.profile.dims["hidden"])
     # one input per region however many linears read it: the attention's and the MLP's, and the head's
     assert [b.entry_saved_bytes for b in p.blocks] == [0.0, 2 * s * h * 4, s * h * 4]
     whole = BATCH * sum(b.count * b.entry_saved_bytes for b in p.blocks)
-    assert _saved_entry_inputs(mesh, name, sequence_parallel=False) == whole
-    assert _saved_entry_inputs(mesh, name, sequence_parallel=True) == whole  # not whole / TP
+    assert _saved_entry_inputs(fake_tp_mesh, name, sequence_parallel=False) == whole
+    assert _saved_entry_inputs(fake_tp_mesh, name, sequence_parallel=True) == whole  # not whole / TP
 
 
 def test_cost_model_keeps_them_whole_under_torch_and_shards_them_under_megatron():

@@ -12,10 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from conftest import workload
-from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
+from conftest import FAKE_TP, workload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.cost.model import _kind_arrays
@@ -24,7 +21,7 @@ from autopar.executor.tensor_parallel import apply_tp
 from autopar.executor.weights import build_full_model
 from autopar.modelfile import load_model_file
 
-TP, BATCH = 2, 2
+TP, BATCH = FAKE_TP, 2
 FUNCOL = torch.ops._c10d_functional
 
 
@@ -52,13 +49,6 @@ class Collectives(TorchDispatchMode):
         return sum(2 * n if kind == "all_reduce" else n for kind, n in self.calls)
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialised in this test process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
-    yield init_device_mesh("cpu", (TP,))
-    dist.destroy_process_group()
 
 
 def _passes(mesh, name: str, sequence_parallel: bool) -> tuple[Collectives, Collectives]:
@@ -75,21 +65,21 @@ def _passes(mesh, name: str, sequence_parallel: bool) -> tuple[Collectives, Coll
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt"])  # q, k, v and gate, up separate / fused q·k·v
-def test_one_collective_per_region_each_way(mesh, name):
+def test_one_collective_per_region_each_way(fake_tp_mesh, name):
     layers = 4  # the tiny zoo models
-    forward, backward = _passes(mesh, name, sequence_parallel=False)
+    forward, backward = _passes(fake_tp_mesh, name, sequence_parallel=False)
     # embedding and two regions per layer reduce; the head gathers its logits
     assert forward.kinds() == {"all_reduce": 1 + 2 * layers, "all_gather_into_tensor": 1}
     # two regions per layer and the head's input gradient; nothing for the embedding
     assert backward.kinds() == {"all_reduce": 2 * layers + 1}
-    forward, backward = _passes(mesh, name, sequence_parallel=True)
+    forward, backward = _passes(fake_tp_mesh, name, sequence_parallel=True)
     assert backward.kinds()["all_reduce"] == 0  # every region's input gradient is reduce-scattered
     assert backward.kinds()["reduce_scatter_tensor"] == 2 * layers + 1  # and the head's
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_each_pass_sends_what_the_cost_model_prices(mesh, sequence_parallel):
-    forward, backward = _passes(mesh, "llama", sequence_parallel)
+def test_each_pass_sends_what_the_cost_model_prices(fake_tp_mesh, sequence_parallel):
+    forward, backward = _passes(fake_tp_mesh, "llama", sequence_parallel)
     w = workload("llama", gpus_per_node=TP, global_batch=BATCH, dtype="fp32", size="tiny")
     sent = pass_bytes(_kind_arrays(w.profile), w)
     assert len(w.profile.layers) == 1  # one layer kind: the embedding, the layers' kind, the head
