@@ -8,7 +8,7 @@ in this order, from
      code below allows (it lacks what the profiler now tells apart), else used as stored
      (`stale_note` says so);
   2. a model file bundled with autopar (the zoo, the vTrain importer's Megatron GPT), by name;
-  3. a model file the user named on the command line (`--model FILE`) whose bytes and
+  3. a model file the user named on the command line (`--model-file FILE`) whose bytes and
      arguments match the record's `model.digest`;
   4. the record's own path, only with `--trust-model-paths` (the user vouches for the traces).
 Anything else is refused in one line naming the record and the file, before any code runs.
