@@ -23,8 +23,6 @@ from autopar.plan import Plan
 TP, BATCH = FAKE_TP, 2
 
 
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 

@@ -49,8 +49,6 @@ class Collectives(TorchDispatchMode):
         return sum(2 * n if kind == "all_reduce" else n for kind, n in self.calls)
 
 
-
-
 def _passes(mesh, name: str, sequence_parallel: bool) -> tuple[Collectives, Collectives]:
     """The collectives of one forward (with the loss) and one backward of the tiny zoo model `name`."""
     zoo = load_model_file(name)
