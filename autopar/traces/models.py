@@ -70,20 +70,23 @@ class ModelSources:
     def profile(self, model: dict, dtype: str, source: str):
         """The ModelProfile of a record's model (see the module docstring for where it comes from)."""
 
-        stored = model.get("profile")
+        stored, args, code = model.get("profile"), model.get("args"), None
         if stored is not None:
             d = check(stored, profile_schema(), f"{source}: model.profile", AutoparError)
             try:
                 profile = ModelProfile.from_dict(d)
             except (TypeError, ValueError) as e:
                 raise AutoparError(f"{source}: model.profile cannot be read ({e})") from None
-            if profile.dtype == dtype and (profile.profiler == PROFILER_VERSION or not self._can_rebuild(model)):
-                return profile
-        args = model.get("args")
+            if profile.dtype == dtype:
+                if profile.profiler == PROFILER_VERSION:
+                    return profile
+                code = self._code(model)  # an older profiler's: measured again where the code may run
+                if args is None or code is None or not Path(code).is_file():
+                    return profile
         if args is None:
             raise AutoparError(f"{source}: the record's model has no 'args' (the model arguments it was profiled "
                                f"with), so its profile cannot be rebuilt")
-        path = self._file(model, source)
+        path = code or self._file(model, source)
         try:
             return profile_model(path, args, dtype=dtype)
         except AutoparError as e:
@@ -100,10 +103,6 @@ class ModelSources:
         if self.trust_paths:
             return resolve_model_path(str(model.get("path") or model.get("name")))
         return None
-
-    def _can_rebuild(self, model: dict) -> bool:
-        code = self._code(model)
-        return model.get("args") is not None and code is not None and Path(code).is_file()
 
     def _file(self, model: dict, source: str) -> str:
         code = self._code(model)
