@@ -36,7 +36,10 @@ DIM_ALIASES = {
     "seq_len": ("seq_len", "max_seq_len", "max_position_embeddings", "n_positions"),
 }
 _COLLECTIVE_STYLES = ("rowwise", "rowwise_in", "colwise_rep", "vocab")  # output leaves replicated
-_ENTRY_STYLES = ("colwise", "colwise_rep", "vocab")  # a linear's replicated input enters a region
+# a linear whose input it saves whole under torch's SP: the executor gathers the stream for these
+# (executor/tensor_parallel.py `_REGION_ENTRIES`, and `_linear_style` for a vocab head); a `rowwise_in`
+# linear is gathered too but saves only its feature slice, 1/tp as priced
+_ENTRY_STYLES = ("colwise", "colwise_rep", "vocab")
 
 
 def profile_model(path_or_modelfile, model_args: dict | None = None, dtype: str = "bf16",
