@@ -71,6 +71,8 @@ class BlockProfile:
     loss_saved_tp_bytes: float = 0.0  # of which sharded by tensor parallelism
     entry_saved_bytes: float = 0.0  # part of saved_bytes that is the input of a column-wise linear (a region's
     # entry): under sequence parallelism torch's DTensor linears save it gathered, whole on every rank
+    mask_saved_bytes: float = 0.0  # part of saved_bytes that is dropout masks outside attention's core (bool):
+    # Megatron-Core keeps one at each of the file's dropout sites (cost/fused.py)
     # mixture of experts (module docstring); all 0 in a dense block
     experts: int = 0  # routed experts
     top_k: int = 0  # routed experts per token

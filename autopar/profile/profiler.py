@@ -197,6 +197,7 @@ def _block_profile(kind: str, count: int, t: Tally, modules, params, sharded: di
         saved_bytes=t.saved_bytes(), saved_tp_bytes=t.saved_bytes("sharded"),
         attn_core_bytes=t.saved_bytes("core"), loss_saved_bytes=t.saved_bytes("loss"),
         loss_saved_tp_bytes=t.saved_bytes("loss", "sharded"), entry_saved_bytes=t.saved_bytes("entry"),
+        mask_saved_bytes=t.saved_bytes("mask"),
         attn_core_flops=t.attn_core_flops, io_bytes=t.io_bytes, out_bytes=t.out_bytes,
         tp_comm_bytes=t.tp_comm_bytes, tp_gather_bytes=t.tp_gather_bytes,
         tp_units=tuple(sorted({*_tp_units(modules, styles), *extra_units})),

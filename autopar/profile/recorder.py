@@ -68,6 +68,7 @@ class Saved(NamedTuple):
     core: bool  # part of the attention core (seq x seq)
     loss: bool  # saved by the model file's loss_fn (the head's; the cost model swaps in Megatron's)
     entry: bool = False  # the input of a column-wise linear (whole on every rank under torch's SP)
+    mask: bool = False  # a boolean tensor outside the attention core: a dropout's mask
 
 
 @dataclass
@@ -89,7 +90,7 @@ class Tally:
 
     def saved_bytes(self, *flags: str) -> float:
         """Bytes of the saved storages, or of those with every one of ``flags`` ("sharded", "core",
-        "loss", "entry") set."""
+        "loss", "entry", "mask") set."""
         return float(sum(v.nbytes for v in self.saved.values() if all(getattr(v, f) for f in flags)))
 
 
@@ -147,8 +148,9 @@ class Recorder(TorchDispatchMode):
         """saved_tensors_hooks pack hook: record the storage (once per segment), keep the tensor."""
         key = storage_key(t)
         if key not in self.excluded and key not in self.tally.saved:
-            self.tally.saved[key] = Saved(t.untyped_storage().nbytes(), self.is_sharded(t), self.is_core(t),
-                                          self.in_loss, key in self._entry)
+            core = self.is_core(t)
+            self.tally.saved[key] = Saved(t.untyped_storage().nbytes(), self.is_sharded(t), core, self.in_loss,
+                                          key in self._entry, t.dtype == torch.bool and not core)
             self._keep.append(t)
         return t
 

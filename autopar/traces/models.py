@@ -119,8 +119,8 @@ def stale_note(profile, source: str) -> str | None:
     if profile.profiler == PROFILER_VERSION:
         return None
     return (f"{source}: the record's stored profile is from {profile.profiler or 'a profiler before version 9'} "
-            f"({PROFILER_VERSION} now), and its model file is not available to measure it again: its loss's and "
-            f"column-wise inputs' memory is priced as that profile tells it; pass --model-file FILE (the file "
+            f"({PROFILER_VERSION} now), and its model file is not available to measure it again: its loss's, "
+            f"column-wise inputs' and dropout masks' memory is priced as that profile tells it; pass --model-file FILE (the file "
             f"the record names) to re-profile")
 
 
