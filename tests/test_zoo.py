@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from autopar import zoo
+from autopar.errors import ModelFileError
 from autopar.modelfile import load_model_file, materialize
 
 MODELS = {name: load_model_file(name) for name in zoo.MODELS}
@@ -99,6 +100,19 @@ def test_llama_gqa_shapes_and_bert_masking():
     predicted = targets != -100
     assert 0 < predicted.float().mean() < 0.5
     assert (tokens[predicted] == 3).all() and (targets[~predicted] == -100).all()
+
+
+def test_llama_squared_relu_mlp_is_nemotrons():
+    """`mlp="squared_relu"`: w2(relu(w1 x)^2), two matrices and no gate, nothing of w3 in the plan."""
+    llama = MODELS["llama"]
+    model = materialize(llama.build(size="tiny", mlp="squared_relu"), "cpu")
+    ff = model.layers[0].feed_forward
+    assert not hasattr(ff, "w3") and sum(p.numel() for p in ff.parameters()) == 2 * 64 * 192
+    x = torch.randn(2, 64)
+    assert torch.allclose(ff(x), ff.w2(torch.relu(ff.w1(x)) ** 2))
+    assert not any(".w3" in name for name in llama.tp_plan(model))
+    with pytest.raises(ModelFileError, match="squared_relu"):
+        llama.build(size="tiny", mlp="geglu")
 
 
 def test_resnet50_layout():

@@ -211,8 +211,7 @@ def llama3_candidates(row: Llama3Row, model=ZOO_LLAMA):
 # Nemotron-22B are GPT-style (GeLU / squared-ReLU MLP of 4 x hidden, full multi-head attention:
 # `num_query_groups: null`; 22B is 21.3B parameters so); Llama 2 and 3 are the zoo's own sizes.
 # Nemotron-340B uses grouped-query attention (8 groups), which the GPT zoo file cannot express: it is
-# the Llama file with its gated MLP at 2/3 of Nemotron's ffn (the same parameters and FLOPs:
-# 3 x 2/3 = 2 matrices of ffn x hidden).
+# the Llama file with Nemotron-4's squared-ReLU MLP (`mlp="squared_relu"`) at its ffn of 4 x hidden.
 NEMO_MODELS = {
     "GPT3-5B": (ZOO_GPT, {"size": "gpt3-6.7b", "hidden": 4096, "layers": 24, "heads": 32}),
     "GPT3-20B": (ZOO_GPT, {"size": "gpt3-13b", "hidden": 6144, "layers": 44, "heads": 48}),
@@ -227,7 +226,7 @@ NEMO_MODELS = {
     "Nemotron-22B": (ZOO_GPT, {"size": "gpt3-6.7b", "hidden": 6144, "layers": 40, "heads": 48, "vocab": 256000,
                                "seq_len": 4096}),
     "Nemotron-340B": (ZOO_LLAMA, {"size": "llama2-70b", "hidden": 18432, "layers": 96, "heads": 96, "kv_heads": 8,
-                                  "ffn": 49152, "vocab": 256000}),
+                                  "ffn": 73728, "vocab": 256000, "mlp": "squared_relu"}),
 }
 NEMO_FAMILIES = {"GPT3": "GPT-3", "LLAMA2": "Llama 2", "LLAMA3": "Llama 3", "Nemotron": "Nemotron"}
 

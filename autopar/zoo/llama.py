@@ -1,5 +1,9 @@
 """Llama-style decoder: RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention.
 
+`mlp="squared_relu"` swaps the SwiGLU for Nemotron-4's MLP (w2(relu(w1 x)^2), two matrices, no
+gate; Parmar et al. 2024), the one change a Nemotron-4 shape needs here: its LayerNorm and partial
+rotary embedding cost what RMSNorm and full rotary do to within their elementwise bytes.
+
 Module names follow torchtitan's Llama (``tok_embeddings``, ``layers.*.attention.wq/wk/wv/wo``,
 ``layers.*.feed_forward.w1/w2/w3``, ``norm``, ``output``). Attention calls
 F.scaled_dot_product_attention after repeating the key/value heads (as torchtitan's repeat_kv).
@@ -30,11 +34,14 @@ class LlamaConfig:
     seq_len: int
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    mlp: str = "swiglu"  # or "squared_relu" (Nemotron-4)
 
     def __post_init__(self):
         if self.hidden % self.heads or self.heads % self.kv_heads:
             raise ValueError(f"heads {self.heads} must divide hidden {self.hidden} and be a multiple of "
                              f"kv_heads {self.kv_heads}")
+        if self.mlp not in MLPS:
+            raise ValueError(f"mlp {self.mlp!r} is not one of {', '.join(MLPS)}")
 
 
 def _llama(hidden, layers, heads, kv_heads, ffn, vocab, seq_len, rope_theta=10000.0):
@@ -107,13 +114,28 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class SquaredReLU(nn.Module):
+    """Nemotron-4's MLP: w2(relu(w1 x)^2)."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.relu(self.w1(x)).square())
+
+
+MLPS = {"swiglu": FeedForward, "squared_relu": SquaredReLU}
+
+
 class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.hidden, cfg.ffn)
+        self.feed_forward = MLPS[cfg.mlp](cfg.hidden, cfg.ffn)
 
     def forward(self, x):
         x = x + self.attention(self.attention_norm(x))
@@ -142,7 +164,7 @@ def example_batch(batch_size: int, size: str = DEFAULT_SIZE, seq_len: int | None
 
 def tp_plan(model: Llama) -> dict[str, str]:
     """torchtitan's Llama plan: q/k/v and w1/w3 column-wise, wo and w2 row-wise, vocab-sharded ends."""
-    return {
+    plan = {
         "tok_embeddings": "vocab",
         "layers.*.attention.wq": "colwise",
         "layers.*.attention.wk": "colwise",
@@ -153,6 +175,9 @@ def tp_plan(model: Llama) -> dict[str, str]:
         "layers.*.feed_forward.w2": "rowwise",
         "output": "vocab",
     }
+    if model.config.mlp != "swiglu":  # no gate
+        del plan["layers.*.feed_forward.w3"]
+    return plan
 
 
 def blocks(model: Llama) -> nn.ModuleList:
