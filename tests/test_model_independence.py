@@ -74,6 +74,17 @@ def test_three_llamas_predict_alike(llamas, runtime):
         assert max(times) / min(times) - 1 <= 0.03, (plan.describe(), times)
 
 
+def test_megatron_keeps_one_activation_figure_for_the_three(llamas):
+    """Under runtime megatron every dense layer keeps Megatron-Core's tensors, counted from the
+    architecture (cost/fused.py), and the ends' loss is Megatron's: the three files' activation
+    memory is the same to the byte for the five plans (under torch each keeps its own ops')."""
+    cluster = load_cluster("dgx-a100-80g")
+    for plan in FIVE_PLANS:
+        acts = [float(evaluate(Workload(p, cluster, 64, runtime="megatron", switches=("flash_attn",)),
+                               PlanArrays.from_plans([plan], p))["activations"][0]) for p in llamas]
+        assert max(acts) == pytest.approx(min(acts), rel=1e-12), (plan.describe(), acts)
+
+
 def test_gpt_written_two_ways_profiles_alike():
     explicit = profile_model(ZOO / "gpt.py", {"size": "1.7b"})
     sdpa = profile_model(MODELS / "gpt_sdpa.py", {"size": "1.7b"})

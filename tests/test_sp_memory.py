@@ -7,8 +7,6 @@ saves on torch's fake process group (two ranks, in-process)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from conftest import FAKE_TP, workload
@@ -67,7 +65,8 @@ def test_column_wise_inputs_are_saved_whole_under_sequence_parallel(fake_tp_mesh
     assert _saved_entry_inputs(fake_tp_mesh, name, sequence_parallel=True) == whole  # not whole / TP
 
 
-def test_cost_model_keeps_them_whole_under_torch_and_shards_them_under_megatron():
+def test_cost_model_keeps_them_whole_under_torch():
+    """Megatron's layers keep the shard (Korthikanti's count: tests/test_megatron_memory.py)."""
     w = workload("llama", gpus_per_node=8, global_batch=8, size="small")
     p = w.profile
     entry = sum(b.count * b.entry_saved_bytes for b in p.blocks)
@@ -79,16 +78,3 @@ def test_cost_model_keeps_them_whole_under_torch_and_shards_them_under_megatron(
     # runtime torch: sequence parallelism shards what stays replicated under tp, less the entries
     torch_drop = estimate(w, plan).memory["activations"] - estimate(w, sp).memory["activations"]
     assert torch_drop == pytest.approx((replicated - entry) / 2, rel=1e-9)
-    megatron = dataclasses.replace(w, runtime="megatron")
-    megatron_sp = estimate(megatron, sp).memory["activations"]
-    # Megatron saves the shard: half the entries less than torch, the rest priced alike
-    assert estimate(w, sp).memory["activations"] - megatron_sp == pytest.approx(
-        entry / 2 + _loss_gap(w, megatron, sp), rel=1e-9)
-
-
-def _loss_gap(torch_w, megatron_w, plan) -> float:
-    """What the two runtimes' losses keep differently (tests/test_cost_loss_memory.py checks it), and
-    nothing else: the activations of a plan without the entries' term."""
-    a = estimate(torch_w, plan.with_(sequence_parallel=False)).memory["activations"]
-    b = estimate(megatron_w, plan.with_(sequence_parallel=False)).memory["activations"]
-    return a - b

@@ -1,4 +1,5 @@
-"""The elementwise traffic of a transformer layer as Megatron-Core runs it, from the architecture.
+"""The elementwise traffic and saved activations of a transformer layer as Megatron-Core runs it,
+from the architecture.
 
 Megatron-Core (with Transformer Engine) runs its own layer whatever a model file writes: its
 norms, residual adds, dropouts and activation are the same fused kernels for any file of one
@@ -10,6 +11,18 @@ core come from its dims, counted as the bundled GPT file counts the same ops (wh
 dropouts and residual adds, the attention's reshapes) and 4 per ffn element of the activation
 (read and write), 6 for a gated one (gate and up read, one written). Rotary embeddings are not
 priced (Megatron fuses them into one read and write of q and k).
+
+What the layer keeps for backward is Megatron-Core's too, not the file's (an eager RMSNorm or
+SwiGLU keeps several whole tensors where Megatron's fused kernels keep one): Korthikanti et al.
+2022's count (section 4, equation 1: 34 bytes per token and hidden element outside attention's
+core), extended to grouped-query attention and gated MLPs. Per token, in 16-bit: each norm's input
+(2h, twice) and each column-parallel GEMM's input (the norm's output, 2h, twice: an "entry", the
+sequence shard under sequence parallelism); q, k and v (2 (h + 2 kv)); the attention's output,
+which the output projection saves (2h); the MLP's first output, which the activation's backward
+reads (2 ffn, twice that gated: gate and up), and the activation's output, which the second GEMM
+saves (2 ffn); plus the file's own dropout masks (one byte per element at each site: Megatron keeps
+the same) and the norms' fp32 statistics. Rotary embeddings' rotated copies of q and k are not
+counted (Korthikanti's GPT has none). What Transformer Engine's fp8 changes is in cost/precision.py.
 """
 
 from __future__ import annotations
@@ -17,8 +30,12 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.cost.gemm import layer_gemms
+from autopar.knobs import DTYPE_BYTES
 
 LAYER_BYTES_PER_HIDDEN = 42.0
+NORM_SAVED = 4.0  # per hidden element per token: the inputs of the two norms (16-bit)
+NORM_STATS = 16.0  # per token: the two norms' fp32 mean and reciprocal deviation (RMSNorm keeps half)
+ENTRY_SAVED = 4.0  # the two column-parallel GEMMs' inputs (the norms' outputs)
 ACTIVATION_BYTES = {False: 4.0, True: 6.0}  # per ffn element, plain or gated
 
 
@@ -33,4 +50,26 @@ def megatron_layer_io(profile) -> np.ndarray | None:
             return None
         gated = gemms[2][1] > dims["ffn"]  # gate and up in one column-parallel GEMM
         out[i] = s * (LAYER_BYTES_PER_HIDDEN * dims["hidden"] + ACTIVATION_BYTES[gated] * dims["ffn"])
+    return out
+
+
+def megatron_layer_saved(profile) -> dict[str, np.ndarray] | None:
+    """Per block kind, per sample, in the profile's dtype: `saved_bytes`, `saved_tp_bytes` (split by
+    tensor parallelism) and `entry_saved_bytes` of each dense layer kind as Megatron-Core keeps them
+    outside attention's core (module doc; the core is priced by the caller), with `dense`, 1 where
+    that replaces the file's figures (layer kinds with known dims and no routed experts), else 0."""
+    dims, s = profile.dims, profile.seq_len
+    k = len(profile.layers) + 2
+    out = {n: np.zeros(k) for n in ("saved_bytes", "saved_tp_bytes", "entry_saved_bytes", "dense")}
+    for i, blk in enumerate(profile.layers, start=1):
+        gemms = layer_gemms(dims, s, blk.params)
+        if gemms is None or blk.experts:
+            continue
+        (_, qkv, h, _), _, (_, first, _, _), (_, _, ffn, _) = gemms
+        scale = DTYPE_BYTES[profile.dtype] / 2  # the counts are 16-bit bytes
+        tp = s * scale * (2 * qkv + 2 * h + 2 * first + 2 * ffn)
+        entry = s * scale * ENTRY_SAVED * h
+        out["saved_tp_bytes"][i], out["entry_saved_bytes"][i] = tp, entry
+        out["saved_bytes"][i] = tp + entry + s * (scale * NORM_SAVED * h + NORM_STATS) + blk.mask_saved_bytes
+        out["dense"][i] = 1.0
     return out

@@ -43,7 +43,7 @@ from autopar.cost.collectives import all_gather_time, all_reduce_time
 from autopar.cost import moe
 from autopar.cost import cross_entropy, softmax_fallback, tensor_parallel, vocabulary
 from autopar.cost import precision as fp8
-from autopar.cost.fused import megatron_layer_io
+from autopar.cost.fused import megatron_layer_io, megatron_layer_saved
 from autopar.cost.context_parallel import gradient_group_size, sequence_share
 from autopar.cost.gemm import kind_efficiency
 from autopar.runtime import megatron_attention
@@ -100,7 +100,9 @@ def _attention_as_run(k: dict[str, np.ndarray], workload, c: Coefficients) -> di
     torch runs the model file's own ops. Megatron-Core runs its own attention whatever the file
     writes: the file's core (traffic, saved bytes) is replaced by Megatron's, from the score count
     alone: none with flash attention, MEGATRON_SOFTMAX_* bytes per score without; the same core
-    under another runtime with the `megatron_softmax` switch (Megatron-DeepSpeed's runs)."""
+    under another runtime with the `megatron_softmax` switch (Megatron-DeepSpeed's runs). Under
+    runtime megatron the rest of each dense layer's traffic and saved bytes are Megatron-Core's
+    too, from the architecture (cost/fused.py)."""
     k = dict(k)
     megatron = workload.runtime == "megatron"
     if not megatron_attention(workload):
@@ -121,6 +123,12 @@ def _attention_as_run(k: dict[str, np.ndarray], workload, c: Coefficients) -> di
     k["io_bytes"] = outside_core + core_io
     k["saved_bytes"] = k["saved_bytes"] - k["attn_core_bytes"] + core_saved
     k["saved_tp_bytes"] = k["saved_tp_bytes"] - k["attn_core_bytes"] + core_saved
+    if megatron:  # and what its layers keep for backward, outside the core
+        layer = megatron_layer_saved(profile)
+        dense = layer["dense"] > 0
+        k["saved_bytes"] = np.where(dense, layer["saved_bytes"] + core_saved, k["saved_bytes"])
+        k["saved_tp_bytes"] = np.where(dense, layer["saved_tp_bytes"] + core_saved, k["saved_tp_bytes"])
+        k["entry_saved_bytes"] = np.where(dense, layer["entry_saved_bytes"], k["entry_saved_bytes"])
     k["fused_attn_flops"] = k["attn_flops"] if flash else np.zeros_like(scores)
     k["attn_core_bytes"], k["attn_core_io_bytes"] = core_saved, core_io
     k["attn_core_flops"] = k["attn_flops"]  # what selective recompute reruns
@@ -298,6 +306,7 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
         "hidden_tp_comm": at(tp_hidden),
         "backward_s": on(compute_b + tp_b), "forward_s": on(compute_f + tp_f),
         "local_params": on(k["tp_params"] / split + (k["params"] - k["tp_params"])) + tied_copy,
+        "linear_params": on(fp8.layer_linear_params(profile) / t),  # what fp8 casts (cost/precision.py)
         "tied_params": tied_rank,
         "expert_local": on(routed["expert_params"]),
         "activations": (act_mb - head_act) * in_flight + head_act * head_in_flight + working,
@@ -423,7 +432,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     sharded_weights = (zero == 3) & ~unsharded
     weights = param_bytes / np.where(sharded_weights, dpn, 1.0) \
         + np.where(sharded_weights, 2 * col(part["block_params"]) * prec_bytes, 0.0) \
-        + fp8.fp8_weight_bytes(workload, pa, local_params)  # two gathered blocks; fp8 copies
+        + fp8.fp8_weight_bytes(workload, pa, part["linear_params"])  # two gathered blocks; fp8 copies
     mem = {
         "weights": weights,
         "gradients": param_bytes / np.where((zero >= 2) & ~unsharded, dpn, 1.0),

@@ -12,8 +12,9 @@ core, norms, the output head, weights, gradients, optimizer) stays in bf16. It c
   of 32 (MXFP8); Transformer Engine fuses the amax into a cast-transpose and keeps the weights'
   fp8 copies for the whole iteration;
 - memory: Transformer Engine saves the fp8 copies of GEMM inputs for backward (torchao saves the
-  bf16 input and casts again) and keeps an fp8 copy of the weights next to the bf16 ones for the
-  iteration (cast once, at the first micro-batch);
+  bf16 input and casts again; `te_saved_credit` says which copies replace which bf16 tensors) and
+  keeps an fp8 copy of the weights next to the bf16 ones for the iteration (cast once, at the
+  first micro-batch);
 - under FSDP2 (ZeRO-3) with tensorwise scaling, torchao's `enable_fsdp_float8_all_gather` gathers
   the layers' weights in fp8: half the bytes.
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.cost.gemm import layer_gemms
-from autopar.knobs import FP8_RECIPES, PRECISIONS
+from autopar.knobs import FP8_RECIPES, PRECISIONS, RECOMPUTE_MODES
 
 FP8 = PRECISIONS.index("fp8")
 RECIPE_CODES = ("none",) + FP8_RECIPES
@@ -72,9 +73,12 @@ def _linears(profile) -> dict[str, np.ndarray]:
     (forward) and the elements of their inputs, outputs and weights, each split into what tensor
     parallelism shards (divided by tp later) and what it does not. The head and embedding stay bf16."""
     k = len(profile.layers) + 2
-    out = {n: np.zeros(k) for n in ("flops", "inputs_tp", "inputs", "outputs_tp", "outputs", "weights")}
+    out = {n: np.zeros(k) for n in ("flops", "inputs_tp", "inputs", "outputs_tp", "outputs", "weights",
+                                    "attn_out_tp")}
     for i, blk in enumerate(profile.layers, start=1):
-        for m, n, kk, column in layer_gemms(profile.dims, profile.seq_len, blk.params) or ():
+        for j, (m, n, kk, column) in enumerate(layer_gemms(profile.dims, profile.seq_len, blk.params) or ()):
+            if j == 1:  # the output projection reads the attention's output
+                out["attn_out_tp"][i] = m * kk
             out["flops"][i] += 2 * m * n * kk  # sharded by tp either way
             out["weights"][i] += n * kk  # sharded by tp
             # a column-parallel GEMM reads the whole input and shards its output; a row-parallel one
@@ -82,6 +86,22 @@ def _linears(profile) -> dict[str, np.ndarray]:
             out["inputs" if column else "inputs_tp"][i] += m * kk
             out["outputs_tp" if column else "outputs"][i] += m * n
     return out
+
+
+def te_saved_credit(workload, g, b: np.ndarray, lin: dict) -> np.ndarray:
+    """Activation bytes per micro-batch and block kind that Transformer Engine's fp8 linears save less
+    than the bf16 layer of cost/fused.py, shape (G, K). Each linear saves its input's fp8 copy (1 byte
+    per element) for the weight gradient: the norms' outputs as the sequence shard under sequence
+    parallelism (TE's LayerNormLinear gathers it again in backward), the activation's output, and the
+    attention's output, which replaces the bf16 one unless the attention kernel keeps that too (a
+    flash kernel saves its output for its own backward, and only selective recompute, which reruns
+    the core, drops it: then the fp8 copy is a byte more per element, not one less)."""
+    col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731
+    t = col(g.tp)
+    sp_div = np.where(g.sequence_parallel, g.tp, 1)[:, None].astype(float)
+    kept = ("flash_attn" in workload.switches) & (col(g.recompute) != RECOMPUTE_MODES.index("selective"))
+    attn_out = b * lin["attn_out_tp"] / t
+    return b * lin["inputs"] / sp_div + b * lin["inputs_tp"] / t - attn_out + np.where(kept, -attn_out, attn_out)
 
 
 def _plan_masks(workload, g):
@@ -122,7 +142,7 @@ def compute_scale(workload, g, b: np.ndarray, flops_f: np.ndarray, c) -> dict[st
         cast_f = eager * per_element * (inputs + weights) / hbm
         cast_b = eager * per_element * (outputs + inputs + weights) / hbm
     on = col(fp8) > 0
-    saved = np.where(on & megatron, inputs * 1.0, 0.0)  # 2 bytes -> 1 per saved GEMM input
+    saved = np.where(on & megatron, te_saved_credit(workload, g, b, lin), 0.0)
     elementwise = np.where(col(compiled) > 0, COMPILE_ELEMENTWISE, 1.0) * ones
     return {"gemm": gemm, "cast_f": np.where(on, cast_f, 0.0), "cast_b": np.where(on, cast_b, 0.0),
             "elementwise": elementwise, "saved": saved}
@@ -133,13 +153,20 @@ def host_scale(g) -> np.ndarray:
     return np.where(np.asarray(g.compile, dtype=bool), COMPILE_HOST, 1.0)[:, None]
 
 
-def fp8_weight_bytes(workload, pa, local_params: np.ndarray) -> np.ndarray:
+def layer_linear_params(profile) -> np.ndarray:
+    """Per block kind: the parameters of one instance's linear GEMMs, all split by tensor parallelism
+    (0 for the embedding and head, which stay bf16)."""
+    return _linears(profile)["weights"]
+
+
+def fp8_weight_bytes(workload, pa, linear_params: np.ndarray) -> np.ndarray:
     """Bytes of the fp8 weight copies Transformer Engine keeps for the iteration: 1 per layer-linear
-    parameter on the rank; torchao casts per GEMM (transient)."""
+    parameter on the rank (`linear_params`, per representative rank; not the embedding's or the
+    head's); torchao casts per GEMM (transient)."""
     if workload.runtime != "megatron":
-        return np.zeros_like(local_params)
+        return np.zeros_like(linear_params)
     fp8 = (np.asarray(pa.precision) == FP8)[:, None]
-    return np.where(fp8, 1.0 * local_params * _linear_param_share(workload.profile), 0.0)
+    return np.where(fp8, 1.0 * linear_params, 0.0)
 
 
 def gather_scale(workload, pa) -> np.ndarray:

@@ -209,7 +209,8 @@ def llama3_candidates(row: Llama3Row, model=ZOO_LLAMA):
 # NeMo 24.07's model configs (NeMo-Framework-Launcher tag 24.07, commit 8325688d,
 # `launcher_scripts/conf/training/<family>/<size>.yaml`) as zoo overrides: GPT-3, Nemotron-8B and
 # Nemotron-22B are GPT-style (GeLU / squared-ReLU MLP of 4 x hidden, full multi-head attention:
-# `num_query_groups: null`; 22B is 21.3B parameters so); Llama 2 and 3 are the zoo's own sizes.
+# `num_query_groups: null`; 22B is 21.3B parameters so; `hidden_dropout: 0.0` for Nemotron, 0.1 for GPT-3,
+# as the GPT file's default); Llama 2 and 3 are the zoo's own sizes (no dropout).
 # Nemotron-340B uses grouped-query attention (8 groups), which the GPT zoo file cannot express: it is
 # the Llama file with Nemotron-4's squared-ReLU MLP (`mlp="squared_relu"`) at its ffn of 4 x hidden.
 NEMO_MODELS = {
@@ -222,9 +223,9 @@ NEMO_MODELS = {
     "LLAMA3-8B": (ZOO_LLAMA, {"size": "llama3-8b"}),
     "LLAMA3-70B": (ZOO_LLAMA, {"size": "llama3-70b"}),
     "Nemotron-8B": (ZOO_GPT, {"size": "gpt3-6.7b", "hidden": 4096, "layers": 32, "heads": 32, "vocab": 256000,
-                              "seq_len": 4096}),
+                              "seq_len": 4096, "dropout": 0.0}),
     "Nemotron-22B": (ZOO_GPT, {"size": "gpt3-6.7b", "hidden": 6144, "layers": 40, "heads": 48, "vocab": 256000,
-                               "seq_len": 4096}),
+                               "seq_len": 4096, "dropout": 0.0}),
     "Nemotron-340B": (ZOO_LLAMA, {"size": "llama2-70b", "hidden": 18432, "layers": 96, "heads": 96, "kv_heads": 8,
                                   "ffn": 73728, "vocab": 256000, "mlp": "squared_relu"}),
 }
