@@ -53,7 +53,7 @@ def megatron_layer_io(profile) -> np.ndarray | None:
     return out
 
 
-def megatron_layer_saved(profile) -> dict[str, np.ndarray] | None:
+def megatron_layer_saved(profile) -> dict[str, np.ndarray]:
     """Per block kind, per sample, in the profile's dtype: `saved_bytes`, `saved_tp_bytes` (split by
     tensor parallelism) and `entry_saved_bytes` of each dense layer kind as Megatron-Core keeps them
     outside attention's core (module doc; the core is priced by the caller), with `dense`, 1 where

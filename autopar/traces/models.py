@@ -120,8 +120,8 @@ def stale_note(profile, source: str) -> str | None:
         return None
     return (f"{source}: the record's stored profile is from {profile.profiler or 'a profiler before version 9'} "
             f"({PROFILER_VERSION} now), and its model file is not available to measure it again: its loss's, "
-            f"column-wise inputs' and dropout masks' memory is priced as that profile tells it; pass --model-file FILE (the file "
-            f"the record names) to re-profile")
+            f"column-wise inputs' and dropout masks' memory is priced as that profile tells it; pass "
+            f"--model-file FILE (the file the record names) to re-profile")
 
 
 def resolve_model_path(path: str) -> str:

@@ -1,8 +1,9 @@
 """Llama-style decoder: RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention.
 
 `mlp="squared_relu"` swaps the SwiGLU for Nemotron-4's MLP (w2(relu(w1 x)^2), two matrices, no
-gate; Parmar et al. 2024), the one change a Nemotron-4 shape needs here: its LayerNorm and partial
-rotary embedding cost what RMSNorm and full rotary do to within their elementwise bytes.
+gate; Parmar et al. 2024). The rest of Nemotron-4 (LayerNorm with zero-centred gamma, rotary on half
+of each head) is not written here: under runtime megatron a layer's traffic and saved tensors come
+from its dims (autopar/cost/fused.py), which this file gives right.
 
 Module names follow torchtitan's Llama (``tok_embeddings``, ``layers.*.attention.wq/wk/wv/wo``,
 ``layers.*.feed_forward.w1/w2/w3``, ``norm``, ``output``). Attention calls
