@@ -8,7 +8,7 @@ from autopar import axes
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
 from autopar.cluster import load_cluster
 from autopar.cost import estimate
-from autopar.cost.regime import notes, regime_note
+from autopar.cost.regime import json_notes, notes
 from autopar.errors import PlanError
 from autopar.knobs import FP8_RECIPES, balanced_split, decisions, device_blocks, knob
 from autopar.plan import Plan
@@ -132,7 +132,7 @@ def run(args) -> int:
     est = estimate(workload, plan)
     if args.json:
         print_json({**est.to_dict(), "plan": plan.to_dict(), "workload": workload_dict(workload),
-                    "calibration_note": regime_note(workload, plan, est), "notes": notes(workload, plan, est)})
+                    **json_notes(workload, plan, est)})
         return 0
     console = Console()
     console.print(f"[bold]{workload.describe()}[/bold]")

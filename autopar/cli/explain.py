@@ -10,7 +10,7 @@ from rich.console import Console
 from autopar.cli.common import add_workload_flags, print_json, workload_dict
 from autopar.cli.estimate import plan_and_workload
 from autopar.cost import estimate
-from autopar.cost.regime import notes, regime_note
+from autopar.cost.regime import json_notes, notes
 from autopar.errors import AutoparError
 from autopar.explain import explain
 from autopar.plots.figures import plan_figure, pyplot
@@ -64,7 +64,7 @@ def run(args) -> int:
     if args.json:
         print_json({"plan": plan.to_dict(), "estimate": est.to_dict(), "workload": workload_dict(workload),
                     "why": [{"knob": r.knob, "chosen": r.chosen, "instead": r.text} for r in reasons],
-                    "calibration_note": regime_note(workload, plan, est), "notes": notes(workload, plan, est),
+                    **json_notes(workload, plan, est),
                     "plot": written})
         return 0
     console = Console()

@@ -11,7 +11,7 @@ from rich.console import Console
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
 from autopar.cli.explain import add_plot_flag, check_plot, draw
 from autopar.cost import estimate
-from autopar.cost.regime import notes, regime_note
+from autopar.cost.regime import json_notes, notes
 from autopar.errors import AutoparError
 from autopar.explain import explain
 from autopar.report import alternatives_table, params_text, print_estimate, why_table
@@ -80,7 +80,7 @@ def run(args) -> int:
                              for p, e in zip(plans[1:], estimates[1:])],
             "why": [{"knob": r.knob, "chosen": r.chosen, "instead": r.text} for r in reasons],
             "workload": workload_dict(workload), "method": args.method,
-            "calibration_note": regime_note(workload, best, best_est), "notes": notes(workload, best, best_est),
+            **json_notes(workload, best, best_est),
             "confidence": None if confidence is None else {"probability": confidence.probability,
                                                            "min_step": confidence.min_step},
             "cost_model_evaluations": planner.evaluations, "wall_time_s": wall, "plot": written,

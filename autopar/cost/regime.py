@@ -74,7 +74,14 @@ def selective_note(workload, plan) -> str:
             "which keeps no seq x seq tensor to drop; it only reruns the attention forward")
 
 
-def notes(workload, plan, est=None) -> list[str]:
-    """The one-line notes `autopar search`, `estimate` and `explain` print under an estimate."""
-    return [n for n in (regime_note(workload, plan, est), selective_note(workload, plan),
-                        vocabulary_note(workload, plan)) if n]
+def notes(workload, plan, est=None, regime: str | None = None) -> list[str]:
+    """The one-line notes `autopar search`, `estimate` and `explain` print under an estimate
+    (`regime`: the regime note when the caller has it already)."""
+    regime = regime_note(workload, plan, est) if regime is None else regime
+    return [n for n in (regime, selective_note(workload, plan), vocabulary_note(workload, plan)) if n]
+
+
+def json_notes(workload, plan, est) -> dict:
+    """The notes' fields of `--json`: the regime note on its own (`calibration_note`) and all notes."""
+    regime = regime_note(workload, plan, est)
+    return {"calibration_note": regime, "notes": notes(workload, plan, est, regime)}
