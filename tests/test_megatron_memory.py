@@ -48,7 +48,7 @@ def test_the_profile_marks_the_dropout_masks():
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_a_gpt_layer_keeps_korthikantis_count(tp):
-    """Korthikanti et al. 2022, equations 1-4 (b the micro-batch, a the heads): sbh(10 + 24/t +
+    """Korthikanti et al. 2022, section 4 (b the micro-batch, a the heads): sbh(10 + 24/t +
     5as/ht) under tensor parallelism alone, sbh(34 + 5as/h)/t with sequence parallelism, 34sbh/t with
     selective recompute on top, plus the norms' statistics; Megatron's unfused attention (no
     flash_attn switch) keeps 5 bytes per score."""

@@ -14,15 +14,15 @@ priced (Megatron fuses them into one read and write of q and k).
 
 What the layer keeps for backward is Megatron-Core's too, not the file's (an eager RMSNorm or
 SwiGLU keeps several whole tensors where Megatron's fused kernels keep one): Korthikanti et al.
-2022's count (section 4, equation 1: 34 bytes per token and hidden element outside attention's
-core), extended to grouped-query attention and gated MLPs. Per token, in 16-bit: each norm's input
-(2h, twice) and each column-parallel GEMM's input (the norm's output, 2h, twice: an "entry", the
-sequence shard under sequence parallelism); q, k and v (2 (h + 2 kv)); the attention's output,
-which the output projection saves (2h); the MLP's first output, which the activation's backward
-reads (2 ffn, twice that gated: gate and up), and the activation's output, which the second GEMM
-saves (2 ffn); plus the file's own dropout masks (one byte per element at each site: Megatron keeps
-the same) and the norms' fp32 statistics. Rotary embeddings' rotated copies of q and k are not
-counted (Korthikanti's GPT has none). What Transformer Engine's fp8 changes is in cost/precision.py.
+2022's count (section 4: 34 bytes per token and hidden element outside attention's core), extended
+to grouped-query attention and gated MLPs. Per token, in 16-bit: each norm's input (2h, twice) and
+each column-parallel GEMM's input (the norm's output, 2h, twice: an "entry", the sequence shard
+under sequence parallelism); q, k and v (2 (h + 2 kv)); the attention's output, which the output
+projection saves (2h); the MLP's first output, which the activation's backward reads (2 ffn, twice
+that gated: gate and up), and the activation's output, which the second GEMM saves (2 ffn); plus the
+file's own dropout masks (one byte per element at each site: Megatron keeps the same) and the norms'
+fp32 statistics. Rotary embeddings' rotated copies of q and k are not counted (Korthikanti's GPT has
+none). What Transformer Engine's fp8 changes is in cost/precision.py.
 """
 
 from __future__ import annotations
