@@ -190,7 +190,7 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     shape = kind_efficiency(profile, b[:, 0], g.tp, cluster.gpu.sms)  # tile and wave quantisation
     eff = c.gemm_efficiency * shape * flops_f / (flops_f + c.gemm_half_flops)
     rate = peak * np.maximum(eff, 1e-9)
-    scale = fp8.compute_scale(workload, g, b, flops_f, c)  # fp8's GEMMs and casts, compile's fusion
+    scale = fp8.compute_scale(workload, g, b, sp_div, flops_f, c)  # fp8's GEMMs and casts, compile's fusion
     shard = _ratio(k["saved_tp_bytes"], k["saved_bytes"])
     io_f = b * act_scale * k["io_bytes"] * (shard / split + (1 - shard) / sp_div) / hbm * scale["elementwise"]
     base = c.collective_latency_s
@@ -306,7 +306,7 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
         "hidden_tp_comm": at(tp_hidden),
         "backward_s": on(compute_b + tp_b), "forward_s": on(compute_f + tp_f),
         "local_params": on(k["tp_params"] / split + (k["params"] - k["tp_params"])) + tied_copy,
-        "linear_params": on(fp8.layer_linear_params(profile) / t),  # what fp8 casts (cost/precision.py)
+        "linear_params": on(scale["weights"]),  # what fp8 casts (cost/precision.py)
         "tied_params": tied_rank,
         "expert_local": on(routed["expert_params"]),
         "activations": (act_mb - head_act) * in_flight + head_act * head_in_flight + working,

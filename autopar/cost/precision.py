@@ -88,7 +88,7 @@ def _linears(profile) -> dict[str, np.ndarray]:
     return out
 
 
-def te_saved_credit(workload, g, b: np.ndarray, lin: dict) -> np.ndarray:
+def te_saved_credit(workload, g, b: np.ndarray, t: np.ndarray, sp_div: np.ndarray, lin: dict) -> np.ndarray:
     """Activation bytes per micro-batch and block kind that Transformer Engine's fp8 linears save less
     than the bf16 layer of cost/fused.py, shape (G, K). Each linear saves its input's fp8 copy (1 byte
     per element) for the weight gradient: the norms' outputs as the sequence shard under sequence
@@ -96,12 +96,9 @@ def te_saved_credit(workload, g, b: np.ndarray, lin: dict) -> np.ndarray:
     attention's output, which replaces the bf16 one unless the attention kernel keeps that too (a
     flash kernel saves its output for its own backward, and only selective recompute, which reruns
     the core, drops it: then the fp8 copy is a byte more per element, not one less)."""
-    col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731
-    t = col(g.tp)
-    sp_div = np.where(g.sequence_parallel, g.tp, 1)[:, None].astype(float)
-    kept = ("flash_attn" in workload.switches) & (col(g.recompute) != RECOMPUTE_MODES.index("selective"))
-    attn_out = b * lin["attn_out_tp"] / t
-    return b * lin["inputs"] / sp_div + b * lin["inputs_tp"] / t - attn_out + np.where(kept, -attn_out, attn_out)
+    kept = ("flash_attn" in workload.switches) & (np.asarray(g.recompute) != RECOMPUTE_MODES.index("selective"))
+    attn_out = b * lin["attn_out_tp"] / t  # credited a byte with the row inputs; where kept, a byte more instead
+    return b * (lin["inputs"] / sp_div + lin["inputs_tp"] / t) - np.where(kept[:, None], 2 * attn_out, 0.0)
 
 
 def _plan_masks(workload, g):
@@ -112,12 +109,13 @@ def _plan_masks(workload, g):
     return fp8, compiled, gains
 
 
-def compute_scale(workload, g, b: np.ndarray, flops_f: np.ndarray, c) -> dict[str, np.ndarray]:
+def compute_scale(workload, g, b: np.ndarray, sp_div: np.ndarray, flops_f: np.ndarray, c) -> dict[str, np.ndarray]:
     """For `_pipeline` (shapes (G, K); `b`, (G, 1), the samples' worth of tokens a rank runs per
-    micro-batch): `gemm`, the factor on each kind's FLOPs time (1 but for
-    fp8's linear GEMMs); `cast_f`, `cast_b`, seconds of fp8 casts per micro-batch; `elementwise`,
-    the factor on the elementwise traffic (compile); `saved`, activation bytes per micro-batch that
-    Transformer Engine saves in fp8 instead of bf16 (to subtract)."""
+    micro-batch; `sp_div`, (G, 1), what sequence parallelism divides the stream by): `gemm`, the
+    factor on each kind's FLOPs time (1 but for fp8's linear GEMMs); `cast_f`, `cast_b`, seconds of
+    fp8 casts per micro-batch; `elementwise`, the factor on the elementwise traffic (compile);
+    `saved`, activation bytes per micro-batch that Transformer Engine saves in fp8 instead of bf16
+    (to subtract); `weights`, each kind's layer-linear parameters on a rank (what fp8 casts)."""
     profile, gpu = workload.profile, workload.cluster.gpu
     lin = _linears(profile)
     fp8, compiled, gains = _plan_masks(workload, g)
@@ -142,21 +140,15 @@ def compute_scale(workload, g, b: np.ndarray, flops_f: np.ndarray, c) -> dict[st
         cast_f = eager * per_element * (inputs + weights) / hbm
         cast_b = eager * per_element * (outputs + inputs + weights) / hbm
     on = col(fp8) > 0
-    saved = np.where(on & megatron, te_saved_credit(workload, g, b, lin), 0.0)
+    saved = np.where(on & megatron, te_saved_credit(workload, g, b, t, sp_div, lin), 0.0)
     elementwise = np.where(col(compiled) > 0, COMPILE_ELEMENTWISE, 1.0) * ones
     return {"gemm": gemm, "cast_f": np.where(on, cast_f, 0.0), "cast_b": np.where(on, cast_b, 0.0),
-            "elementwise": elementwise, "saved": saved}
+            "elementwise": elementwise, "saved": saved, "weights": weights}
 
 
 def host_scale(g) -> np.ndarray:
     """Factor on the host's launch time per block pass, shape (G, 1): compiled blocks launch fewer kernels."""
     return np.where(np.asarray(g.compile, dtype=bool), COMPILE_HOST, 1.0)[:, None]
-
-
-def layer_linear_params(profile) -> np.ndarray:
-    """Per block kind: the parameters of one instance's linear GEMMs, all split by tensor parallelism
-    (0 for the embedding and head, which stay bf16)."""
-    return _linears(profile)["weights"]
 
 
 def fp8_weight_bytes(workload, pa, linear_params: np.ndarray) -> np.ndarray:
