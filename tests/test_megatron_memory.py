@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import workload
+from conftest import ZOO, workload
 
 from autopar.cost import estimate
 from autopar.plan import Plan
@@ -44,6 +44,23 @@ def test_the_profile_marks_the_dropout_masks():
     # element and token outside the core, and the norms' statistics
     layer = gpt.layers[0]
     assert layer.saved_bytes - layer.attn_core_bytes == S * (34 * H + STATS)
+
+
+def test_only_dropouts_masks_are_masks(tmp_path):
+    """A boolean tensor the backward keeps is a dropout's mask only when dropout made it: a causal
+    mask the file builds in forward (an s x s bool tensor masked_fill saves) is not one, and does not
+    join Megatron's layer."""
+    from autopar.profile import profile_model
+
+    source = (ZOO / "gpt.py").read_text()
+    built = source.replace("mask = self.mask[:s, :s] if self.mask is not None else None",
+                           "mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)")
+    assert built != source
+    (tmp_path / "gpt_mask.py").write_text(built)
+    zoo, mine = (profile_model(path, {"size": "tiny"}, cache=False).layers[0]
+                 for path in (ZOO / "gpt.py", tmp_path / "gpt_mask.py"))
+    assert mine.saved_bytes == zoo.saved_bytes + S * S  # the file does keep its mask, a byte per score
+    assert mine.mask_saved_bytes == zoo.mask_saved_bytes == 2 * S * H
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -68,7 +68,7 @@ class Saved(NamedTuple):
     core: bool  # part of the attention core (seq x seq)
     loss: bool  # saved by the model file's loss_fn (the head's; the cost model swaps in Megatron's)
     entry: bool = False  # the input of a column-wise linear (whole on every rank under torch's SP)
-    mask: bool = False  # a boolean tensor outside the attention core: a dropout's mask
+    mask: bool = False  # a dropout's mask (native_dropout's second output) outside the attention core
 
 
 @dataclass
@@ -109,6 +109,7 @@ class Recorder(TorchDispatchMode):
         self._sharded: dict[int, torch.Tensor] = {}
         self._core: dict[int, torch.Tensor] = {}
         self._entry: dict[int, torch.Tensor] = {}
+        self._dropout_masks: dict[int, torch.Tensor] = {}  # native_dropout's masks (profile/kernels.py)
         self._keep: list[torch.Tensor] = []  # saved tensors, held for the same reason
 
     @property
@@ -150,7 +151,7 @@ class Recorder(TorchDispatchMode):
         if key not in self.excluded and key not in self.tally.saved:
             core = self.is_core(t)
             self.tally.saved[key] = Saved(t.untyped_storage().nbytes(), self.is_sharded(t), core, self.in_loss,
-                                          key in self._entry, t.dtype == torch.bool and not core)
+                                          key in self._entry, key in self._dropout_masks and not core)
             self._keep.append(t)
         return t
 
@@ -177,6 +178,8 @@ class Recorder(TorchDispatchMode):
             tally.tp_fwd_flops += flops
             for t in outputs:
                 self.tag(t)
+        if packet is torch.ops.aten.native_dropout:  # (output, mask): a bool mask of what it kept
+            self._dropout_masks[storage_key(out[1])] = out[1]
         core_in = any(self.is_core(t) for t in inputs)
         # the matmul with the values reads the core and ends it, even when its result is square too
         # (a head size equal to the sequence length)
