@@ -133,6 +133,16 @@ def test_selective_recompute_with_fused_attention_says_why_it_changes_nothing():
     assert selective_note(explicit, plan) == ""
     sel, none = (estimate(flash, plan.with_(recompute=m)) for m in ("selective", "none"))
     assert sel.memory["activations"] == pytest.approx(none.memory["activations"])
+    assert "saves no memory" in selective_note(flash, plan)
+    # Transformer Engine's fp8 projection keeps its own copy of the attention's output: selective
+    # recompute, rerunning the flash kernel, drops the kernel's saved output, and the note says how much
+    te = dataclasses.replace(Workload(profile("llama", size="tiny"), load_cluster("dgx-h100", nodes=1), 8),
+                             runtime="megatron", switches=("flash_attn",), fp8=True)
+    fp8 = Plan(dp=4, tp=2, pp=1, micro_batch_size=1, num_micro_batches=2, recompute="selective",
+               sequence_parallel=True, precision="fp8", fp8_recipe="tensorwise")
+    sel, none = (estimate(te, fp8.with_(recompute=m)).memory["activations"] for m in ("selective", "none"))
+    assert 0 < none - sel < 0.1 * none
+    assert f"saves only {(none - sel) / 1e9:.3g} GB" in selective_note(te, fp8)
 
 
 def test_cli_runtime_flags(capsys):

@@ -64,14 +64,21 @@ def attention_fused(workload) -> bool:
 
 
 def selective_note(workload, plan) -> str:
-    """Why selective recompute changes nothing when the attention is a fused (flash) kernel: it keeps
-    no seq x seq tensor, so there is nothing for selective recompute to drop ("" otherwise)."""
-    if plan.recompute != "selective":
+    """Why selective recompute saves little or nothing when the attention is a fused (flash) kernel:
+    it keeps no seq x seq tensor for selective recompute to drop ("" otherwise). Whether anything is
+    saved is the cost model's answer (under Transformer Engine's fp8 the rerun drops the kernel's own
+    saved output), so the line says what the plan's activations are against recompute none."""
+    if plan.recompute != "selective" or not attention_fused(workload):
         return ""
-    if not attention_fused(workload):
-        return ""
-    return ("note: selective recompute saves no memory here: the attention runs as a fused (flash) kernel, "
-            "which keeps no seq x seq tensor to drop; it only reruns the attention forward")
+    from autopar.cost import estimate  # the cost model imports this module
+
+    none = estimate(workload, plan.with_(recompute="none")).memory["activations"]
+    saved = none - estimate(workload, plan).memory["activations"]
+    why = "the attention runs as a fused (flash) kernel, which keeps no seq x seq tensor to drop"
+    if saved <= 1e-9 * none:
+        return f"note: selective recompute saves no memory here: {why}; it only reruns the attention forward"
+    return (f"note: selective recompute saves only {saved / 1e9:.3g} GB of activations here: {why}; it drops "
+            "the kernel's own saved output and reruns the attention forward")
 
 
 def notes(workload, plan, est=None, regime: str | None = None) -> list[str]:
