@@ -67,3 +67,12 @@ def test_an_old_profile_without_its_code_is_used_and_named_in_one_warning(fresh,
     assert code == 0
     assert [line for line in err.err.splitlines() if "stored profile" in line] == [f"autopar: warning: {ds.notes[0]}"]
     assert json.loads(err.out)["stale_profiles"] == ds.notes
+
+
+def test_an_old_profile_whose_code_no_longer_takes_its_arguments_is_used_as_stored(fresh):
+    """The bundled code may have dropped an argument the record was profiled with: the stored profile
+    is priced as it is, with the warning, rather than the calibration stopping."""
+    model = {"name": "gpt", "args": {"size": "tiny", "retired_arg": 1}, "profile": _old(fresh)}
+    stored = ModelSources().profile(model, "bf16", "t.jsonl:1")
+    assert stored.profiler == "" and stored.layers[0].entry_saved_bytes == 0.0
+    assert "no longer takes those arguments" in trace_models.stale_note(stored, "t.jsonl:1")

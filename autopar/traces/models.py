@@ -83,6 +83,10 @@ class ModelSources:
                 code = self._code(model)  # an older profiler's: measured again where the code may run
                 if args is None or code is None or not Path(code).is_file():
                     return profile
+                try:
+                    return profile_model(code, args, dtype=dtype)
+                except AutoparError:  # the code no longer takes the record's arguments: priced as stored
+                    return profile
         if args is None:
             raise AutoparError(f"{source}: the record's model has no 'args' (the model arguments it was profiled "
                                f"with), so its profile cannot be rebuilt")
@@ -119,9 +123,10 @@ def stale_note(profile, source: str) -> str | None:
     if profile.profiler == PROFILER_VERSION:
         return None
     return (f"{source}: the record's stored profile is from {profile.profiler or 'a profiler before version 9'} "
-            f"({PROFILER_VERSION} now), and its model file is not available to measure it again: its loss's, "
-            f"column-wise inputs' and dropout masks' memory is priced as that profile tells it; pass "
-            f"--model-file FILE (the file the record names) to re-profile")
+            f"({PROFILER_VERSION} now) and could not be measured again (the record has no model arguments, its "
+            f"model file is not available, or the file no longer takes those arguments): its loss's, column-wise "
+            f"inputs' and dropout masks' memory is priced as that profile tells it; to re-profile, pass "
+            f"--model-file FILE (the file the record names, taking the record's arguments)")
 
 
 def resolve_model_path(path: str) -> str:
