@@ -93,7 +93,10 @@ def _chosen(plan: Plan, row: str) -> str:
     return k.text(k.value_of(plan))
 
 
-def explain(workload, plan: Plan, coeffs=None) -> list[Reason]:
+def explain(workload, plan: Plan, coeffs=None, fastest: float | None = None) -> list[Reason]:
+    """Per knob, what the best plan differing in that knob alone would cost. `fastest`: the iteration
+    time of the fastest plan the search found, which ties count from (search/simplicity.py): an
+    alternative simpler than `plan` and as fast as it may still lie outside that tie."""
     variants = _variants(workload, plan)
     flat = [(knob, label, p) for knob, items in variants.items() for label, p in items]
     pa = PlanArrays.from_plans([plan] + [p for _, _, p in flat], workload.profile)
@@ -111,8 +114,13 @@ def explain(workload, plan: Plan, coeffs=None) -> list[Reason]:
                 text = f"the best alternative, {flat[i - 1][1]}, is {ratio - 1:.1%} slower"
             elif ratio >= 1 / (1 + TIE):
                 simpler = simplicity_key(plan) <= simplicity_key(flat[i - 1][2])
-                text = (f"{flat[i - 1][1]} is as fast ({ratio - 1:+.1%}, within the {TIE:.1%} tie tolerance)"
-                        + ("; the simpler plan is kept" if simpler else ""))
+                text = f"{flat[i - 1][1]} is as fast ({ratio - 1:+.1%}, within the {TIE:.1%} tie tolerance)"
+                behind = res["iteration_time"][i] / fastest - 1 if fastest else 0.0
+                if simpler:
+                    text += "; the simpler plan is kept"
+                elif behind >= TIE:  # simpler, yet not tied with the fastest plan found
+                    text += (f", but {behind:.2%} behind the fastest plan found: ties count from the fastest, "
+                             f"and the simplest plan within {TIE:.1%} of it is kept")
             else:
                 text = f"{flat[i - 1][1]} is {1 - ratio:.1%} faster"
             if len(fit) < len(rows):

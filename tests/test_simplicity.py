@@ -111,3 +111,20 @@ def test_runners_up_faster_within_the_tie_tolerance_are_explained_in_a_caption(g
 
     assert not caption(best, [(slower, other)])  # every runner-up slower: no caption
     assert caption(other, [(chosen, best)])  # one faster: the caption says why
+
+
+def test_a_simpler_tied_alternative_outside_the_tie_with_the_fastest_is_explained(gpt2):
+    """Ties count from the fastest plan found: an alternative as fast as the chosen plan and simpler
+    (the default bucket size) was not kept because it lies outside the tie with the fastest, and the
+    Why line says so rather than leaving a simpler, as-fast plan unexplained."""
+    from autopar.explain import explain
+
+    plan = Plan(dp=8, micro_batch_size=8, num_micro_batches=8, bucket_mb=5.0)
+    t = estimate(gpt2, plan).iteration_time_s
+
+    def bucket(**kw):
+        return next(r.text for r in explain(gpt2, plan, **kw) if r.knob == "bucket_mb")
+
+    assert "25 MB buckets is as fast" in bucket()
+    assert "behind" not in bucket() and "behind" not in bucket(fastest=t)
+    assert "behind the fastest plan found" in bucket(fastest=t / (1 + 2 * TIE))

@@ -65,7 +65,7 @@ def run(args) -> int:
     estimates = [estimate(workload, p) for p in plans]
     confidence = getattr(planner, "last_confidence", None)  # planners that can be unsure say so
     best, best_est = plans[0], estimates[0]
-    reasons = explain(workload, best)
+    reasons = explain(workload, best, fastest=min(e.iteration_time_s for e in estimates))
     if args.output:
         best.save(args.output)
     written = draw(args, workload, best, best_est)

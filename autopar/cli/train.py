@@ -71,7 +71,7 @@ def add_parser(sub) -> None:
                          description="Fine-tune the shipped policy (the cost-model prior) with rewards from real runs "
                                      "(as `autopar run` makes them, on gloo) over a restricted plan space (at most "
                                      "100 plans), each distinct plan measured once and cached "
-                                     "(autopar/policies/measured.py).")
+                                     "(policies/measured.py).")
     add_model_flags(m, optional=True)
     m.add_argument("--cluster", default="cpu", metavar="PRESET|FILE.json",
                    help="the cluster the plans are made for and recorded on (default cpu)")

@@ -1,6 +1,6 @@
 """Which of several equally fast plans a planner returns: the simplest.
 
-Plans whose predicted times are within TIE of each other are ties for the cost model, which is
+Plans whose predicted times lie within TIE of the fastest are ties for the cost model, which is
 not that accurate; among them every planner prefers the plan with the fewest knobs away from
 their defaults (the Plan's field defaults; no tensor or pipeline parallelism), then, knob by knob
 in the Plan's field order, the value closest to the default: DDP before ZeRO-1 before ZeRO-3, no
