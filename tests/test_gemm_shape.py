@@ -49,10 +49,28 @@ def test_unknown_shapes_and_gpus_without_sms_are_not_quantised():
 def test_layer_gemms_follow_the_architecture():
     """A gated MLP (Llama) has one gate+up GEMM of twice the ffn width; GQA narrows the qkv GEMM."""
     llama = profile_model("llama", {"size": "llama3-8b"})
-    shapes = layer_gemms(llama.dims, llama.seq_len, llama.layers[0].params)
+    shapes = layer_gemms(llama.dims, llama.seq_len, llama.layers[0])
     h, ffn = llama.dims["hidden"], llama.dims["ffn"]
     assert [s[1] for s in shapes] == [h + 2 * 8 * 128, h, 2 * ffn, h]
     assert sum(2 * m * n * k for m, n, k, _ in shapes) == llama.layers[0].fwd_flops - llama.layers[0].attn_flops
     gpt = profile_model("gpt", {"size": "1.7b"})
-    shapes = layer_gemms(gpt.dims, gpt.seq_len, gpt.layers[0].params)
+    shapes = layer_gemms(gpt.dims, gpt.seq_len, gpt.layers[0])
     assert sum(2 * m * n * k for m, n, k, _ in shapes) == gpt.layers[0].fwd_flops - gpt.layers[0].attn_flops
+
+
+def test_an_moe_layer_has_the_attentions_gemms_whatever_ffn_a_config_names():
+    """Routed experts run grouped GEMMs priced by cost/moe.py: a layer with experts has the attention's
+    two GEMMs, and a config that also names a dense `ffn` (Mixtral's intermediate_size is its
+    experts') neither adds a made-up dense MLP nor drops the attention's shapes."""
+    import dataclasses
+
+    moe = profile_model("moe", {"size": "tiny"})
+    dense, routed = moe.layers
+    assert not dense.experts and routed.experts
+    h, heads, kv = moe.dims["hidden"], moe.dims["heads"], moe.dims["kv_heads"]
+    attention = [(moe.seq_len, h + 2 * kv * (h // heads), h, True), (moe.seq_len, h, h, False)]
+    named = dataclasses.replace(moe, dims={**moe.dims, "ffn": 4 * h})
+    assert layer_gemms(moe.dims, moe.seq_len, routed) == layer_gemms(named.dims, moe.seq_len, routed) == attention
+    b, t = np.array([1, 4]), np.array([1, 2])
+    assert np.array_equal(kind_efficiency(moe, b, t, A100_SMS)[:, 2], kind_efficiency(named, b, t, A100_SMS)[:, 2])
+    assert layer_gemms(moe.dims, moe.seq_len, dense) is None  # a dense layer's MLP needs its ffn

@@ -31,19 +31,28 @@ def _one(m: np.ndarray, n: np.ndarray, sms: int) -> np.ndarray:
     return best
 
 
-def layer_gemms(dims: dict, seq_len: int, layer_params: float) -> list[tuple[float, float, float, bool]] | None:
-    """(M per sample, N, K, sharded along N) of one transformer layer's forward GEMMs, or None
-    when the profile does not name the dims. Column-parallel GEMMs shard N, row-parallel ones K.
-    A gated MLP (SwiGLU: gate and up, one column-parallel GEMM in Megatron-Core) is told from the
-    layer's parameter count: three ffn x hidden matrices instead of two."""
+def layer_gemms(dims: dict, seq_len: int, blk) -> list[tuple[float, float, float, bool]] | None:
+    """(M per sample, N, K, sharded along N) of one transformer layer's (`blk`, a BlockProfile)
+    forward GEMMs, or None when the profile does not name the dims. Column-parallel GEMMs shard N,
+    row-parallel ones K. A gated MLP (SwiGLU: gate and up, one column-parallel GEMM in
+    Megatron-Core) is told from the layer's parameter count: three ffn x hidden matrices instead of
+    two. A layer with routed experts has the attention's GEMMs only: its experts' grouped GEMMs are
+    cost/moe.py's, whatever dense `ffn` a config also names (Mixtral's `intermediate_size` is its
+    experts')."""
     try:
-        h, heads, ffn = dims["hidden"], dims["heads"], dims["ffn"]
+        h, heads = dims["hidden"], dims["heads"]
     except KeyError:
         return None
-    kv = dims.get("kv_heads", heads)
-    qkv = h + 2 * kv * (h // heads)
-    gated = 2 if layer_params - (qkv + h) * h > 2.5 * h * ffn else 1
-    return [(seq_len, qkv, h, True), (seq_len, h, h, False), (seq_len, gated * ffn, h, True), (seq_len, h, ffn, False)]
+    kv, head_dim = dims.get("kv_heads", heads), dims.get("head_dim", h // heads)
+    qkv = (heads + 2 * kv) * head_dim
+    attention = [(seq_len, qkv, h, True), (seq_len, h, heads * head_dim, False)]
+    if blk.experts:
+        return attention
+    if "ffn" not in dims:
+        return None
+    ffn = dims["ffn"]
+    gated = 2 if blk.params - (qkv + heads * head_dim) * h > 2.5 * h * ffn else 1
+    return attention + [(seq_len, gated * ffn, h, True), (seq_len, h, ffn, False)]
 
 
 def head_gemms(dims: dict, seq_len: int) -> list[tuple[float, float, float, bool]] | None:
@@ -58,7 +67,7 @@ def kind_efficiency(profile, micro_batch: np.ndarray, tp: np.ndarray, sms: int) 
     lookup), each layer kind and the head from their GEMMs."""
     dims, s = profile.dims, profile.seq_len
     cols = [np.ones(len(micro_batch))]
-    cols += [shape_efficiency(layer_gemms(dims, s, blk.params), micro_batch, tp, sms) for blk in profile.layers]
+    cols += [shape_efficiency(layer_gemms(dims, s, blk), micro_batch, tp, sms) for blk in profile.layers]
     cols.append(shape_efficiency(head_gemms(dims, s), micro_batch, tp, sms))
     return np.stack(cols, axis=1)
 

@@ -116,10 +116,11 @@ def _attention_as_run(k: dict[str, np.ndarray], workload, c: Coefficients) -> di
     core_io = np.zeros_like(scores) if flash else MEGATRON_SOFTMAX_IO_BYTES / c.elementwise_traffic * scores
     core_saved = np.zeros_like(scores) if flash else MEGATRON_SOFTMAX_SAVED_BYTES * scores
     # Megatron-Core's own fused layer, not the file's ops (cost/fused.py); the switch replaces the core only
-    layer_io = megatron_layer_io(profile) if megatron else None
     outside_core = k["io_bytes"] - k["attn_core_io_bytes"]
-    if layer_io is not None:
-        outside_core = np.where(k["is_layer"] > 0, layer_io * DTYPE_BYTES[profile.dtype] / 2, outside_core)
+    if megatron:
+        layer_io = megatron_layer_io(profile)
+        outside_core = np.where(layer_io["dense"] > 0, layer_io["io_bytes"] * DTYPE_BYTES[profile.dtype] / 2,
+                                outside_core)
     k["io_bytes"] = outside_core + core_io
     k["saved_bytes"] = k["saved_bytes"] - k["attn_core_bytes"] + core_saved
     k["saved_tp_bytes"] = k["saved_tp_bytes"] - k["attn_core_bytes"] + core_saved

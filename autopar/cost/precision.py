@@ -76,7 +76,7 @@ def _linears(profile) -> dict[str, np.ndarray]:
     out = {n: np.zeros(k) for n in ("flops", "inputs_tp", "inputs", "outputs_tp", "outputs", "weights",
                                     "attn_out_tp")}
     for i, blk in enumerate(profile.layers, start=1):
-        for j, (m, n, kk, column) in enumerate(layer_gemms(profile.dims, profile.seq_len, blk.params) or ()):
+        for j, (m, n, kk, column) in enumerate(layer_gemms(profile.dims, profile.seq_len, blk) or ()):
             if j == 1:  # the output projection reads the attention's output
                 out["attn_out_tp"][i] = m * kk
             out["flops"][i] += 2 * m * n * kk  # sharded by tp either way

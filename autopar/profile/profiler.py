@@ -30,6 +30,7 @@ DIM_ALIASES = {
     "hidden": ("hidden", "hidden_size", "dim", "d_model", "n_embd"),
     "heads": ("heads", "n_heads", "num_attention_heads", "n_head"),
     "kv_heads": ("kv_heads", "n_kv_heads", "num_key_value_heads"),
+    "head_dim": ("head_dim",),  # where it is not hidden / heads (Gemma, Qwen3, GPT-OSS, DeepSeek-V3)
     "layers": ("layers", "n_layers", "num_hidden_layers", "n_layer"),
     "vocab": ("vocab", "vocab_size"),
     "ffn": ("ffn", "intermediate_size", "ffn_dim"),
@@ -119,7 +120,7 @@ def model_dims(model: nn.Module) -> dict:
     dims = {}
     for dim, names in DIM_ALIASES.items():
         for name in names:
-            if isinstance(value := get(name, None), int) and not isinstance(value, bool):
+            if isinstance(value := get(name, None), int) and not isinstance(value, bool) and value > 0:
                 dims[dim] = value
                 break
     return dims
