@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -73,4 +74,20 @@ def test_an_moe_layer_has_the_attentions_gemms_whatever_ffn_a_config_names():
     assert layer_gemms(moe.dims, moe.seq_len, routed) == layer_gemms(named.dims, moe.seq_len, routed) == attention
     b, t = np.array([1, 4]), np.array([1, 2])
     assert np.array_equal(kind_efficiency(moe, b, t, A100_SMS)[:, 2], kind_efficiency(named, b, t, A100_SMS)[:, 2])
-    assert layer_gemms(moe.dims, moe.seq_len, dense) is None  # a dense layer's MLP needs its ffn
+    # the dense layers an MoE starts with (DeepSeek-V3's first three) have their MLP, at the zoo's dense_ffn
+    shapes = layer_gemms(moe.dims, moe.seq_len, dense)
+    assert shapes[2:] == [(moe.seq_len, 2 * 128, h, True), (moe.seq_len, h, 128, False)]
+    assert sum(2 * m * n * k for m, n, k, _ in shapes) == dense.fwd_flops - dense.attn_flops
+
+
+@pytest.mark.parametrize("head_dim", [8, 32])
+def test_a_head_dim_the_config_names_shapes_the_attentions_gemms(head_dim):
+    """q, k, v and the output projection at heads x head_dim where that is not the hidden size (Qwen3,
+    GPT-OSS, DeepSeek-V3): the GEMMs' FLOPs are the profiled layer's non-attention FLOPs. At 32 the
+    head size equals the tiny model's sequence: the fused kernel's output is still not a score matrix."""
+    moe = profile_model("moe", {"size": "tiny", "head_dim": head_dim})
+    dense = moe.layers[0]
+    assert moe.dims["head_dim"] == head_dim and dense.attn_core_flops == 0
+    shapes = layer_gemms(moe.dims, moe.seq_len, dense)
+    assert shapes[:2] == [(moe.seq_len, (4 + 2 * 2) * head_dim, 64, True), (moe.seq_len, 64, 4 * head_dim, False)]
+    assert sum(2 * m * n * k for m, n, k, _ in shapes) == dense.fwd_flops - dense.attn_flops

@@ -33,7 +33,7 @@ DIM_ALIASES = {
     "head_dim": ("head_dim",),  # where it is not hidden / heads (Gemma, Qwen3, GPT-OSS, DeepSeek-V3)
     "layers": ("layers", "n_layers", "num_hidden_layers", "n_layer"),
     "vocab": ("vocab", "vocab_size"),
-    "ffn": ("ffn", "intermediate_size", "ffn_dim"),
+    "ffn": ("ffn", "intermediate_size", "ffn_dim", "dense_ffn"),  # dense_ffn: the dense layers of an MoE (zoo)
     "seq_len": ("seq_len", "max_seq_len", "max_position_embeddings", "n_positions"),
 }
 _COLLECTIVE_STYLES = ("rowwise", "rowwise_in", "colwise_rep", "vocab")  # output leaves replicated

@@ -183,7 +183,9 @@ class Recorder(TorchDispatchMode):
         core_in = any(self.is_core(t) for t in inputs)
         # the matmul with the values reads the core and ends it, even when its result is square too
         # (a head size equal to the sequence length)
-        starts_core = bool(flops) and not core_in and self._is_scores(inputs, outputs)
+        # a fused kernel's output is (.., s, head_dim), never scores, even where head_dim equals s
+        starts_core = (bool(flops) and not core_in and packet not in FUSED_ATTENTION
+                       and self._is_scores(inputs, outputs))
         if core_in or starts_core:
             tally.attn_core_flops += flops
         if core_in or starts_core or packet in FUSED_ATTENTION:
