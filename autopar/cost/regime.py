@@ -10,6 +10,7 @@ is the traces', which the calibration report states, so no note is made for them
 from __future__ import annotations
 
 from autopar.cost.coefficients import gpu_calibration
+from autopar.cost.estimate import estimate
 from autopar.cost.vocabulary import vocabulary_note
 from autopar.runtime import megatron_attention
 
@@ -70,8 +71,6 @@ def selective_note(workload, plan) -> str:
     saved output), so the line says what the plan's activations are against recompute none."""
     if plan.recompute != "selective" or not attention_fused(workload):
         return ""
-    from autopar.cost import estimate  # the cost model imports this module
-
     none = estimate(workload, plan.with_(recompute="none")).memory["activations"]
     saved = none - estimate(workload, plan).memory["activations"]
     why = "the attention runs as a fused (flash) kernel, which keeps no seq x seq tensor to drop"
