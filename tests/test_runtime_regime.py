@@ -143,6 +143,7 @@ def test_selective_recompute_with_fused_attention_says_why_it_changes_nothing():
     sel, none = (estimate(te, fp8.with_(recompute=m)).memory["activations"] for m in ("selective", "none"))
     assert 0 < none - sel < 0.1 * none
     assert f"saves only {(none - sel) / 1e9:.3g} GB" in selective_note(te, fp8)
+    assert selective_note(te, fp8, estimate(te, fp8)) == selective_note(te, fp8)  # the caller's estimate
 
 
 def test_cli_runtime_flags(capsys):

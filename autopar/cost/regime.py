@@ -64,15 +64,16 @@ def attention_fused(workload) -> bool:
     return all(b.attn_core_bytes == 0 for b in layers) and any(b.attn_flops > 0 for b in layers)
 
 
-def selective_note(workload, plan) -> str:
+def selective_note(workload, plan, est=None) -> str:
     """Why selective recompute saves little or nothing when the attention is a fused (flash) kernel:
     it keeps no seq x seq tensor for selective recompute to drop ("" otherwise). Whether anything is
     saved is the cost model's answer (under Transformer Engine's fp8 the rerun drops the kernel's own
-    saved output), so the line says what the plan's activations are against recompute none."""
+    saved output), so the line says what the plan's activations (`est`, when the caller has it) are
+    against recompute none."""
     if plan.recompute != "selective" or not attention_fused(workload):
         return ""
     none = estimate(workload, plan.with_(recompute="none")).memory["activations"]
-    saved = none - estimate(workload, plan).memory["activations"]
+    saved = none - (est or estimate(workload, plan)).memory["activations"]
     why = "the attention runs as a fused (flash) kernel, which keeps no seq x seq tensor to drop"
     if saved <= 1e-9 * none:
         return f"note: selective recompute saves no memory here: {why}; it only reruns the attention forward"
@@ -84,7 +85,7 @@ def notes(workload, plan, est=None, regime: str | None = None) -> list[str]:
     """The one-line notes `autopar search`, `estimate` and `explain` print under an estimate
     (`regime`: the regime note when the caller has it already)."""
     regime = regime_note(workload, plan, est) if regime is None else regime
-    return [n for n in (regime, selective_note(workload, plan), vocabulary_note(workload, plan)) if n]
+    return [n for n in (regime, selective_note(workload, plan, est), vocabulary_note(workload, plan)) if n]
 
 
 def json_notes(workload, plan, est) -> dict:
