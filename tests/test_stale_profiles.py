@@ -62,7 +62,9 @@ def test_an_old_profile_without_its_code_is_used_and_named_in_one_warning(fresh,
     ds = build_dataset(records, CLUSTER, sources)
     assert ds.groups[0].workload.profile.profiler == ""
     assert len(ds.notes) == 1 and "old.jsonl:1: " in ds.notes[0] and "--model-file" in ds.notes[0]
-    code = main(["calibrate", str(traces), "--cluster", CLUSTER, "--params", "gemm_efficiency", "--json"])
+    # the same file fitted and evaluated: still one line per stale record
+    code = main(["calibrate", str(traces), "--cluster", CLUSTER, "--params", "gemm_efficiency", "--json",
+                 "--evaluate", str(traces)])
     err = capsys.readouterr()
     assert code == 0
     assert [line for line in err.err.splitlines() if "stored profile" in line] == [f"autopar: warning: {ds.notes[0]}"]

@@ -169,4 +169,6 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
         evaluations[str(path)] = score(*evaluated_rows[str(path)])
     return CalibrationResult(final, calibrated, start, validation, evaluations, collectives,
                              [str(p) for p in problems], ds.skipped, rows, evaluated_rows,
-                             ds.notes + [n for path in evaluate for n in evaluated_rows[str(path)][0].notes])
+                             # one line per stale record, also when a file is both fitted and evaluated
+                             list(dict.fromkeys(ds.notes + [n for path in evaluate
+                                                            for n in evaluated_rows[str(path)][0].notes])))
