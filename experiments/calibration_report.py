@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.calibrate.calibration import calibrate
+from autopar.calibrate.fit import available_cpus
 from autopar.traces.vtrain import CLUSTER, import_vtrain, write_records
 
 VTRAIN = Path(__file__).resolve().parents[1] / "data" / "vtrain"  # copied from vTrain (MIT), see SOURCE.md
@@ -45,7 +46,7 @@ def vtrain_sets(data: Path, tmp: Path, folds: int) -> dict:
     write_records(single, import_vtrain(data / "ground_truth_single.csv", predict=False))
     write_records(multi, import_vtrain(data / "ground_truth_multi.csv", predict=False))
     tables = [data / f"a100_allreduce_{n}gpu.csv" for n in (2, 4, 8)]
-    r = calibrate([single], CLUSTER, folds=folds, evaluate=[multi], allreduce=tables,
+    r = calibrate([single], CLUSTER, folds=folds, evaluate=[multi], allreduce=tables, jobs=available_cpus(),
                   progress=lambda m: Console(stderr=True).print(f"[dim]{m}[/dim]"))
     return {"vTrain single-node": (r.validation, *r.rows),
             "vTrain multi-node": (r.evaluations[str(multi)], *r.evaluated_rows[str(multi)]),
@@ -59,7 +60,7 @@ def cpu_set(traces: list[str], cluster: str, folds: int) -> dict:
     records, sources, _ = load_traces(traces)
     ds = build_dataset(records, cluster, sources)
     models = {lab["model"] for lab in ds.labels}
-    r = calibrate(traces, cluster, folds=min(folds, len(models)) if len(models) >= 2 else 4,
+    r = calibrate(traces, cluster, folds=min(folds, len(models)) if len(models) >= 2 else 4, jobs=available_cpus(),
                   progress=lambda m: Console(stderr=True).print(f"[dim]{m}[/dim]"))
     return {"local CPU (gloo)": (r.validation, *r.rows)}
 

@@ -260,6 +260,26 @@ def test_cli_too_few_rows_says_how_many(trace_file, tmp_path, capsys):
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["few.jsonl"]
 
 
+def test_folds_fitted_side_by_side_give_the_serial_result(trace_file):
+    """--jobs runs the folds' fits and the final one in worker processes: the same figures and
+    coefficients as one after another (the fits are deterministic; only where they run differs)."""
+    from autopar.calibrate.calibration import calibrate
+
+    serial, parallel = (calibrate([trace_file], "dgx-a100-80g", folds=2, params=["gemm_efficiency", "block_host_s"],
+                                          jobs=jobs) for jobs in (1, 2))
+    assert parallel.fit.values == pytest.approx(serial.fit.values, rel=1e-9)
+    assert parallel.fit.names == serial.fit.names and len(serial.validation["folds"]) == 2
+    assert [f["mape"] for f in parallel.validation["folds"]] == pytest.approx(
+        [f["mape"] for f in serial.validation["folds"]], rel=1e-9)
+    assert parallel.validation["mape"] == pytest.approx(serial.validation["mape"], rel=1e-9)
+
+
+def test_cli_jobs_below_one_is_one_line_and_exit_2(trace_file, capsys):
+    assert main(["calibrate", str(trace_file), "--cluster", "dgx-a100-80g", "--jobs", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["autopar: error: --jobs must be at least 1, got 0"], err
+
+
 def test_cli_unknown_schema_version_and_missing_file(trace_file, tmp_path, capsys):
     rec = json.loads(trace_file.read_text().splitlines()[0])
     rec["schema_version"] = 2
@@ -306,7 +326,7 @@ def test_vtrain_single_node_cv_and_multi_node_transfer(tmp_path):
     write_records(single, import_vtrain(VTRAIN / "ground_truth_single.csv", predict=False))
     write_records(multi, import_vtrain(VTRAIN / "ground_truth_multi.csv", predict=False))
     tables = [VTRAIN / f"a100_allreduce_{n}gpu.csv" for n in (2, 4, 8)]
-    result = calibrate([single], VTRAIN_CLUSTER, folds=5, evaluate=[multi], allreduce=tables)
+    result = calibrate([single], VTRAIN_CLUSTER, folds=5, evaluate=[multi], allreduce=tables, jobs=2)
     v = result.validation
     assert v["rows"] == 1440 and len(v["folds"]) == 5
     # 6.03% (the issue asks 6%: not met, docs/hardware.md "vTrain" says what was tried); 6.19% with the

@@ -24,7 +24,7 @@ import numpy as np
 from autopar.calibrate import metrics
 from autopar.calibrate.collectives import fit_allreduce, read_allreduce_table
 from autopar.calibrate.dataset import Dataset, build_dataset, load_traces
-from autopar.calibrate.fit import FitResult, default_parameters, fit, needed_rows, onto, with_values
+from autopar.calibrate.fit import FitResult, default_parameters, fit_all, needed_rows, onto, with_values
 from autopar.calibrate.folds import group_holdout, group_kfold
 from autopar.cluster import Cluster, load_cluster
 from autopar.cost.coefficients import Coefficients
@@ -71,9 +71,10 @@ def score(ds: Dataset, predicted: np.ndarray, worst: int = 5) -> dict:
 
 
 def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | None = None, evaluate=(),
-              allreduce=(), params=None, seed: int = 0, progress=None, models=None) -> CalibrationResult:
+              allreduce=(), params=None, seed: int = 0, progress=None, models=None, jobs: int = 1) -> CalibrationResult:
     """Calibrate `cluster` (preset name, cluster JSON path or Cluster) on trace files; `models` (a
-    ModelSources) says which model code the records' profiles may be rebuilt with."""
+    ModelSources) says which model code the records' profiles may be rebuilt with; `jobs` worker
+    processes run the folds' fits and the final one side by side (fit.fit_all)."""
 
     say = progress or (lambda msg: None)
     base = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
@@ -124,16 +125,29 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
                            f"(2 per coefficient); collect more traces (autopar traces collect) or fit fewer "
                            f"coefficients (--params)")
 
+    for n, (train, test) in enumerate(splits, start=1):
+        if len(train) < needed_rows(len(names)):
+            raise AutoparError(f"too few rows to fit in fold {n}: {len(train)}, need {needed_rows(len(names))}")
+    # the final fit on all rows and every fold's, side by side when jobs > 1 (the largest first)
+    tasks = [(ds, start, names)] + [(ds.subset(train), start, names) for train, _ in splits]
+    processes = min(jobs, len(tasks))
+    say(f"fitting {len(names)} coefficients on all {len(ds)} rows"
+        + (f" and on each of {len(splits)} training folds" if splits else "")
+        + (f", {processes} fits at a time" if processes > 1 else ""))
+
+    def done(i, result):
+        if i > 0:
+            train, test = splits[i - 1]
+            say(f"fold {i}/{len(splits)} fitted on {len(train)} rows; testing on {len(test)} rows of "
+                f"{len(set(keys[j] for j in test))} held-out {unit.split()[0]}(s)")
+
+    fits = fit_all(tasks, jobs, done)
+    final = fits[0]
+
     if splits:
         predicted = np.full(len(ds), np.nan)
         per_fold = []
-        for n, (train, test) in enumerate(splits, start=1):
-            say(f"fold {n}/{len(splits)}: fitting {len(names)} coefficients on {len(train)} rows, "
-                f"testing on {len(test)} rows of {len(set(keys[i] for i in test))} held-out {unit.split()[0]}(s)")
-            part = ds.subset(train)
-            if len(part) < needed_rows(len(names)):
-                raise AutoparError(f"too few rows to fit in fold {n}: {len(part)}, need {needed_rows(len(names))}")
-            result = fit(part, start, names)
+        for n, ((train, test), result) in enumerate(zip(splits, fits[1:]), start=1):
             test_ds = ds.subset(test)
             predicted[test] = test_ds.predict(result.coefficients)
             per_fold.append({"fold": n, "held_out": sorted(set(keys[i] for i in test)), "rows": int(len(test)),
@@ -145,11 +159,6 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
                       "seed": seed, "folds": per_fold, **score(held_ds, predicted[held])}
         rows = (held_ds, predicted[held])
     else:
-        validation = None
-
-    say(f"fitting {len(names)} coefficients on all {len(ds)} rows")
-    final = fit(ds, start, names)
-    if validation is None:
         rows = (ds, ds.predict(final.coefficients))
         validation = {"method": "in-sample (no --folds or --holdout: these rows were fitted)", **score(*rows)}
 

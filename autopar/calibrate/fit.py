@@ -15,6 +15,7 @@ the others keep their starting value (the cluster's coefficients, else the defau
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -230,3 +231,43 @@ def fit(dataset, start: Coefficients | None = None, names: list[str] | None = No
     span = hi - lo
     at_bound = [n for n, z, a, b, s in zip(names, res.x, lo, hi, span) if z - a < 1e-6 * s or b - z < 1e-6 * s]
     return FitResult(coefficients(res.x), names, values, at_bound, len(dataset), evaluations, float(res.cost))
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one), at least 1."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _fit_task(task) -> FitResult:
+    dataset, start, names = task
+    return fit(dataset, start, names)
+
+
+def fit_all(tasks, jobs: int = 1, done=None) -> list[FitResult]:
+    """`fit(dataset, start, names)` for each task, in task order. The fits of a cross-validation are
+    independent and each is seconds to minutes of single-threaded evaluations, so with jobs > 1 they
+    run in that many worker processes (spawned: the parent may hold torch's threads, which fork does
+    not copy safely); the results are the serial ones. `done(i, result)` is called as each ends."""
+    tasks = list(tasks)
+    if jobs < 1:
+        raise AutoparError(f"--jobs must be at least 1, got {jobs}")
+    if jobs == 1 or len(tasks) < 2:
+        results = []
+        for i, task in enumerate(tasks):
+            results.append(_fit_task(task))
+            if done:
+                done(i, results[-1])
+        return results
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    results = [None] * len(tasks)
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=spawn) as pool:
+        futures = {pool.submit(_fit_task, task): i for i, task in enumerate(tasks)}
+        for future in as_completed(futures):
+            i = futures[future]
+            results[i] = future.result()
+            if done:
+                done(i, results[i])
+    return results

@@ -12,7 +12,7 @@ from rich.table import Table
 from autopar.calibrate.calibration import calibrate
 from autopar.calibrate.cluster_profile import write_cluster
 from autopar.calibrate.collectives import fit_allreduce, read_allreduce_table
-from autopar.calibrate.fit import get_value, onto, param
+from autopar.calibrate.fit import available_cpus, get_value, onto, param
 from autopar.cli.common import add_trace_model_flags, model_sources, print_json
 from autopar.cluster import load_cluster
 from autopar.errors import AutoparError
@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--params", metavar="NAME,...",
                    help="fit exactly these coefficients (default: those the traces can identify)")
     p.add_argument("--seed", type=int, default=0, help="seed of the fold / hold-out assignment (default 0)")
+    p.add_argument("--jobs", type=int, default=available_cpus(), metavar="N",
+                   help="fits run side by side (each fold's and the final one; default: the CPUs this "
+                        "process may use)")
     p.add_argument("--worst", type=int, default=5, metavar="N", help="worst rows to list (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     add_trace_model_flags(p)
@@ -56,6 +59,8 @@ def run(args) -> int:
         raise AutoparError(f"--folds must be at least 2, got {args.folds}")
     if args.holdout is not None and not 0 < args.holdout < 1:
         raise AutoparError(f"--holdout must be a fraction between 0 and 1, got {args.holdout}")
+    if args.jobs < 1:
+        raise AutoparError(f"--jobs must be at least 1, got {args.jobs}")
     if args.worst < 0:
         raise AutoparError(f"--worst must be >= 0, got {args.worst}")
     if not args.traces and (args.folds or args.holdout or args.evaluate):
@@ -73,7 +78,7 @@ def run(args) -> int:
     progress = (lambda msg: err.print(f"[dim]{msg}[/dim]")) if not args.json else None
     result = calibrate(args.traces, args.cluster, folds=args.folds, holdout=args.holdout, evaluate=args.evaluate,
                        allreduce=args.allreduce, params=params, seed=args.seed, progress=progress,
-                       models=model_sources(args))
+                       models=model_sources(args), jobs=args.jobs)
 
     for problem in result.problems:  # one plain line each, never wrapped
         print(f"autopar: warning: skipped malformed trace line {problem}", file=sys.stderr)
