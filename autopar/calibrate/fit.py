@@ -15,7 +15,9 @@ the others keep their starting value (the cluster's coefficients, else the defau
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import numpy as np
@@ -258,9 +260,6 @@ def fit_all(tasks, jobs: int = 1, done=None) -> list[FitResult]:
             if done:
                 done(i, results[-1])
         return results
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
     results = [None] * len(tasks)
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=spawn) as pool:
