@@ -262,11 +262,16 @@ def fit_all(tasks, jobs: int = 1, done=None) -> list[FitResult]:
         return results
     results = [None] * len(tasks)
     spawn = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=spawn) as pool:
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=spawn)
+    try:
         futures = {pool.submit(_fit_task, task): i for i, task in enumerate(tasks)}
         for future in as_completed(futures):
             i = futures[future]
             results[i] = future.result()
             if done:
                 done(i, results[i])
+    except BaseException:  # a failed fit or Ctrl-C: the queued fits are dropped, not run to the end
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return results
