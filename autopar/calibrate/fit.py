@@ -245,33 +245,34 @@ def _fit_task(task) -> FitResult:
     return fit(dataset, start, names)
 
 
-def fit_all(tasks, jobs: int = 1, done=None) -> list[FitResult]:
-    """`fit(dataset, start, names)` for each task, in task order. The fits of a cross-validation are
-    independent and each is seconds to minutes of single-threaded evaluations, so with jobs > 1 they
-    run in that many worker processes (spawned: the parent may hold torch's threads, which fork does
-    not copy safely); the results are the serial ones. `done(i, result)` is called as each ends."""
-    tasks = list(tasks)
-    if jobs < 1:
-        raise AutoparError(f"--jobs must be at least 1, got {jobs}")
+def _finished(tasks: list, jobs: int):
+    """(index, FitResult) of each task as it ends: in order in this process, or from `jobs` spawned
+    worker processes (the parent may hold torch's threads, which fork does not copy safely)."""
     if jobs == 1 or len(tasks) < 2:
-        results = []
-        for i, task in enumerate(tasks):
-            results.append(_fit_task(task))
-            if done:
-                done(i, results[-1])
-        return results
-    results = [None] * len(tasks)
-    spawn = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=spawn)
+        yield from ((i, _fit_task(task)) for i, task in enumerate(tasks))
+        return
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn"))
     try:
         futures = {pool.submit(_fit_task, task): i for i, task in enumerate(tasks)}
         for future in as_completed(futures):
-            i = futures[future]
-            results[i] = future.result()
-            if done:
-                done(i, results[i])
+            yield futures[future], future.result()
     except BaseException:  # a failed fit or Ctrl-C: the queued fits are dropped, not run to the end
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown()
+
+
+def fit_all(tasks, jobs: int = 1, done=None) -> list[FitResult]:
+    """`fit(dataset, start, names)` for each task, in task order. The fits of a cross-validation are
+    independent and each is seconds to minutes of single-threaded evaluations, so with jobs > 1 they
+    run side by side (`_finished`); the results are the serial ones. `done(i, result)` is called as
+    each ends."""
+    tasks = list(tasks)
+    if jobs < 1:
+        raise AutoparError(f"--jobs must be at least 1, got {jobs}")
+    results = [None] * len(tasks)
+    for i, result in _finished(tasks, jobs):
+        results[i] = result
+        if done:
+            done(i, result)
     return results
