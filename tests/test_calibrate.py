@@ -82,7 +82,8 @@ def test_small_run_terms_default_off_and_add_up():
 
 def test_host_terms_of_tensor_parallelism_and_selective_recompute_are_exact():
     """On a CPU (host time adds to compute), DTensor's dispatch under TP and the selective
-    checkpoint's replay cost their coefficient per block pass / per block per micro-batch."""
+    checkpoint's replay cost their coefficient per layer's launches per pass / per block per
+    micro-batch."""
     w = workload("gpt", size="gpt2-small", nodes=1, gpus_per_node=2, global_batch=8)  # 12 layers
     plans = [Plan(dp=1, tp=2, pp=1, micro_batch_size=2, num_micro_batches=4),
              Plan(dp=2, tp=1, pp=1, micro_batch_size=2, num_micro_batches=2, recompute="selective")]
@@ -90,7 +91,10 @@ def test_host_terms_of_tensor_parallelism_and_selective_recompute_are_exact():
     base = evaluate(w, pa, Coefficients(host_overlap=1.0, block_host_s=1e-7))["iteration_time"]
     tp = evaluate(w, pa, Coefficients(host_overlap=1.0, block_host_s=1e-7, tp_host_s=1e-3))["iteration_time"]
     sel = evaluate(w, pa, Coefficients(host_overlap=1.0, block_host_s=1e-7, selective_host_s=1e-3))["iteration_time"]
-    blocks = 2 + sum(b.count for b in w.profile.layers)  # embed, 12 layers, head
+    # 12 layers, and the embedding and head in layers' worth of their kernel launches (cost/launches.py)
+    embed, layer, head = (b.launches for b in (w.profile.embed, w.profile.layers[0], w.profile.head))
+    assert 0 < embed < layer and 0 < head < layer  # the zoo GPT's: a lookup; a norm, a matmul and F.cross_entropy
+    blocks = 12 + (embed + head) / layer
     assert tp - base == pytest.approx([4 * 3 * blocks * 1e-3, 0.0], abs=1e-9)  # 3 passes x 4 micro-batches
     assert sel - base == pytest.approx([0.0, 2 * 12 * 1e-3], abs=1e-9)  # 12 layers x 2 micro-batches
 
@@ -329,11 +333,13 @@ def test_vtrain_single_node_cv_and_multi_node_transfer(tmp_path):
     result = calibrate([single], VTRAIN_CLUSTER, folds=5, evaluate=[multi], allreduce=tables, jobs=2)
     v = result.validation
     assert v["rows"] == 1440 and len(v["folds"]) == 5
-    # 6.03% (the issue asks 6%: not met, docs/hardware.md "vTrain" says what was tried); 6.19% with the
-    # head untied from the embedding, 6.68% also without Megatron's softmax fallback and fp32 loss
-    assert v["mape"] <= 0.061 and v["spearman"] >= 0.95, (v["mape"], v["spearman"])
+    # 5.86% (the issue asks 6%); 6.03% with the embedding's and head's host time a layer's instead of
+    # their kernel launches' (cost/launches.py), 6.19% also with the head untied from the embedding,
+    # 6.68% also without Megatron's softmax fallback and fp32 loss
+    assert v["mape"] <= 0.06 and v["spearman"] >= 0.95, (v["mape"], v["spearman"])
     m = result.evaluations[str(multi)]
-    # 9.14% (9.16% untied) with Megatron-DeepSpeed's attention and loss (switches megatron_softmax,
+    # 9.17% (9.11% with every block's host time a layer's; 9.16% untied) with Megatron-DeepSpeed's
+    # attention and loss (switches megatron_softmax,
     # megatron_cross_entropy)
     # and the all-reduce tables weighted by log size (9.47% unweighted); 10.40% with the file's eager ops
     assert m["rows"] == 108 and m["mape"] <= 0.10, m["mape"]  # 109 runs: one plan ran twice (one row, the median)

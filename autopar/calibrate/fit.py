@@ -52,14 +52,14 @@ PARAMS = {p.name: p for p in (
     Param("dp_overlap", 0.0, 1.0, help="fraction of backward compute hiding data-parallel communication"),
     Param("step_overhead_s", 1e-5, 30.0, log=True, help="fixed seconds per iteration", start=1e-3),
     Param("collective_latency_s", 1e-7, 1e-2, log=True, help="fixed seconds per collective call", start=1e-5),
-    Param("block_host_s", 1e-7, 1e-1, log=True, help="host seconds per block per pass (launches, Python)",
+    Param("block_host_s", 1e-7, 1e-1, log=True, help="host seconds per layer per pass (launches, Python)",
           start=1e-4),
     Param("host_overlap", 1.0, 32.0, log=True, help="p of the p-norm of host and GPU time per micro-batch"),
     Param("optimizer_bytes_per_param", 8.0, 1024.0, log=True,
           help="memory traffic of the optimizer step per parameter (fused Adam: 32 bytes)"),
     Param("selective_host_s", 1e-7, 1e-1, log=True, start=1e-4,
           help="extra host seconds per block per micro-batch under selective recompute (checkpoint dispatch)"),
-    Param("tp_host_s", 1e-7, 1e-1, log=True, help="extra host seconds per block per pass under TP (DTensor dispatch)",
+    Param("tp_host_s", 1e-7, 1e-1, log=True, help="extra host seconds per layer per pass under TP (DTensor dispatch)",
           start=1e-4),
 )}
 LINK_BOUNDS = (0.02, 1.0)

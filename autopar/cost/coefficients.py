@@ -47,10 +47,11 @@ class Coefficients:
     # Fixed costs that dominate small runs (0 by default: Megatron-scale runs do not see them;
     # calibration fits them, e.g. to vTrain's single-node A100 runs):
     collective_latency_s: float = 0.0  # per collective call (launch, rendezvous): NCCL's base latency
-    block_host_s: float = 0.0  # host seconds per block per pass (kernel launches, Python); backward is
-    # two passes, recompute one. A micro-batch on a rank takes the host_overlap-norm of host and GPU time:
+    block_host_s: float = 0.0  # host seconds per layer per pass (kernel launches, Python); another block
+    # pays its launches over a layer's (cost/launches.py); backward is two passes, recompute one. A
+    # micro-batch on a rank takes the host_overlap-norm of host and GPU time:
     host_overlap: float = 4.0  # 1: host and GPU work add up; large: the larger of the two (fully hidden)
-    tp_host_s: float = 0.0  # extra host seconds per block per pass when tp > 1: DTensor's dispatch
+    tp_host_s: float = 0.0  # extra host seconds per layer per pass when tp > 1: DTensor's dispatch
     # (sharding propagation and redistribution run in Python for every op of a tensor-parallel block)
     selective_host_s: float = 0.0  # extra host seconds per block per micro-batch under selective recompute:
     # PyTorch's selective checkpoint caches every kept op's output and replays the block in Python

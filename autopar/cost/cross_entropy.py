@@ -29,6 +29,12 @@ from __future__ import annotations
 import numpy as np
 
 CROSS_ENTROPY_BYTES = (38.0, 14.0)  # HBM bytes per logit element: forward, backward
+# Kernels the loss launches in forward (host time, cost/launches.py): `float()`; in
+# `_VocabParallelCrossEntropy.forward` the max, its all-reduce, the subtraction, the target mask (<,
+# >=, |), clone, shift and masked fill of the target, arange, the gather and its clone, its masked
+# fill and all-reduce, exp, sum and its all-reduce, log, the subtraction and the in-place division
+# (20); the loss mask's weighted mean (multiply, two sums, divide: Megatron-DeepSpeed's `CrossEntropy`)
+LOSS_LAUNCHES = 25.0
 SOFTMAX_SAVED_BYTES = 4.0  # per logit on a rank: the fp32 softmax Megatron's loss keeps for backward
 TARGET_SAVED_BYTES = 9.0  # per token: the target mask (bool) and the masked target index (int64)
 

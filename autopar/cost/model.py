@@ -8,8 +8,9 @@ for even stages, (p - 1)/(v m) interleaved); data-parallel gradient reduction ru
 the last backward and only its excess is exposed (a tied embedding split over the pipeline adds its
 exposed all-reduce between the two ends); the optimizer step is memory-bound. Small runs add fixed
 costs the big ones hide: each collective call's base latency (`collective_latency_s`), and the
-host's kernel launches (`block_host_s` per block per pass, plus `tp_host_s` for DTensor's dispatch
-under tensor parallelism and `selective_host_s` for PyTorch's selective checkpoint), which the GPU
+host's kernel launches (`block_host_s` per layer per pass, each other block in layers' worth of the
+kernels it launches (cost/launches.py), plus `tp_host_s` for DTensor's dispatch under tensor
+parallelism and `selective_host_s` for PyTorch's selective checkpoint), which the GPU
 hides only while it has more work queued than the host takes to launch it: a micro-batch on a rank
 takes the `host_overlap`-norm of its GPU time and its host time (the excess is reported as
 "overhead"). ZeRO's collectives follow what the executor runs (FSDP2, ZeroRedundancyOptimizer,
@@ -41,7 +42,7 @@ from autopar.cost.arrays import PlanArrays, mesh_order_of, unique_rows
 from autopar.cost.coefficients import Coefficients
 from autopar.cost.collectives import all_gather_time, all_reduce_time
 from autopar.cost import moe
-from autopar.cost import cross_entropy, softmax_fallback, tensor_parallel, vocabulary
+from autopar.cost import cross_entropy, launches, softmax_fallback, tensor_parallel, vocabulary
 from autopar.cost import precision as fp8
 from autopar.cost.fused import megatron_layer_io, megatron_layer_saved
 from autopar.cost.context_parallel import gradient_group_size, sequence_share
@@ -75,7 +76,7 @@ def _kind_arrays(profile) -> dict[str, np.ndarray]:
     names = ("params", "tp_params", "fwd_flops", "bwd_flops", "tp_fwd_flops", "saved_bytes", "saved_tp_bytes",
              "attn_core_bytes", "attn_core_flops", "io_bytes", "out_bytes", "tp_comm_bytes", "attn_flops",
              "attn_core_io_bytes", "attn_scores", "tp_gather_bytes", "loss_saved_bytes", "loss_saved_tp_bytes",
-             "entry_saved_bytes")
+             "entry_saved_bytes", "launches", "loss_launches")
     out = {n: np.array([float(getattr(b, n)) for b in profile.blocks]) for n in names}
     out["is_layer"] = np.array([0.0] + [1.0] * len(profile.layers) + [0.0])
     experts = moe.expert_kind_arrays(profile)  # the routed experts are priced by cost/moe.py
@@ -261,7 +262,9 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
         # returning the kept outputs of all but the attention core)
         replayed = np.where(mode == SELECTIVE, n_layers, ckpt_frac * n_layers)
         checkpointing = np.where(mode == SELECTIVE, c.selective_host_s, 0.0) * n_layers
-        host_mb = per_pass * (3 * counts.sum(axis=2) + replayed) + checkpointing
+        # each block's launches in layers' worth (cost/launches.py): an embedding issues far fewer
+        launched = np.einsum("gjk,k->gj", counts, launches.block_weights(k, workload))
+        host_mb = per_pass * (3 * launched + replayed) + checkpointing
         # the torch softmax's extra operations, in every pass of every layer
         host_mb = host_mb + (unfused * per_pass * (3 * n_layers + replayed)
                              * softmax_fallback.FALLBACK_EXTRA_OPS / softmax_fallback.FUSED_LAYER_OPS)

@@ -82,6 +82,10 @@ class BlockProfile:
     router_flops: float = 0.0  # router forward FLOPs per sample (part of fwd_flops)
     expert_flops: float = 0.0  # routed experts' forward FLOPs per sample, force-balanced (part of fwd_flops)
     dispatch_bytes: float = 0.0  # bytes per sample of one dispatch all-to-all (combine: the same)
+    # host launches: forward ops that run a kernel, per instance (a sample's; the count does not grow with
+    # the batch), and of those the model file's loss_fn's (head only); 0 in profiles from before version 13
+    launches: float = 0.0
+    loss_launches: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "tp_units", tuple(int(u) for u in self.tp_units))

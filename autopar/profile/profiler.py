@@ -203,7 +203,7 @@ def _block_profile(kind: str, count: int, t: Tally, modules, params, sharded: di
         tp_comm_bytes=t.tp_comm_bytes, tp_gather_bytes=t.tp_gather_bytes,
         tp_units=tuple(sorted({*_tp_units(modules, styles), *extra_units})),
         attn_flops=t.attn_flops, attn_core_io_bytes=t.attn_core_io_bytes, attn_scores=t.attn_scores,
-        **(moe or {}))
+        launches=t.launches, loss_launches=t.loss_launches, **(moe or {}))
 
 
 def _run(mf: ModelFile, model, units, inputs, targets, rec: Recorder, styles: dict) -> dict:

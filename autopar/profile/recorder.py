@@ -23,6 +23,9 @@ Counting rules:
   core's matmuls, or a fused attention kernel (flash). A fused kernel's backward recomputes the
   scores; that matmul is hardware work, not model FLOPs, so backward counts the other four (as an
   unfused attention's backward does), and the cost model prices the recompute as time.
+- Launches (`launches`) count the forward ops that run a kernel: not views, nor the reshapes aten
+  leaves without a kernel (`NO_KERNEL`). The host issues each one, so a block's host time follows
+  its count (cost/launches.py); `loss_launches` are those of the model file's loss_fn.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ FUSED_ATTENTION_BACKWARD = {_aten._scaled_dot_product_flash_attention_backward,
                             _aten._scaled_dot_product_efficient_attention_backward,
                             _aten._scaled_dot_product_cudnn_attention_backward,
                             _aten._flash_attention_backward, _aten._efficient_attention_backward}
+# ops that `is_view` does not flag but that only reshape metadata: no kernel, no launch
+NO_KERNEL = {_aten._unsafe_view, _aten.detach, _aten.lift_fresh}
 
 
 def _score_recompute_flops(args) -> float:
@@ -86,6 +91,8 @@ class Tally:
     out_bytes: float = 0.0
     tp_comm_bytes: float = 0.0
     tp_gather_bytes: float = 0.0
+    launches: float = 0.0  # forward operators that run a kernel (the host launches each one)
+    loss_launches: float = 0.0  # of which the model file's loss_fn's
     saved: dict[int, Saved] = field(default_factory=dict)  # by storage key
 
     def saved_bytes(self, *flags: str) -> float:
@@ -174,6 +181,9 @@ class Recorder(TorchDispatchMode):
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         tally.fwd_flops += flops
+        if not func.is_view and packet not in NO_KERNEL:
+            tally.launches += 1
+            tally.loss_launches += self.in_loss
         if any(self.is_sharded(t) for t in inputs):
             tally.tp_fwd_flops += flops
             for t in outputs:

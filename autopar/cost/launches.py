@@ -1,0 +1,30 @@
+"""Each block's share of the host's time per pass, from the kernels it launches.
+
+The host issues every kernel a block runs (eager torch, Megatron's Python), so where a run is
+host-bound a block costs what its launches cost, not what a layer does: the zoo GPT's embedding
+launches 5 kernels in forward (two lookups, an add, a dropout, the positions' arange), a layer 18,
+and a head with Megatron's vocabulary-parallel loss 27. `block_host_s` (and `tp_host_s`) are
+priced per layer, the count-weighted mean of the profile's layer kinds; every block kind pays its
+forward launches over that mean (`block_weights`). A profile that counted no launches (stored by
+a profiler before version 13) prices every block as a layer, as before.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.cost import cross_entropy
+
+
+def block_weights(k: dict[str, np.ndarray], workload) -> np.ndarray:
+    """Host time of each block kind per pass, in layers' worth, shape (K,): its forward launches
+    over the layers' mean; under Megatron's loss (the switch) the head's loss launches are that
+    loss's (cost/cross_entropy.py) instead of the file's."""
+    launches = np.asarray(k["launches"], dtype=float).copy()
+    if cross_entropy.applies(workload):
+        launches[-1] += cross_entropy.LOSS_LAUNCHES - k["loss_launches"][-1]
+    counts = np.array([0.0] + [float(b.count) for b in workload.profile.layers] + [0.0])
+    per_layer = float(np.dot(counts, launches) / counts.sum()) if counts.sum() else 0.0
+    if per_layer <= 0:  # launches not counted
+        return np.ones_like(launches)
+    return launches / per_layer
