@@ -45,6 +45,7 @@ from autopar.schema import MAX_ITEMS, Anything, List, Map, Obj, check, loads, re
 # fine-tuning settings: a small learning rate and entropy bonus keep PPO from undoing the imitation
 PPO_SETTINGS = dict(n_epochs=6, learning_rate=1e-4, gamma=1.0, gae_lambda=0.95, ent_coef=0.002, clip_range=0.2)
 MINIBATCH = 256
+GUARD_WORKLOADS = 256  # training workloads on which PPO must not leave the greedy plans worse than imitation
 NET_ARCH = dict(pi=[128], vf=[128])
 
 
@@ -234,12 +235,26 @@ def train(cfg: TrainConfig, console, *, pool: list | None = None, validation: li
     # progress goes to the console; SB3's default logger would leave an empty SB3-<date> folder in
     # the temporary directory on every call
     model.set_logger(Logger(folder=None, output_formats=[]))
+    # PPO must earn its changes: on the training workloads its greedy plans are held to the imitated
+    # policy's, and where they end worse the imitated weights are kept (never judged on `validation`)
+    guard = guard_set(pool, cfg.seed) if remaining > 0 and cfg.imitation_epochs and not resume else []
+    imitated = (_mean_ratio(model, guard, reward), _weights(model)) if guard else None
     if remaining > 0:
         model.learn(total_timesteps=remaining, reset_num_timesteps=False,
                     callback=_callbacks(cfg, console, validation, reward, history, model.num_timesteps))
-    if validation and (not history or history[-1]["timesteps"] != model.num_timesteps):
+    kept = False
+    if imitated is not None:
+        after = _mean_ratio(model, guard, reward)
+        if after < imitated[0]:
+            model.policy.load_state_dict(imitated[1])
+            kept = True
+            console.print(f"PPO left the greedy plans of {len(guard)} training workloads worse than imitation did "
+                          f"(mean ratio to the oracle {after:.4f}, imitated {imitated[0]:.4f}): the policy keeps "
+                          f"the imitated weights", soft_wrap=True)
+    if validation and (kept or not history or history[-1]["timesteps"] != model.num_timesteps):
         history.append(validation_figures(model, validation, reward))
     meta = metadata(cfg, model, history, time.perf_counter() - started)
+    meta["imitation_kept"] = kept
     if start_from is not None and not resume:
         meta["started_from"] = str(start_from)
     if finish is not None:
@@ -249,6 +264,21 @@ def train(cfg: TrainConfig, console, *, pool: list | None = None, validation: li
     write_policy(model, output, meta)
     write_text_atomic(sidecar_path(output), json.dumps(meta, indent=1) + "\n")
     return meta
+
+
+def guard_set(pool: list, seed: int) -> list:
+    """Up to GUARD_WORKLOADS of the training workloads (a seeded sample where there are more)."""
+    if len(pool) <= GUARD_WORKLOADS:
+        return list(pool)
+    return [pool[i] for i in sorted(np.random.default_rng(seed).choice(len(pool), GUARD_WORKLOADS, replace=False))]
+
+
+def _mean_ratio(model, workloads: list, reward) -> float:
+    return float(greedy_ratios(numpy_actor(model), workloads, reward).mean())
+
+
+def _weights(model) -> dict:
+    return {name: value.detach().clone() for name, value in model.policy.state_dict().items()}
 
 
 def resume_point(cfg: TrainConfig) -> tuple[Path, int] | None:

@@ -223,3 +223,37 @@ def test_the_cost_fingerprint_follows_the_predictions_not_the_source(monkeypatch
     enumerate_all = fingerprint.enumerate_plans
     monkeypatch.setattr(fingerprint, "enumerate_plans", lambda w: (s := enumerate_all(w)).take(np.arange(len(s) - 1)))
     assert fingerprint.cost_fingerprint() != before
+
+
+def test_ppo_that_leaves_the_training_plans_worse_keeps_the_imitated_weights(tmp_path, monkeypatch):
+    """PPO after imitation is held to the imitated policy on the training workloads: a PPO that wrecks
+    the weights (an entropy bonus that flattens every choice) leaves the greedy plans worse, so the written policy is the
+    imitated one, weight for weight, and the run says so in one line."""
+    import io
+
+    from rich.console import Console
+
+    from autopar.envs.workloads import WorkloadSpec
+    from autopar.policies import train as training
+
+    pool = [WorkloadSpec.from_dict(d).build() for d in POOL]
+
+    def run(name: str, timesteps: int):
+        cfg = training.TrainConfig(timesteps=timesteps, output=str(tmp_path / name / "p.zip"), n_steps=64,
+                                   eval_workloads=0, eval_every=10**6, checkpoint_every=10**6,
+                                   imitation_epochs=5, dagger_rounds=0)
+        said = io.StringIO()
+        meta = training.train(cfg, Console(file=said, width=400), pool=pool, validation=[])
+        return meta, said.getvalue(), load_policy(cfg.output)
+
+    _, _, imitated = run("imitated", 0)  # imitation only
+    # a PPO that only spreads the policy out (a huge entropy bonus, no clipping); imitation, which uses
+    # neither, is the same as in the first run
+    monkeypatch.setitem(training.PPO_SETTINGS, "ent_coef", 100.0)
+    monkeypatch.setitem(training.PPO_SETTINGS, "clip_range", 1e3)
+    meta, said, kept = run("wrecked", 128)
+    assert meta["imitation_kept"] and "the policy keeps the imitated weights" in said, said
+    assert meta["timesteps"] == 128
+    assert imitated.w.keys() == kept.w.keys()
+    for name, value in imitated.w.items():
+        np.testing.assert_array_equal(kept.w[name], value, err_msg=name)
