@@ -23,8 +23,8 @@ Counting rules:
   core's matmuls, or a fused attention kernel (flash). A fused kernel's backward recomputes the
   scores; that matmul is hardware work, not model FLOPs, so backward counts the other four (as an
   unfused attention's backward does), and the cost model prices the recompute as time.
-- Launches (`launches`) count the forward ops that run a kernel: not views, nor the reshapes aten
-  leaves without a kernel (`NO_KERNEL`). The host issues each one, so a block's host time follows
+- Launches (`launches`) count the forward ops that run a kernel: not views, nor the reshapes and
+  allocations aten runs without one (`NO_KERNEL`). The host issues each one, so a block's host time follows
   its count (cost/launches.py); `loss_launches` are those of the model file's loss_fn.
 """
 
@@ -53,8 +53,8 @@ FUSED_ATTENTION_BACKWARD = {_aten._scaled_dot_product_flash_attention_backward,
                             _aten._scaled_dot_product_efficient_attention_backward,
                             _aten._scaled_dot_product_cudnn_attention_backward,
                             _aten._flash_attention_backward, _aten._efficient_attention_backward}
-# ops that `is_view` does not flag but that only reshape metadata: no kernel, no launch
-NO_KERNEL = {_aten._unsafe_view, _aten.detach, _aten.lift_fresh}
+# ops that `is_view` does not flag but that only reshape metadata or allocate: no kernel, no launch
+NO_KERNEL = {_aten._unsafe_view, _aten.detach, _aten.lift_fresh, _aten.empty, _aten.empty_like, _aten.empty_strided}
 
 
 def _score_recompute_flops(args) -> float:
