@@ -1,5 +1,6 @@
 """Training and loading policies: a smoke training run, resume after a kill, the NumPy actor
-matching the torch policy, and clear errors for files that are not usable policies."""
+matching the torch policy, PPO held to what imitation found, and clear errors for files that are
+not usable policies."""
 
 from __future__ import annotations
 
@@ -227,8 +228,8 @@ def test_the_cost_fingerprint_follows_the_predictions_not_the_source(monkeypatch
 
 def test_ppo_that_leaves_the_training_plans_worse_keeps_the_imitated_weights(tmp_path, monkeypatch):
     """PPO after imitation is held to the imitated policy on the training workloads: a PPO that wrecks
-    the weights (an entropy bonus that flattens every choice) leaves the greedy plans worse, so the written policy is the
-    imitated one, weight for weight, and the run says so in one line."""
+    the weights (an entropy bonus that flattens every choice) leaves the greedy plans worse, so the
+    written policy is the imitated one, weight for weight, and the run says so in one line."""
     import io
 
     from rich.console import Console
