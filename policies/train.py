@@ -238,18 +238,19 @@ def train(cfg: TrainConfig, console, *, pool: list | None = None, validation: li
     # PPO must earn its changes: on the training workloads its greedy plans are held to the imitated
     # policy's, and where they end worse the imitated weights are kept (never judged on `validation`)
     guard = guard_set(pool, cfg.seed) if remaining > 0 and cfg.imitation_epochs and not resume else []
-    imitated = (_mean_ratio(model, guard, reward), _weights(model)) if guard else None
+    if guard:
+        imitated_ratio, imitated_weights = _mean_ratio(model, guard, reward), _weights(model)
     if remaining > 0:
         model.learn(total_timesteps=remaining, reset_num_timesteps=False,
                     callback=_callbacks(cfg, console, validation, reward, history, model.num_timesteps))
     kept = False
-    if imitated is not None:
+    if guard:
         after = _mean_ratio(model, guard, reward)
-        if after < imitated[0]:
-            model.policy.load_state_dict(imitated[1])
+        if after < imitated_ratio:
+            model.policy.load_state_dict(imitated_weights)
             kept = True
             console.print(f"PPO left the greedy plans of {len(guard)} training workloads worse than imitation did "
-                          f"(mean ratio to the oracle {after:.4f}, imitated {imitated[0]:.4f}): the policy keeps "
+                          f"(mean ratio to the oracle {after:.4f}, imitated {imitated_ratio:.4f}): the policy keeps "
                           f"the imitated weights", soft_wrap=True)
     if validation and (kept or not history or history[-1]["timesteps"] != model.num_timesteps):
         history.append(validation_figures(model, validation, reward))
