@@ -4,23 +4,37 @@ Every rank is given the slowest rank's times (the cost model's pipeline is paced
 its forward and backward passes in the plan's schedule order: GPipe (all forwards, then all
 backwards), 1F1B (warm-up forwards, then one forward one backward), or Megatron's interleaved 1F1B
 over virtual stages. A pass starts when its rank is free and its input has arrived from the
-neighbouring stage; the gaps are the pipeline bubble. The exposed data-parallel reduction and the
-optimizer step follow the last backward."""
+neighbouring stage; the gaps are the pipeline bubble. The exposed data-parallel reduction, the
+optimizer step and every term the cost model adds to the iteration outside the pipeline follow the
+last backward.
+
+The segments are the estimate's own time parts (`autopar.cost.model.time_parts`: the core model's
+and those of declared axes and knobs), so every part of the breakdown is drawn and a part declared
+later is drawn without an edit here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("forward", "backward", "recompute", "comm", "dp_comm", "optimizer")
+FLOPS = "flops"  # in IN_PASSES: split between the passes as the model's FLOPs are
+# The core model's parts that run inside each micro-batch's passes (cost/model.py `_pipeline`), in the
+# order drawn within a pass, with the share of each in the forward pass (the rest runs in the backward).
+# Any other part (the data-parallel reduction, the optimizer, an axis's or knob's own term such as cp's
+# K/V exchange) is added after the pipeline, as the cost model adds it to the iteration.
+IN_PASSES = {"recompute": 0.0, "compute": FLOPS, "tp_comm": 0.5, "ep_comm": 0.5, "overhead": FLOPS, "pp_p2p": 0.5}
+IDLE = "pp_bubble"  # the part the schedule's gaps are: simulated, not drawn as segments
+STEP = "overhead"  # the part that also holds the fixed per-step cost (drawn after the optimizer)
+FORWARD, BACKWARD, AFTER = "forward", "backward", "after"  # a segment's phase
 
 
 @dataclass(frozen=True)
 class Segment:
     rank: int
-    kind: str  # one of KINDS
+    kind: str  # a time part of the estimate (compute, tp_comm, dp_comm, cp, ...)
     start: float
     duration: float
     micro_batch: int = -1
+    phase: str = AFTER  # FORWARD, BACKWARD or AFTER (once the pipeline has drained)
 
 
 def _order(rank: int, pp: int, m: int, v: int, schedule: str) -> list[tuple[str, int, int]]:
@@ -50,13 +64,13 @@ def _order(rank: int, pp: int, m: int, v: int, schedule: str) -> list[tuple[str,
     return out
 
 
-def simulate(plan, forward: float, backward: float, recompute: float, comm: float,
-             dp_comm: float, optimizer: float) -> list[Segment]:
-    """Segments of one iteration. forward/backward/recompute/comm: seconds per micro-batch on one
-    rank (all its chunks together); dp_comm, optimizer: seconds after the pipeline drains."""
+def simulate(plan, forward: dict[str, float], backward: dict[str, float], after: dict[str, float]) -> list[Segment]:
+    """Segments of one iteration. forward / backward: seconds per micro-batch on one rank (all its
+    chunks together) of each part in that pass, in drawing order; after: seconds of each part once
+    the pipeline has drained, in order."""
     pp, v, m = plan.pp, plan.virtual_stages, plan.num_micro_batches
     schedule = plan.schedule if pp > 1 else "1f1b"
-    f_t, b_t, r_t, c_t = forward / v, backward / v, recompute / v, comm / v
+    passes = {"F": [(k, s / v) for k, s in forward.items()], "B": [(k, s / v) for k, s in backward.items()]}
     orders = [_order(r, pp, m, v, schedule) for r in range(pp)]
     done: dict[tuple[str, int, int], float] = {}  # (F|B, micro-batch, stage) -> finish time
     free, pos, segments = [0.0] * pp, [0] * pp, []
@@ -76,11 +90,9 @@ def simulate(plan, forward: float, backward: float, recompute: float, comm: floa
                 else:
                     break
                 t = max(free[r], ready)
-                parts = [("forward", f_t), ("comm", c_t / 2)] if kind == "F" else \
-                    [("recompute", r_t), ("backward", b_t), ("comm", c_t / 2)]
-                for name, dur in parts:
+                for name, dur in passes[kind]:
                     if dur > 0:
-                        segments.append(Segment(r, name, t, dur, mb))
+                        segments.append(Segment(r, name, t, dur, mb, FORWARD if kind == "F" else BACKWARD))
                         t += dur
                 done[(kind, mb, stage)] = free[r] = t
                 pos[r] += 1
@@ -90,19 +102,37 @@ def simulate(plan, forward: float, backward: float, recompute: float, comm: floa
     end = max(free)
     for r in range(pp):
         t = end
-        for name, dur in (("dp_comm", dp_comm), ("optimizer", optimizer)):
+        for name, dur in after.items():
             if dur > 0:
                 segments.append(Segment(r, name, t, dur))
                 t += dur
     return segments
 
 
+def split_breakdown(breakdown: dict[str, float], num_micro_batches: int, forward_share: float,
+                    step_overhead_s: float) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(forward, backward, after) seconds per part: the parts of IN_PASSES over the micro-batches,
+    split between the passes (FLOPS: by the model's `forward_share`); the fixed per-step overhead and
+    every other part but the bubble after the pipeline, in the breakdown's order."""
+    forward, backward, after = {}, {}, {}
+    for part, seconds in breakdown.items():
+        if part == IDLE:
+            continue
+        if part not in IN_PASSES:
+            after[part] = seconds
+            continue
+        step = min(step_overhead_s, seconds) if part == STEP else 0.0
+        per_mb = (seconds - step) / num_micro_batches
+        share = forward_share if IN_PASSES[part] == FLOPS else IN_PASSES[part]
+        forward[part], backward[part] = per_mb * share, per_mb * (1 - share)
+        if step:
+            after[part] = step
+    return ({p: forward[p] for p in IN_PASSES if p in forward}, {p: backward[p] for p in IN_PASSES if p in backward},
+            after)
+
+
 def from_estimate(plan, est, forward_share: float, step_overhead_s: float) -> list[Segment]:
-    """The simulation with the estimate's breakdown: the slowest rank's compute (with the host's
-    launch overhead it did not hide) over the micro-batches, split into forward and backward by the
-    model's FLOPs (`forward_share`); the fixed per-step overhead is drawn with the optimizer."""
-    m, bd = plan.num_micro_batches, est.breakdown
-    compute = (bd["compute"] + bd["overhead"] - step_overhead_s) / m
-    return simulate(plan, forward=compute * forward_share, backward=compute * (1 - forward_share),
-                    recompute=bd["recompute"] / m, comm=(bd["tp_comm"] + bd["ep_comm"] + bd["pp_p2p"]) / m,
-                    dp_comm=bd["dp_comm"], optimizer=bd["optimizer"] + step_overhead_s)
+    """The simulation with the estimate's breakdown: every part of the slowest rank's micro-batches
+    over them (compute and the host's launch overhead it did not hide split into forward and
+    backward by the model's FLOPs, `forward_share`), the rest after the pipeline drains."""
+    return simulate(plan, *split_breakdown(est.breakdown, plan.num_micro_batches, forward_share, step_overhead_s))
