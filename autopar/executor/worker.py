@@ -9,7 +9,6 @@ file, so the launcher can show the failing rank's message.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import json
 import os
@@ -20,6 +19,7 @@ import time
 from functools import partial
 
 from autopar.atomic import write_text_atomic
+from autopar.executor.lifeline import die_with_parent
 from autopar.executor.options import OPTIMIZERS, WORKER, ElasticSpec, RunOptions, add_run_flags
 from autopar.plan import Plan
 
@@ -43,13 +43,9 @@ LAUNCHER_PID = "AUTOPAR_LAUNCHER_PID"  # set by `launch` for its workers
 
 
 def _die_with_launcher() -> None:
-    """An orphaned rank must not keep training (and holding a GPU) once its launcher is killed:
-    the kernel signals it when its parent dies, and a launcher gone already means exit now."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(os.environ.get(LAUNCHER_PID, os.getppid())):
-        sys.exit("autopar worker: the launcher is gone")
+    """An orphaned rank must not keep training (and holding a GPU) once its launcher is killed
+    (`lifeline`: SIGTERM when the launcher is gone, or gone already)."""
+    die_with_parent(int(os.environ.get(LAUNCHER_PID, os.getppid())), signal.SIGTERM)
 
 
 def failure_note(result_path, rank) -> str:

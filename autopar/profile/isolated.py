@@ -4,7 +4,9 @@ A model.py is code: importing and building it may loop, sleep, call `sys.exit` o
 or kill its process. The CLI profiles it in `python -m autopar.profile.isolated`, which writes the
 profile (or the one-line ModelFileError) to a result file and stores the profile in the cache;
 the parent waits at most `timeout` seconds, then kills the child's whole process group. Whatever
-the model did, the user gets one line naming the file and exit status 2.
+the model did, the user gets one line naming the file and exit status 2. A wait longer than
+PROGRESS_AFTER_S says on stderr what autopar waits for (stdout stays clean for --json), and the
+child dies with its parent (`autopar.executor.lifeline`): a killed autopar leaves no profiler.
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from autopar.errors import AutoparError, ModelFileError
+from autopar.executor.lifeline import die_with_parent
 from autopar.profile.model_profile import ModelProfile
 
 DEFAULT_PROFILE_TIMEOUT = 120.0  # seconds: the largest zoo models (175b GPT, 70b Llama) profile in ~10 s here
+PROGRESS_AFTER_S = 5.0  # a profile still running after this long gets one line on stderr
+PROGRESS = "autopar: profiling"  # how that line starts
 
 
 def check_timeout(seconds: float, flag: str = "--profile-timeout") -> float:
@@ -35,13 +41,13 @@ def profile_isolated(path, model_args: dict, dtype: str, timeout: float):
     check_timeout(timeout)
     with tempfile.TemporaryDirectory(prefix="autopar-profile-") as tmp:
         result = Path(tmp) / "result.json"
-        request = json.dumps({"path": str(path), "args": model_args, "dtype": dtype, "result": str(result)},
-                             default=str)
+        request = json.dumps({"path": str(path), "args": model_args, "dtype": dtype, "result": str(result),
+                              "parent": os.getpid()}, default=str)
         child = subprocess.Popen([sys.executable, "-m", "autopar.profile.isolated", request],
                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                  start_new_session=True)  # its own process group: killed whole
         try:
-            _, stderr = child.communicate(timeout=timeout)
+            stderr = _wait(child, path, timeout)
         except subprocess.TimeoutExpired:
             _kill(child)
             raise ModelFileError(f"{path}: profiling did not finish within --profile-timeout {timeout:g} s "
@@ -58,6 +64,19 @@ def profile_isolated(path, model_args: dict, dtype: str, timeout: float):
         last = (stderr.decode(errors="replace").strip().splitlines() or [""])[-1][:200]
         raise ModelFileError(f"{path}: the model file ended the profiling process ({_status(child.returncode)})"
                              + (f": {last}" if last else "") + "; a model.py must not exit or kill its process")
+
+
+def _wait(child: subprocess.Popen, path, timeout: float) -> bytes:
+    """The child's stderr once it ends; one line on stderr if that takes over PROGRESS_AFTER_S."""
+    started = time.monotonic()
+    try:
+        return child.communicate(timeout=min(timeout, PROGRESS_AFTER_S))[1]
+    except subprocess.TimeoutExpired:
+        if timeout <= PROGRESS_AFTER_S:
+            raise
+    waited = time.monotonic() - started
+    print(f"{PROGRESS} {path} ({waited:.0f} s so far; --profile-timeout {timeout:g}) ...", file=sys.stderr, flush=True)
+    return child.communicate(timeout=max(timeout - waited, 0.0))[1]
 
 
 def _kill(child: subprocess.Popen) -> None:
@@ -77,6 +96,7 @@ def _status(returncode: int) -> str:
 def main(argv: list[str]) -> None:
     """The child: profile, write {"profile": ...} or {"error": one line}, exit 0."""
     request = json.loads(argv[0])
+    die_with_parent(request["parent"])  # SIGKILL: nothing of a profile half-written is kept (atomic writes)
     try:
         from autopar.profile.profiler import profile_model  # pulls torch: imported on first use
 
