@@ -4,7 +4,7 @@ for ZeRO 1-3, plain multi-GPU DDP otherwise."""
 
 from __future__ import annotations
 
-from autopar.export import Export, default_of
+from autopar.export import Export, default_of, listed
 from autopar.plan import Plan
 
 MIXED = {"bf16": "bf16", "fp16": "fp16", "fp32": "no", "fp8": "fp8"}  # fp8: Accelerate's FP8 (TE / torchao)
@@ -32,39 +32,68 @@ def config(plan: Plan) -> dict:
     return out
 
 
+# what the config expresses (`config`; dp through num_processes, the rest under its plugin)
+MAPS = ("precision", "tp", "pp", "dp", "num_micro_batches", "sequence_parallel", "recompute", "zero",
+        "offload_optimizer")
+
+
+def _megatron(plan: Plan) -> bool:
+    return plan.tp > 1 or plan.pp > 1
+
+
+def _zero(plan: Plan) -> str | None:
+    if not _megatron(plan) and plan.zero == 1:
+        return "zero=1: the FSDP plugin also shards gradients (exported as ZeRO-2)"
+    if _megatron(plan) and plan.zero >= 2:
+        return f"zero={plan.zero}: the Megatron plugin shards optimizer states only (distributed optimizer)"
+    return None
+
+
+def _recompute(plan: Plan) -> str | None:
+    if _megatron(plan):
+        return (f"recompute={plan.recompute}: the plugin's recompute_activations is Megatron's selective recompute"
+                if plan.recompute != "none" else None)
+    if plan.recompute == "full":
+        return f"recompute_blocks={plan.recompute_blocks}: FSDP activation checkpointing wraps every block"
+    if plan.recompute == "selective":
+        return "recompute=selective: FSDP activation checkpointing recomputes whole blocks"
+    return None
+
+
+UNEXPRESSED = {  # knob -> the line where the accelerate config cannot express its value
+    "cp": lambda p: (f"cp={p.cp}: the config file has no context-parallel key (set ParallelismConfig(cp_size={p.cp}) "
+                     "in the script: accelerate's context-parallel guide, FSDP2)" if p.cp > 1 else None),
+    "ep": lambda p: (f"ep={p.ep}: the config file has no expert-parallel key (shard the experts in the script)"
+                     if p.ep > 1 else None),
+    "num_micro_batches": lambda p: (f"micro-batches: Accelerator(gradient_accumulation_steps={p.num_micro_batches}) "
+                                    f"and a DataLoader batch of {p.micro_batch_size} in the script"
+                                    if not _megatron(p) else None),
+    "micro_batch_size": lambda p: (f"micro_batch_size={p.micro_batch_size}: the DataLoader batch in the script"
+                                   if _megatron(p) else None),
+    "zero": _zero,
+    "recompute": _recompute,
+    "schedule": lambda p: (f"schedule={p.schedule}: the Megatron plugin runs 1F1B"
+                           if _megatron(p) and (p.schedule != "1f1b" or p.virtual_stages > 1) else None),
+    "offload_optimizer": lambda p: ("offload_optimizer: the Megatron plugin has no optimizer offload key"
+                                    if _megatron(p) and p.offload_optimizer else None),
+    "fp8_recipe": lambda p: (f"fp8_recipe={p.fp8_recipe}: the config names mixed_precision fp8 only; pass the recipe "
+                             "in the script (accelerate's TERecipeKwargs or AORecipeKwargs)"
+                             if p.precision == "fp8" else None),
+    "compile": lambda p: ("compile: accelerate's dynamo_config compiles the whole model; compile each block in the "
+                          "script" if p.compile else None),
+    "grad_comm_dtype": lambda p: (f"grad_comm_dtype={p.grad_comm_dtype}: not an accelerate config key"
+                                  if p.grad_comm_dtype != "fp32" and p.dp > 1 else None),
+    "bucket_mb": lambda p: (f"bucket_mb={p.bucket_mb:g}: pass DistributedDataParallelKwargs(bucket_cap_mb=...) in the "
+                            "script" if p.bucket_mb != default_of("bucket_mb") else None),
+    "mesh_order": lambda p: (f"mesh_order={','.join(p.mesh_order)}: not an accelerate config key"
+                             if tuple(p.mesh_order) != default_of("mesh_order") else None),
+    "layer_split": lambda p: (f"layer_split={list(p.layer_split)}: the Megatron plugin splits evenly"
+                              if p.layer_split else None),
+}
+
+
 def unexpressed(plan: Plan) -> list[str]:
-    megatron = plan.tp > 1 or plan.pp > 1
-    out = ["num_machines: set it to your node count (the plan knows only the world size)"]
-    if plan.cp > 1:
-        out.append(f"cp={plan.cp}: the config file has no context-parallel key (set "
-                   f"ParallelismConfig(cp_size={plan.cp}) in the script: accelerate's context-parallel guide, FSDP2)")
-    if plan.ep > 1:
-        out.append(f"ep={plan.ep}: the config file has no expert-parallel key (shard the experts in the script)")
-    if not megatron:
-        out.append(f"micro-batches: Accelerator(gradient_accumulation_steps={plan.num_micro_batches}) and a "
-                   f"DataLoader batch of {plan.micro_batch_size} in the script")
-        if plan.zero == 1:
-            out.append("zero=1: the FSDP plugin also shards gradients (exported as ZeRO-2)")
-        if plan.recompute == "full":
-            out.append(f"recompute_blocks={plan.recompute_blocks}: FSDP activation checkpointing wraps every block")
-        if plan.recompute == "selective":
-            out.append("recompute=selective: FSDP activation checkpointing recomputes whole blocks")
-    else:
-        out.append(f"micro_batch_size={plan.micro_batch_size}: the DataLoader batch in the script")
-        if plan.recompute != "none":
-            out.append(f"recompute={plan.recompute}: the plugin's recompute_activations is Megatron's selective "
-                       "recompute")
-        if plan.zero >= 2:
-            out.append(f"zero={plan.zero}: the Megatron plugin shards optimizer states only (distributed optimizer)")
-        if plan.schedule != "1f1b" or plan.virtual_stages > 1:
-            out.append(f"schedule={plan.schedule}: the Megatron plugin runs 1F1B")
-    if plan.grad_comm_dtype != "fp32" and plan.dp > 1:
-        out.append(f"grad_comm_dtype={plan.grad_comm_dtype}: not an accelerate config key")
-    if plan.bucket_mb != default_of("bucket_mb"):
-        out.append(f"bucket_mb={plan.bucket_mb:g}: pass DistributedDataParallelKwargs(bucket_cap_mb=...) in the script")
-    if tuple(plan.mesh_order) != default_of("mesh_order"):
-        out.append(f"mesh_order={','.join(plan.mesh_order)}: not an accelerate config key")
-    return out
+    return ["num_machines: set it to your node count (the plan knows only the world size)", *listed(UNEXPRESSED, plan)]
 
 
 def to_yaml(d: dict, indent: int = 0) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from autopar.export import Export, default_of, grad_elements
+from autopar.export import Export, default_of, grad_elements, listed
 from autopar.plan import Plan
 
 
@@ -32,32 +32,41 @@ def config(plan: Plan) -> dict:
     return out
 
 
+# what the config expresses (`config`; dp through the batch identity, tp as AutoTP's size)
+MAPS = ("precision", "tp", "dp", "micro_batch_size", "num_micro_batches", "zero", "bucket_mb", "grad_comm_dtype",
+        "offload_optimizer")
+
+
+def _pp(plan: Plan) -> str | None:
+    return (f"pp={plan.pp}: build deepspeed.pipe.PipelineModule(num_stages={plan.pp}) in the script"
+            if plan.pp > 1 else None)
+
+
+UNEXPRESSED = {  # knob -> the line where the DeepSpeed config cannot express its value
+    "fp8_recipe": lambda p: (f"precision=fp8 ({p.fp8_recipe}): not a DeepSpeed config key; convert the linears in "
+                             "the script (torchao convert_to_float8_training or Transformer Engine); exported as bf16"
+                             if p.precision == "fp8" else None),
+    "compile": lambda p: "compile: DeepSpeed's engine.compile() in the script" if p.compile else None,
+    "pp": _pp,
+    "schedule": lambda p: (f"schedule={p.schedule}: DeepSpeed's pipeline engine runs its own 1F1B-style schedule"
+                           if p.pp > 1 and p.schedule != "1f1b" else None),
+    "recompute": lambda p: (f"recompute={p.recompute}: wrap blocks with deepspeed.checkpointing.checkpoint in the "
+                            "script" if p.recompute != "none" else None),
+    "sequence_parallel": lambda p: ("sequence_parallel: Megatron-style sequence parallelism is not a DeepSpeed "
+                                    "config key" if p.sequence_parallel else None),
+    "cp": lambda p: (f"cp={p.cp}: DeepSpeed has no ring-attention context parallelism (its Ulysses "
+                     "sequence_parallel_size splits heads with all-to-alls, another scheme)" if p.cp > 1 else None),
+    "ep": lambda p: (f"ep={p.ep}: DeepSpeed-MoE takes the expert-parallel size in the model code "
+                     f"(deepspeed.moe.layer.MoE(..., ep_size={p.ep})), not in the config" if p.ep > 1 else None),
+    "mesh_order": lambda p: (f"mesh_order={','.join(p.mesh_order)}: the rank layout comes from the script's process "
+                             "groups" if tuple(p.mesh_order) != default_of("mesh_order") else None),
+    "layer_split": lambda p: (f"layer_split={list(p.layer_split)}: pass PipelineModule(partition_method=...) in the "
+                              "script" if p.layer_split else None),
+}
+
+
 def unexpressed(plan: Plan) -> list[str]:
-    out = []
-    if plan.precision == "fp8":
-        out.append(f"precision=fp8 ({plan.fp8_recipe}): not a DeepSpeed config key; convert the linears in the "
-                   "script (torchao convert_to_float8_training or Transformer Engine); exported as bf16")
-    if plan.compile:
-        out.append("compile: DeepSpeed's engine.compile() in the script")
-    if plan.pp > 1:
-        out.append(f"pp={plan.pp}: build deepspeed.pipe.PipelineModule(num_stages={plan.pp}) in the script")
-        if plan.schedule != "1f1b":
-            out.append(f"schedule={plan.schedule}: DeepSpeed's pipeline engine runs its own 1F1B-style schedule")
-    if plan.recompute != "none":
-        out.append(f"recompute={plan.recompute}: wrap blocks with deepspeed.checkpointing.checkpoint in the script")
-    if plan.sequence_parallel:
-        out.append("sequence_parallel: Megatron-style sequence parallelism is not a DeepSpeed config key")
-    if plan.cp > 1:
-        out.append(f"cp={plan.cp}: DeepSpeed has no ring-attention context parallelism (its Ulysses "
-                   "sequence_parallel_size splits heads with all-to-alls, another scheme)")
-    if plan.ep > 1:
-        out.append(f"ep={plan.ep}: DeepSpeed-MoE takes the expert-parallel size in the model code "
-                   f"(deepspeed.moe.layer.MoE(..., ep_size={plan.ep})), not in the config")
-    if tuple(plan.mesh_order) != default_of("mesh_order"):
-        out.append(f"mesh_order={','.join(plan.mesh_order)}: the rank layout comes from the script's process groups")
-    if plan.layer_split:
-        out.append(f"layer_split={list(plan.layer_split)}: pass PipelineModule(partition_method=...) in the script")
-    return out
+    return listed(UNEXPRESSED, plan)
 
 
 def export(plan: Plan) -> Export:

@@ -6,7 +6,7 @@ the arguments say; each field has one Megatron-LM flag (`FLAGS`)."""
 
 from __future__ import annotations
 
-from autopar.export import Export, default_of, grad_elements
+from autopar.export import Export, default_of, grad_elements, listed
 from autopar.plan import Plan
 
 # megatron-core field -> Megatron-LM flag (training/arguments.py); booleans are store_true flags
@@ -74,31 +74,42 @@ def arguments(plan: Plan) -> list[str]:
     return args
 
 
-def unexpressed(plan: Plan) -> list[str]:
-    out = []
-    if plan.schedule == "gpipe":
-        out.append("schedule=gpipe: Megatron runs 1F1B or interleaved 1F1B only")
-    if plan.zero == 2:
-        out.append("zero=2: the distributed optimizer shards optimizer states, not the gradient buffer (ZeRO-1 "
-                   "memory)")
+# what the arguments express (`core_fields`, the batch flags; dp is the world size over the other degrees)
+MAPS = ("precision", "tp", "pp", "cp", "dp", "ep", "micro_batch_size", "num_micro_batches", "zero", "recompute",
+        "bucket_mb", "schedule", "sequence_parallel", "grad_comm_dtype", "offload_optimizer", "fp8_recipe")
+
+
+def _recompute(plan: Plan) -> str | None:
     if plan.recompute == "full" and plan.recompute_blocks % plan.virtual_stages:
         per_stage = max(plan.recompute_blocks // plan.virtual_stages, 1)
-        out.append(f"recompute_blocks={plan.recompute_blocks}: Megatron counts blocks per virtual stage "
-                   f"({plan.virtual_stages} per rank); exported as {per_stage}")
-    if plan.offload_optimizer and plan.zero == 3:
-        out.append("offload_optimizer with zero=3: Megatron offloads the distributed optimizer only")
-    if plan.grad_comm_dtype == "fp16" and plan.precision == "bf16":
-        out.append("grad_comm_dtype=fp16: Megatron reduces in the training dtype or fp32")
-    if tuple(plan.mesh_order) != default_of("mesh_order"):
-        out.append(f"mesh_order={','.join(plan.mesh_order)}: Megatron's rank order is tp innermost, then cp, dp, pp")
-    if plan.layer_split:
-        out.append(f"layer_split={list(plan.layer_split)}: Megatron splits evenly (or first/last stage only)")
-    if plan.precision == "fp8" and plan.fp8_recipe not in FP8_RECIPES:
-        out.append(f"fp8_recipe={plan.fp8_recipe}: Transformer Engine has no per-row scaling (exported with "
-                   "Megatron's default recipe)")
-    if plan.compile:
-        out.append("compile: Megatron-Core runs Transformer Engine's fused kernels, not torch.compile")
-    return out
+        return (f"recompute_blocks={plan.recompute_blocks}: Megatron counts blocks per virtual stage "
+                f"({plan.virtual_stages} per rank); exported as {per_stage}")
+    return None
+
+
+UNEXPRESSED = {  # knob -> the line where Megatron-LM cannot express its value
+    "schedule": lambda p: "schedule=gpipe: Megatron runs 1F1B or interleaved 1F1B only" if p.schedule == "gpipe" else None,
+    "zero": lambda p: ("zero=2: the distributed optimizer shards optimizer states, not the gradient buffer (ZeRO-1 "
+                       "memory)") if p.zero == 2 else None,
+    "recompute": _recompute,
+    "offload_optimizer": lambda p: ("offload_optimizer with zero=3: Megatron offloads the distributed optimizer only"
+                                    if p.offload_optimizer and p.zero == 3 else None),
+    "grad_comm_dtype": lambda p: ("grad_comm_dtype=fp16: Megatron reduces in the training dtype or fp32"
+                                  if p.grad_comm_dtype == "fp16" and p.precision == "bf16" else None),
+    "mesh_order": lambda p: (f"mesh_order={','.join(p.mesh_order)}: Megatron's rank order is tp innermost, then cp, "
+                             f"dp, pp" if tuple(p.mesh_order) != default_of("mesh_order") else None),
+    "layer_split": lambda p: (f"layer_split={list(p.layer_split)}: Megatron splits evenly (or first/last stage only)"
+                              if p.layer_split else None),
+    "fp8_recipe": lambda p: (f"fp8_recipe={p.fp8_recipe}: Transformer Engine has no per-row scaling (exported with "
+                             "Megatron's default recipe)" if p.precision == "fp8" and p.fp8_recipe not in FP8_RECIPES
+                             else None),
+    "compile": lambda p: "compile: Megatron-Core runs Transformer Engine's fused kernels, not torch.compile" if p.compile
+    else None,
+}
+
+
+def unexpressed(plan: Plan) -> list[str]:
+    return listed(UNEXPRESSED, plan)
 
 
 def export(plan: Plan) -> Export:

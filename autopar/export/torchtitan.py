@@ -8,7 +8,7 @@ parallelism (torchtitan accumulates global / (local x dp) steps), all micro-batc
 
 from __future__ import annotations
 
-from autopar.export import Export, default_of
+from autopar.export import Export, default_of, listed
 from autopar.plan import Plan
 
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}  # torch.distributed.pipelining
@@ -51,32 +51,42 @@ def overrides(plan: Plan) -> list[str]:
     return args
 
 
-def unexpressed(plan: Plan) -> list[str]:
-    out = []
-    if plan.zero == 1:
-        out.append("zero=1: torchtitan's FSDP2 also shards gradients (exported as ZeRO-2)")
-    if plan.cp > 1 and plan.zero == 0:
-        out.append(f"cp={plan.cp} with zero=0: torchtitan applies FSDP2 over dp_shard x cp whenever cp > 1 "
-                   "(the weights are sharded over the cp ranks)")
-    if plan.precision == "fp16":
-        out.append("precision=fp16: torchtitan trains in bfloat16 or float32 (exported as bfloat16 defaults)")
-    if plan.grad_comm_dtype != "fp32" and plan.dp > 1:
-        out.append(f"grad_comm_dtype={plan.grad_comm_dtype}: torchtitan reduces gradients in float32")
-    if plan.bucket_mb != default_of("bucket_mb"):
-        out.append(f"bucket_mb={plan.bucket_mb:g}: torchtitan has no bucket-size setting")
+# what the overrides express (`overrides`; dp as the replicate or shard degree)
+MAPS = ("precision", "tp", "pp", "cp", "dp", "ep", "micro_batch_size", "num_micro_batches", "zero", "recompute",
+        "schedule", "sequence_parallel", "offload_optimizer", "fp8_recipe", "compile")
+
+
+def _recompute(plan: Plan) -> str | None:
     if plan.recompute == "full":
-        out.append(f"recompute_blocks={plan.recompute_blocks}: torchtitan's full AC checkpoints every block")
+        return f"recompute_blocks={plan.recompute_blocks}: torchtitan's full AC checkpoints every block"
     if plan.recompute == "selective":
-        out.append("recompute=selective: torchtitan's selective AC is op-level (saves matmuls), not the attention "
-                   "core alone")
-    if plan.virtual_stages > 2:
-        out.append(f"virtual_stages={plan.virtual_stages}: torchtitan runs 2 stages per rank unless "
-                   f"--parallelism.pipeline_parallel_layers_per_stage is the model's blocks / {plan.stages}")
-    if tuple(plan.mesh_order) != default_of("mesh_order"):
-        out.append(f"mesh_order={','.join(plan.mesh_order)}: torchtitan's mesh is pp, dp, cp, tp (tp innermost)")
-    if plan.layer_split:
-        out.append(f"layer_split={list(plan.layer_split)}: set --parallelism.module_fqns_per_model_part by hand")
-    return out
+        return "recompute=selective: torchtitan's selective AC is op-level (saves matmuls), not the attention core alone"
+    return None
+
+
+UNEXPRESSED = {  # knob -> the line where torchtitan cannot express its value
+    "zero": lambda p: "zero=1: torchtitan's FSDP2 also shards gradients (exported as ZeRO-2)" if p.zero == 1 else None,
+    "cp": lambda p: (f"cp={p.cp} with zero=0: torchtitan applies FSDP2 over dp_shard x cp whenever cp > 1 (the weights "
+                     "are sharded over the cp ranks)" if p.cp > 1 and p.zero == 0 else None),
+    "precision": lambda p: ("precision=fp16: torchtitan trains in bfloat16 or float32 (exported as bfloat16 defaults)"
+                            if p.precision == "fp16" else None),
+    "grad_comm_dtype": lambda p: (f"grad_comm_dtype={p.grad_comm_dtype}: torchtitan reduces gradients in float32"
+                                  if p.grad_comm_dtype != "fp32" and p.dp > 1 else None),
+    "bucket_mb": lambda p: (f"bucket_mb={p.bucket_mb:g}: torchtitan has no bucket-size setting"
+                            if p.bucket_mb != default_of("bucket_mb") else None),
+    "recompute": _recompute,
+    "schedule": lambda p: (f"virtual_stages={p.virtual_stages}: torchtitan runs 2 stages per rank unless "
+                           f"--parallelism.pipeline_parallel_layers_per_stage is the model's blocks / {p.stages}"
+                           if p.virtual_stages > 2 else None),
+    "mesh_order": lambda p: (f"mesh_order={','.join(p.mesh_order)}: torchtitan's mesh is pp, dp, cp, tp (tp innermost)"
+                             if tuple(p.mesh_order) != default_of("mesh_order") else None),
+    "layer_split": lambda p: (f"layer_split={list(p.layer_split)}: set --parallelism.module_fqns_per_model_part by hand"
+                              if p.layer_split else None),
+}
+
+
+def unexpressed(plan: Plan) -> list[str]:
+    return listed(UNEXPRESSED, plan)
 
 
 def export(plan: Plan) -> Export:
