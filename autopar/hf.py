@@ -313,6 +313,9 @@ class HFSource:
         self.raw = config
         self.family = config["model_type"]
         self.tp_note = ""
+        #: tp_plan entries taken from the config's generic ``base_model_tp_plan``: one naming a module this
+        #: config lacks (Qwen3-MoE's dense ``mlp.gate_proj`` with ``mlp_only_layers: []``) is dropped
+        self.config_entries: frozenset[str] = frozenset()
 
     def hf_config(self, overrides: dict):
         config_cls = _transformers().AutoConfig.for_model(self.family).__class__
@@ -360,6 +363,7 @@ class HFSource:
             self.tp_note = f"base_model_tp_plan entry {key!r} has style {style!r}: {why}; planned with tp = 1"
             return {}
         out = {k: HF_STYLES[v] for k, v in plan.items()}
+        self.config_entries = frozenset(out)
         if out:
             out["output"] = "vocab"  # transformers' lm_head: colwise_gather_output
             if model.tied:  # one weight: sharded alike at both ends (executor.tied.retie)

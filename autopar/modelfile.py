@@ -157,7 +157,8 @@ class ModelFile:
         if not isinstance(plan, dict):
             raise self.error(f"tp_plan(model) returned {type(plan).__name__}",
                              fix="return a dict {module name: style}")
-        return resolve_tp_plan(model, plan, where=str(self.path))
+        optional = self.module.config_entries if isinstance(self.module, hf.HFSource) else frozenset()
+        return resolve_tp_plan(model, plan, where=str(self.path), optional=optional)
 
     def blocks(self, model: nn.Module) -> nn.ModuleList | None:
         """The repeated layers to split into pipeline stages (default: the longest nn.ModuleList)."""
@@ -194,9 +195,11 @@ def _check_module(where: str, pattern: str, name: str, module: nn.Module, style)
                              "styles apply to nn.Linear, 'vocab' also to nn.Embedding, 'head_norm' to a norm")
 
 
-def resolve_tp_plan(model: nn.Module, plan: dict, where: str = "tp_plan") -> dict:
+def resolve_tp_plan(model: nn.Module, plan: dict, where: str = "tp_plan", optional=frozenset()) -> dict:
     """Expand ``*`` wildcards (one name component each, as torchtitan) and check every style: a
-    name of :data:`TP_STYLES` or a torch ``ParallelStyle`` object (torchtitan's form), not both."""
+    name of :data:`TP_STYLES` or a torch ``ParallelStyle`` object (torchtitan's form), not both.
+    An entry matching no module is an error, unless it is ``optional`` (a transformers config's
+    generic plan, written for every config of its family): then it is dropped."""
     names = [name for name, _ in model.named_modules() if name]
     if len({isinstance(style, str) for style in plan.values()}) > 1:
         raise ModelFileError(f"{where}: tp_plan mixes style names and ParallelStyle objects; write every "
@@ -207,6 +210,8 @@ def resolve_tp_plan(model: nn.Module, plan: dict, where: str = "tp_plan") -> dic
         atoms = pattern.split(".")
         hits = [n for n in names if len(n.split(".")) == len(atoms)
                 and all(fnmatch.fnmatchcase(a, p) for a, p in zip(n.split("."), atoms))]
+        if not hits and pattern in optional:
+            continue
         if not hits:
             raise ModelFileError(f"{where}: tp_plan entry {pattern!r} matches no module of the model; "
                                  "use dotted module names as in model.named_modules()")
