@@ -24,6 +24,7 @@ import types
 import typing
 from dataclasses import dataclass
 
+from autopar import axes
 from autopar.errors import AutoparError
 from autopar.knobs import plan_fields
 
@@ -293,13 +294,23 @@ def dataclass_schema(cls, overrides: dict | None = None, required: tuple = ()) -
 # -- the schemas of autopar's data files -----------------------------------------------------------------
 
 _POSITIVE_INT = Int(1, MAX_INT)
-PLAN_RANGES = {  # fields whose range is narrower than their type's
-    "dp": Int(1, MAX_GPUS), "tp": Int(1, MAX_GPUS), "pp": Int(1, MAX_GPUS), "cp": Int(1, MAX_GPUS), "ep": Int(1, MAX_GPUS),
+FIELD_RANGES = {  # fields whose range is narrower than their type's, besides the degrees of the axes
     "micro_batch_size": Int(1, MAX_GLOBAL_BATCH), "num_micro_batches": Int(1, MAX_GLOBAL_BATCH),
     "virtual_stages": Int(1, MAX_GPUS), "recompute_blocks": Int(0, MAX_ITEMS),
     "bucket_mb": Num(0.1, 1e7), "layer_split": List(Int(1, MAX_ITEMS), max_len=MAX_GPUS),
     "schema_version": Int(),
 }
+PLAN_RANGES: dict = {}  # FIELD_RANGES and every axis's and folded axis's degree, kept current by the axes registry
+
+
+def _plan_ranges() -> None:
+    """Every degree of `autopar.axes` (a plan of a declared axis is checked without an edit here) and FIELD_RANGES."""
+    PLAN_RANGES.clear()
+    PLAN_RANGES.update({a: Int(1, MAX_GPUS) for a in (*axes.AXES, *axes.FOLDED)}, **FIELD_RANGES)
+
+
+axes.on_change(_plan_ranges)
+_plan_ranges()
 
 
 def _field_spec(f):
