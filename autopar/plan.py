@@ -38,6 +38,17 @@ ALIASES = {"micro_batch": "micro_batch_size", "mbs": "micro_batch_size", "comm_d
            "sp": "sequence_parallel", "offload": "offload_optimizer", "bucket": "bucket_mb"}
 
 
+def _check_mesh_order(order) -> None:
+    """A mesh order names every axis; only an axis declared after the plan format's first axes (cp,
+    which older plans could not name) may be left out, at degree 1 (`axes.complete_order`)."""
+    if order is None:
+        return
+    missing = [a for a in REQUIRED[:3] if a not in order]
+    if missing:
+        raise PlanError(f"mesh_order {','.join(order)} leaves out {', '.join(missing)}; give every axis, outermost "
+                        f"first, e.g. {','.join(axes.default_order())}")
+
+
 class Plan:
     """A complete parallel training plan. Degrees multiply to the world size; the global batch
     is dp x micro_batch_size x num_micro_batches. Fields are those of the knob registry
@@ -56,6 +67,7 @@ class Plan:
             out[name] = values[name] if name in values else f.default
         degrees = {a: out[a] for a in axes.AXES}
         dims = axes.ParallelDims(degrees, axes.complete_order(out["mesh_order"] or axes.default_order(), degrees))
+        _check_mesh_order(out["mesh_order"])  # after complete_order, which names duplicates and unknown axes
         out["mesh_order"] = dims.order
         out["layer_split"] = tuple(int(n) for n in values.get("layer_split", ()))
         for name in REQUIRED[3:] + ("virtual_stages",):

@@ -299,6 +299,7 @@ FIELD_RANGES = {  # fields whose range is narrower than their type's, besides th
     "virtual_stages": Int(1, MAX_GPUS), "recompute_blocks": Int(0, MAX_ITEMS),
     "bucket_mb": Num(0.1, 1e7), "layer_split": List(Int(1, MAX_ITEMS), max_len=MAX_GPUS),
     "schema_version": Int(),
+    "mesh_order": List(Str()),  # no null: a plan leaves the field out for the default order
 }
 PLAN_RANGES: dict = {}  # FIELD_RANGES and every axis's and folded axis's degree, kept current by the axes registry
 

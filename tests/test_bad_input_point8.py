@@ -1,0 +1,48 @@
+"""Issue 39 point 8: faults and bad input a new user hit. Each is one line on stderr and exit
+status 2 before any work starts, or the work is kept: mesh orders, `run --trace` into a missing
+folder, empty workload lists, broken measurement caches, profile-cluster timeouts, calibrate's
+progress line, a model file that keeps the profiler waiting, and the ranks' tracebacks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar.cli import main
+from autopar.errors import PlanError
+from autopar.plan import Plan
+
+TINY = ["--model-arg", "size=tiny"]
+PLAN = {"schema_version": 1, "dp": 2, "tp": 1, "pp": 1, "micro_batch_size": 2, "num_micro_batches": 2,
+        "precision": "fp32"}
+
+
+def one_error(capsys) -> str:
+    """The command's stderr, which must be exactly one error line."""
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("autopar: error: "), err
+    return err[0]
+
+
+# -- mesh orders -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("order", [["pp", "dp"], ["dp", "cp", "tp"], ["tp"]])
+def test_a_mesh_order_leaving_out_an_axis_is_refused(order):
+    with pytest.raises(PlanError, match="leaves out|must be a permutation"):
+        Plan.from_dict({**PLAN, "mesh_order": order})
+
+
+def test_a_plan_written_before_cp_existed_still_loads_with_cp_in_its_default_place():
+    assert Plan.from_dict({**PLAN, "mesh_order": ["pp", "dp", "tp"]}).mesh_order == ("pp", "dp", "cp", "tp")
+
+
+def test_a_null_mesh_order_in_a_plan_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "p.json").write_text(json.dumps({**PLAN, "mesh_order": None}))
+    assert main(["estimate", "gpt", *TINY, "--cluster", "cpu", "--plan", str(tmp_path / "p.json")]) == 2
+    assert "mesh_order must be a list" in one_error(capsys)
+
+
+def test_the_mesh_order_flag_must_name_every_axis(capsys):
+    code = main(["estimate", "gpt", *TINY, "--cluster", "cpu", "--dp", "1", "--micro-batch", "1", "--global-batch",
+                 "8", "--mesh-order", "pp,dp"])
+    assert code == 2 and "leaves out tp" in one_error(capsys)
