@@ -46,3 +46,27 @@ def test_the_mesh_order_flag_must_name_every_axis(capsys):
     code = main(["estimate", "gpt", *TINY, "--cluster", "cpu", "--dp", "1", "--micro-batch", "1", "--global-batch",
                  "8", "--mesh-order", "pp,dp"])
     assert code == 2 and "leaves out tp" in one_error(capsys)
+
+
+# -- run --trace into a folder that does not exist yet ------------------------------------------------------
+RECORD = {"schema_version": 1, "time": "2026-01-01T00:00:00+00:00",
+          "cluster": {"name": "cpu", "nodes": 1, "gpus_per_node": 2, "gpu": "cpu", "backend": "gloo"},
+          "model": {"name": "gpt", "path": "gpt", "digest": "0" * 64, "args": {"size": "tiny"}, "dims": {},
+                    "params": 6},
+          "workload": {"global_batch": 4, "seq_len": 1}, "plan": {**PLAN, "micro_batch_size": 1},
+          "measured": {"step_times_s": [0.1], "median_step_s": 0.1, "tokens_per_s": 40.0,
+                       "peak_memory_bytes": [1.0, 1.0], "losses": [1.0]},
+          "predicted": None, "outcome": "ok", "error": None, "versions": {}}
+
+
+def test_a_measured_run_is_appended_to_a_trace_in_a_folder_not_made_yet(tmp_path):
+    """`autopar run --trace nodir/t.jsonl` ran the whole job, then lost the measurement: the trace's
+    folder is made as every output's is (check_output allowed the path before the launch)."""
+    from autopar.atomic import check_output
+    from autopar.traces.record import TraceRecord, append_record, read_records
+
+    trace = tmp_path / "nodir" / "deeper" / "t.jsonl"
+    check_output(trace, "--trace")  # what the CLI checks before launching
+    append_record(trace, TraceRecord.from_dict(RECORD))
+    records, problems = read_records(trace)
+    assert len(records) == 1 and not problems and records[0].measured["median_step_s"] == 0.1

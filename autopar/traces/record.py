@@ -159,6 +159,7 @@ def append_record(path, record: TraceRecord) -> None:
     """Append one record as one whole line, safe against crashes and concurrent writers."""
     data = (record.to_json() + "\n").encode("utf-8")
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # as for every output (`check_output`)
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
     except OSError as e:
         raise AutoparError(f"cannot append to trace file {path}: {e.strerror}") from None
