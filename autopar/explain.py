@@ -18,6 +18,7 @@ import numpy as np
 
 from autopar import axes
 from autopar.cost import PlanArrays, evaluate
+from autopar.cost.model import time_parts
 from autopar.errors import PlanError
 from autopar.knobs import Knob, decisions, knobs
 from autopar.plan import Plan, degrees_text
@@ -135,14 +136,18 @@ def explain(workload, plan: Plan, coeffs=None, fastest: float | None = None) -> 
     return reasons + _excluded(workload.profile)
 
 
-PART_WORDS = {"ep_comm": "all-to-all", "compute": "compute", "dp_comm": "gradient sync", "pp_bubble": "bubble"}
+PART_WORDS = {"ep_comm": "all-to-all", "dp_comm": "gradient sync", "pp_bubble": "bubble"}  # else the part's name
+
+
+def part_words(part: str) -> str:
+    return PART_WORDS.get(part, part.replace("_", " "))
 
 
 def _against_neighbours(plan: Plan, name: str, alternatives: list[tuple[Plan, int]], res, text: str) -> str:
     """A folded axis's degree (expert parallelism) against degree 1 and the next degree up (or down,
-    at the largest): each one's time against the plan's and the term that moves most (the
-    all-to-all, the experts' compute), or that it does not fit; then `text` (the best alternative)
-    where that is another degree."""
+    at the largest): each one's time against the plan's and the part of the breakdown that moves most
+    (`time_parts()`: the all-to-all, the experts' compute, ...), or that it does not fit; then `text`
+    (the best alternative) where that is another degree."""
     mine = getattr(plan, name)
     by_degree = {getattr(p, name): i for p, i in alternatives}
     above = sorted(d for d in by_degree if d > mine)
@@ -154,10 +159,10 @@ def _against_neighbours(plan: Plan, name: str, alternatives: list[tuple[Plan, in
         if not res["fits"][i]:
             parts.append(f"{name}{degree} does not fit ({res['peak_memory'][i] / 1e9:.1f} GB)")
             continue
-        moved = max(PART_WORDS, key=lambda part: abs(res[part][i] - res[part][0]))
+        moved = max(time_parts(), key=lambda part: abs(res[part][i] - res[part][0]))
         delta = (res[moved][i] - res[moved][0]) * 1e3
         parts.append(f"{name}{degree} is {res['iteration_time'][i] / res['iteration_time'][0] - 1:+.1%} "
-                     f"({PART_WORDS[moved]} {delta:+,.0f} ms)")
+                     f"({part_words(moved)} {delta:+,.0f} ms)")
     named = [f"{name}{d}" for d in picks]
     rest = [clause for clause in text.split("; ") if not any(re.search(rf"\b{n}\b", clause) for n in named)]
     return "; ".join([", ".join(parts)] + rest)

@@ -355,7 +355,7 @@ def _groups(pa: PlanArrays) -> tuple[np.ndarray, np.ndarray]:
 
 def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> dict[str, np.ndarray]:
     """Iteration time, its breakdown, and peak memory per GPU with its breakdown, for every
-    plan in `pa`. Returns a dict of arrays of length N (keys: TIME_PARTS, MEMORY_PARTS,
+    plan in `pa`. Returns a dict of arrays of length N (keys: time_parts(), HIDDEN_PARTS, memory_parts(),
     iteration_time, peak_memory, fits, model_flops, hw_flops)."""
     cluster = workload.cluster
     c = coeffs if coeffs is not None else Coefficients.for_cluster(cluster, workload.runtime)
@@ -453,8 +453,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     peak_rank = sum(mem.values())
     at_peak = np.argmax(peak_rank, axis=1)[:, None]
 
-    out = {name: part[name] for name in ("compute", "recompute", "tp_comm", "ep_comm", "pp_p2p", "pp_bubble",
-                                         "hidden_tp_comm")}
+    out = {name: part[name] for name in (*TIME_PARTS, *HIDDEN_PARTS) if name in part}  # those the pipeline prices
     out["hidden_dp_comm"] = dp_hidden[:, 0]
     extra_time = np.zeros(len(pa))
     for k in knobs():
@@ -471,4 +470,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     })
     out.update({name: np.take_along_axis(value, at_peak, axis=1)[:, 0] for name, value in mem.items()})
     out["fits"] = out["peak_memory"] <= workload.memory_budget
+    unpriced = [p for p in (*time_parts(), *HIDDEN_PARTS, *memory_parts()) if p not in out]
+    if unpriced:  # a part declared in TIME_PARTS, MEMORY_PARTS or HIDDEN_PARTS that nothing above computes
+        raise RuntimeError(f"the cost model declares {unpriced} but does not price them (autopar/cost/model.py)")
     return out
