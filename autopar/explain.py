@@ -20,7 +20,7 @@ from autopar import axes
 from autopar.cost import PlanArrays, evaluate
 from autopar.cost.model import time_parts
 from autopar.errors import PlanError
-from autopar.knobs import Knob, decisions, knobs
+from autopar.knobs import Knob, decisions, depends_of, knobs
 from autopar.plan import Plan, degrees_text
 from autopar.search.simplicity import TIE, simplicity_key
 from autopar.search.space import choices, degree_choices, plan_of, values_of
@@ -133,7 +133,8 @@ def explain(workload, plan: Plan, coeffs=None, fastest: float | None = None) -> 
         if knob in axes.FOLDED:  # a degree: against 1 and the neighbouring degree, then the fastest
             text = _against_neighbours(plan, knob, [(flat[i - 1][2], i) for i in rows], res, text)
         reasons.append(Reason(knob, _chosen(plan, knob), text))
-    return reasons + _excluded(workload.profile)
+    excluded = _excluded(workload.profile)
+    return reasons + excluded + _left_out(workload, reasons + excluded)
 
 
 PART_WORDS = {"ep_comm": "all-to-all", "dp_comm": "gradient sync", "pp_bubble": "bubble"}  # else the part's name
@@ -174,6 +175,34 @@ def _excluded(profile) -> list[Reason]:
               "sp_off": ("sequence_parallel", "sequence parallel off")}  # rows named as the Why table's
     return [Reason(labels[k][0], "-", f"{labels[k][1]} not considered: {why}")
             for k, why in profile.limits.items() if k in labels]
+
+
+def _left_out(workload, shown: list[Reason]) -> list[Reason]:
+    """Axes and folded axes of which the plan space offers no degree above 1 on this cluster, with the
+    reason their own rule gives for the smallest degree (`autopar.axes`: `allowed`, and the space's
+    narrower `offered`), unless a row in `shown` says it already: every exclusion, from the registries."""
+    said = {r.text.split(" not considered")[0] for r in shown}
+    space = axes.feasible_degrees(workload)
+    above = axes.divisors(workload.world_size)[1:]
+    defaults = {k.name: k.default for k in knobs()}
+    out = []
+    for name, axis in axes.AXES.items():
+        if f"{name} > 1" in said or any(d[name] > 1 for d in space):
+            continue
+        why = next((w for d in above if (w := axis.allowed(workload, d) or (axis.offered and axis.offered(workload, d)))),
+                   None)
+        if why:
+            out.append(Reason(DEGREES, "-", f"{name} > 1 not considered: {why}"))
+    for name, folded in axes.FOLDED.items():
+        k = next(k for k in knobs() if k.name == name)
+        offered = (k.choices(workload, {a: {**defaults, **d, "precision": workload.precision}[a]
+                                        for a in depends_of(k)}) for d in space)
+        if f"{name} > 1" in said or any(v > 1 for values in offered for v in values):
+            continue
+        why = next((w for d in above if (w := folded.allowed(workload, d))), None)
+        if why:
+            out.append(Reason(name, "-", f"{name} > 1 not considered: {why}"))
+    return out
 
 
 def bottleneck(breakdown: dict[str, float]) -> str:
