@@ -20,6 +20,7 @@ import autopar
 from autopar.executor import load_checkpoint, make_loader, save_checkpoint
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
+from autopar.zoo import counting_corpus
 
 MODEL_ARGS = {"size": "tiny", "dropout": 0.0}
 
@@ -40,15 +41,13 @@ def main() -> None:
     par = autopar.apply(plan, lambda: gpt.build(**MODEL_ARGS), lambda params: torch.optim.AdamW(params, lr=args.lr),
                 gpt.loss_fn, tp_plan=gpt.tp_plan, blocks=gpt.blocks, seed=0, backend=args.backend)
 
-    # a small dataset the model can memorise, so the loss visibly falls
-    torch.manual_seed(0)
-    (tokens,), targets = gpt.example_batch(4 * plan.global_batch, device="cpu", **MODEL_ARGS)
-    loader = make_loader(TensorDataset(tokens, targets), plan, par.topo, seed=0)
+    # learnable synthetic text (each sequence counts up from a random token), so the loss falls;
+    # read in order: step 1 is the dataset's first global batch, as in a single process
+    tokens, targets = counting_corpus(4 * plan.global_batch, vocab=256, seq_len=32)  # the tiny GPT's sizes
+    loader = make_loader(TensorDataset(tokens, targets), plan, par.topo)
 
     step = load_checkpoint(par, args.resume) if args.resume else 0
-    epoch = 0
     while step < args.steps:
-        loader.sampler.set_epoch(epoch)
         for x, y in loader:
             loss = par.train_step(x.to(par.device), y.to(par.device))
             step += 1
@@ -57,7 +56,6 @@ def main() -> None:
                 print(f"step {step:3d}  loss {mean:.4f}", flush=True)
             if step == args.steps:
                 break
-        epoch += 1
     if args.save:
         save_checkpoint(par, args.save, step)
     dist.barrier()  # no rank closes its connections while a peer still uses them

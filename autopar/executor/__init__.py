@@ -5,7 +5,8 @@ Public API (imported lazily, so `import autopar.executor` costs nothing until us
 * `apply(plan, build_model, optimizer, loss_fn, *, tp_plan, blocks, seed)` -> `ParallelModel`
   with `train_step(inputs, targets)`, `local_batch(...)`, `global_losses(...)` and `close()`
   (before `destroy_process_group`);
-* `make_loader(dataset, plan, topo)`: a DistributedSampler loader of this rank's batches (whole
+* `make_loader(dataset, plan, topo)`: a DistributedSampler loader of this rank's batches, in the
+  dataset's order unless `shuffle=True`, so step 1 is a single process's first global batch (whole
   sequences: under context parallelism `shard_sequence(batch, plan.cp, topo.rank("cp"))` cuts a
   batch to the rank's tokens, as `local_batch` does);
 * `train_elastic(plan, build_model, optimizer, loss_fn, batch, *, checkpoint_dir, steps, replan)`:

@@ -80,6 +80,17 @@ def next_token_batch(batch_size: int, vocab: int, seq_len: int):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def counting_corpus(samples: int, vocab: int, seq_len: int, seed: int = 0):
+    """Synthetic text a model can learn, made here (no download): every sequence counts up by one
+    from a random start, modulo the vocabulary; tokens and the same shifted by one. The next token
+    follows from the current one, so the loss falls from ln(vocab) within a few steps (on random
+    tokens, as `next_token_batch` makes, it cannot: there is nothing to learn). The same on every
+    rank: drawn from its own generator seeded by ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = (torch.randint(0, vocab, (samples, 1), generator=g) + torch.arange(seq_len + 1)) % vocab
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
 def image_batch(batch_size: int, image: int, classes: int):
     """Random images (batch, 3, image, image) and class labels."""
     return torch.randn(batch_size, 3, image, image), torch.randint(0, classes, (batch_size,))
