@@ -92,3 +92,8 @@ def test_a_part_declared_later_gets_a_colour_of_its_own():
     names = [f"part{i}" for i in range(40)]
     assert len(set(palette(40))) == 40 and len(colors(names)) == 40
     assert colors(["a", "b"])["a"] == colors(["a", "b", "c"])["a"]  # a part keeps its colour as the list grows
+
+
+def test_labels_name_an_axis_own_term_and_leave_core_parts_plain():
+    assert label("cp") == "cp (context parallel)" and label("cp_memory") == "cp memory (context parallel)"
+    assert label("recompute") == "recompute" and label("ep_comm") == "ep comm"  # a core part, though a knob's name

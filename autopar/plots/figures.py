@@ -39,11 +39,13 @@ def shade(color: str, factor: float = 0.7) -> str:
 
 
 def label(part: str) -> str:
-    """A part in words: the table's name, with the axis's or knob's label for their own terms."""
-    own = {k.name: k.label for k in knobs()}
+    """A part in words: the table's name, with the axis's or knob's label for its own terms (`cp`,
+    `cp_memory`: context parallel)."""
     words = WORDS.get(part, part.replace("_", " "))
-    name = part.removesuffix("_memory")
-    return f"{words} ({own[name]})" if name in own else words
+    for k in knobs():
+        if part == k.name and k.time_term is not None or part == f"{k.name}_memory" and k.memory_term is not None:
+            return f"{words} ({k.label})"
+    return words
 
 
 def pyplot():
@@ -110,8 +112,8 @@ def _timeline(plt, ax, plan, est, segments) -> None:
     ax.set_title(f"{plan.describe()}: iteration {est.iteration_time_s * ms:,.1f} ms, pipeline bubble "
                  f"{est.breakdown[IDLE] * ms:,.1f} ms (cost model)", loc="left", fontsize=10)
     handles = [plt.Rectangle((0, 0), 1, 1, color=color) for color in drawn.values()]
-    rows = -(-len(drawn) // 6)
-    ax.legend(handles, list(drawn), ncols=min(len(drawn), 6), loc="upper center",
+    rows = -(-len(drawn) // 7)
+    ax.legend(handles, list(drawn), ncols=-(-len(drawn) // rows), loc="upper center",
               bbox_to_anchor=(0.5, -0.25 - 0.1 * rows / plan.pp), fontsize=8, frameon=False)
 
 
