@@ -11,6 +11,12 @@ Megatron's switches are off unless the workload names them, as in Megatron-LM's 
 in the runs of its 2021-22 papers (unfused attention with a fused scale-mask-softmax kernel, no
 overlaps); NeMo's dense pretraining recipes turn on flash attention and the three overlaps of
 `NEMO_SWITCHES` (with `overlap_p2p_comm` for the interleaved schedule).
+
+So a user names the software, not its flags: `megatron-core` is Megatron with NeMo's switches on,
+`megatron-lm-2021` the papers' bare Megatron-LM. Plain `megatron` stays what it always was, Megatron
+with exactly the switches named (bare: 2021), so stored plans, traces and policies read as before.
+A workload resolves a named runtime to `megatron` and its switches (`resolve_runtime`): the cost
+model, the records and the fingerprints see one Megatron.
 """
 
 from __future__ import annotations
@@ -21,8 +27,13 @@ RUNTIMES = {
     "torch": "autopar's executor: DDP / FSDP2 / ZeroRedundancyOptimizer, DTensor, torch.distributed.pipelining; "
              "attention as the model file writes it",
     "megatron": "Megatron-Core with Transformer Engine: fused attention, distributed optimizer, its pipeline "
-                "schedules, and the overlaps it is told to run",
+                "schedules, and only the overlaps named by --megatron switches (none: 2021 Megatron-LM)",
+    "megatron-core": "Megatron-Core as NeMo's dense recipes run it: megatron with flash attention and the "
+                     "tensor-parallel, gradient-reduce and parameter-gather overlaps on (NEMO_SWITCHES)",
+    "megatron-lm-2021": "Megatron-LM as its 2021-22 papers ran it: megatron with no switch on (unfused "
+                        "attention, no overlaps)",
 }
+MEGATRON = "megatron"  # the runtime the named Megatron runtimes resolve to (what records store)
 # Megatron-Core's switches that change what the cost model prices (named after their flags)
 MEGATRON_SWITCHES = {
     "flash_attn": "--use-flash-attn / TE fused attention: no seq x seq tensor; else Megatron's unfused "
@@ -51,6 +62,7 @@ MEGATRON_SWITCHES = {
                         "receives under the next chunk's compute (one per micro-batch stays exposed)",
 }
 NEMO_SWITCHES = ("flash_attn", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")  # dense recipes'
+NAMED_RUNTIMES = {"megatron-core": NEMO_SWITCHES, "megatron-lm-2021": ()}  # name -> the switches it turns on
 MOE_SWITCHES = ("deepep", "moe_a2a_overlap")  # MoE only; allowed under the torch runtime too
 ANY_RUNTIME = (*MOE_SWITCHES, "megatron_softmax", "megatron_cross_entropy")  # switches that name kernels,
 # not Megatron-Core's scheduling
@@ -65,13 +77,27 @@ def vocab_padding(workload) -> int:
     (`--make-vocab-size-divisible-by`), so every tp divides it and every rank's slice is aligned, and
     the padded rows and columns are weights and GEMM work like any other (cost/vocabulary.py
     `tp_split`); autopar's executor shards the model file's own vocabulary."""
-    return MEGATRON_VOCAB_MULTIPLE if workload.runtime == "megatron" else 0
+    return MEGATRON_VOCAB_MULTIPLE if is_megatron(workload.runtime) else 0
 
 
 def megatron_attention(workload) -> bool:
     """Whether Megatron's own attention runs whatever the model file writes: under runtime megatron,
     or under another runtime with the megatron_softmax switch (Megatron-DeepSpeed's runs)."""
-    return workload.runtime == "megatron" or "megatron_softmax" in workload.switches
+    return is_megatron(workload.runtime) or "megatron_softmax" in workload.switches
+
+
+def is_megatron(runtime: str) -> bool:
+    """Whether a runtime name is Megatron's (plain `megatron` or a named one): what runs Megatron's
+    attention, vocabulary padding, schedules and export."""
+    return runtime == MEGATRON or runtime in NAMED_RUNTIMES
+
+
+def resolve_runtime(runtime: str, switches) -> tuple[str, tuple[str, ...]]:
+    """(runtime, switches) with a named Megatron runtime written as `megatron` and the switches it
+    turns on, after checking both names (one-line errors)."""
+    if runtime in NAMED_RUNTIMES:
+        return MEGATRON, check_runtime(MEGATRON, (*NAMED_RUNTIMES[runtime], *switches))
+    return runtime, check_runtime(runtime, switches)
 
 
 def check_runtime(runtime: str, switches) -> tuple[str, ...]:
@@ -86,7 +112,7 @@ def check_runtime(runtime: str, switches) -> tuple[str, ...]:
     megatron_only = [o for o in switches if o not in ANY_RUNTIME]  # DeepEP also serves torch (AutoModel)
     if {"flash_attn", "megatron_softmax"} <= set(switches):
         raise AutoparError("flash_attn and megatron_softmax name two different attention kernels; give one")
-    if megatron_only and runtime != "megatron":
+    if megatron_only and not is_megatron(runtime):
         raise AutoparError(f"{', '.join(megatron_only)}: Megatron-Core switches need runtime 'megatron' "
                            "(the torch runtime overlaps as DDP and FSDP2 do)")
     return switches

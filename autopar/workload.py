@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from autopar.errors import AutoparError
 from autopar.knobs import fp8_problem
-from autopar.runtime import check_runtime
+from autopar.runtime import resolve_runtime
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
@@ -26,7 +26,8 @@ class Workload:
     global_batch: int
     optimizer: str = "adam"  # adam keeps two fp32 moments per parameter
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM
-    runtime: str = "torch"  # what runs the plan (autopar.runtime.RUNTIMES): it schedules the overlaps
+    runtime: str = "torch"  # what runs the plan (autopar.runtime.RUNTIMES; a named Megatron one is stored as
+    # megatron and its switches): it schedules the overlaps
     switches: tuple[str, ...] = ()  # Megatron-Core switches on (autopar.runtime.MEGATRON_SWITCHES)
     # mixture of experts: tokens on the busiest expert-parallel rank over the mean (1.0: force-balanced,
     # as published MoE benchmarks run); ignored for a dense model
@@ -34,7 +35,9 @@ class Workload:
     fp8: bool = False  # GEMMs in fp8 on top of the profile's bf16 (precision "fp8")
 
     def __post_init__(self):
-        object.__setattr__(self, "switches", check_runtime(self.runtime, self.switches))
+        runtime, switches = resolve_runtime(self.runtime, self.switches)  # megatron-core: megatron + its switches
+        object.__setattr__(self, "runtime", runtime)
+        object.__setattr__(self, "switches", switches)
         if not 1.0 <= self.expert_imbalance <= 1e3:
             raise AutoparError(f"expert_imbalance {self.expert_imbalance} must be at least 1.0 (1.0: force-balanced)")
         if self.fp8:

@@ -40,9 +40,11 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
     parser.add_argument("--expert-imbalance", type=float, default=1.0, metavar="F",
                         help="MoE models: tokens on the busiest expert-parallel rank over the mean (default 1.0: "
                              "force-balanced, as published MoE benchmarks run)")
-    parser.add_argument("--runtime", default="torch", metavar="torch|megatron",
-                        help="what runs the plan: autopar's torch executor (default) or Megatron-Core with "
-                             "Transformer Engine; it decides which communication overlaps")
+    parser.add_argument("--runtime", default="torch", metavar="torch|megatron-core|megatron-lm-2021|megatron",
+                        help="what runs the plan: autopar's torch executor (default); megatron-core (Megatron-Core "
+                             "with Transformer Engine as NeMo runs it: flash attention and the tp, grad-reduce and "
+                             "param-gather overlaps); megatron-lm-2021 (the papers' bare Megatron-LM); megatron "
+                             "(Megatron with only the --megatron switches given); it decides which overlaps run")
     parser.add_argument("--megatron", action="append", default=[], metavar="SWITCH",
                         help="a Megatron-Core switch that is on (flash_attn, tp_comm_overlap, overlap_grad_reduce, "
                              "overlap_param_gather, overlap_p2p_comm; repeatable; needs --runtime megatron; deepep, "
