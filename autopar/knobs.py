@@ -265,7 +265,8 @@ def _folded_knob(folded: _axes.FoldedAxis) -> Knob:
 
 _PRECISION = Knob("precision", (Field("precision", str, "bf16", PRECISIONS),),
                   lambda w, d: [w.precision], label="precision", slots=PRECISIONS, decision=False,
-                  flag_help="training precision (the workload's)")
+                  flag_help="training precision (the workload's)",
+                  short=lambda p: None if p in ("bf16", "fp8") else p)  # fp8: its recipe's token names it
 
 
 def storage_dtype(precision: str) -> str:

@@ -85,12 +85,15 @@ def estimate_tables(est: Estimate) -> tuple[Table, Table]:
 
 
 def alternatives_table(best: Estimate, alternatives: list[tuple[Plan, Estimate]]) -> Table:
-    """A runner-up may be faster than the chosen plan by less than the tie tolerance: ties go to the
-    simpler plan, and the caption says so where a negative figure would otherwise read as a bug."""
-    tie = any(est.iteration_time_s < best.iteration_time_s for _, est in alternatives)
+    """The planner's ranking: plans within the tie tolerance of each other rank simplest first, so a
+    runner-up may be faster than the plan above it (or than the chosen one, a negative 'vs best');
+    the caption says so whenever a row is out of time order, where it would otherwise read as a bug."""
+    times = [best.iteration_time_s] + [est.iteration_time_s for _, est in alternatives]
+    tie = any(later < earlier for earlier, later in zip(times, times[1:]))
     t = Table(title="Runners-up", title_justify="left", caption_justify="left",
-              caption=f"a negative 'vs best': faster by less than the {TIE:.1%} tie tolerance, within which the "
-                      "simpler plan is chosen" if tie else None)
+              caption=f"not in time order: plans within the {TIE:.1%} tie tolerance of each other rank simplest "
+                      "first, as the planner chose (a faster row below a slower one, or a negative 'vs best', is "
+                      "such a tie)" if tie else None)
     for col in ("#", "plan", "iteration ms", "vs best", "TFLOP/s", "MFU", "memory GB"):
         t.add_column(col, justify="left" if col == "plan" else "right")
     for i, (plan, est) in enumerate(alternatives, start=2):

@@ -30,8 +30,7 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
     parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the preset's)")
     parser.add_argument("--global-batch", type=int, default=batch_default, metavar="B",
                         help="samples per optimizer step" + (f" (default {batch_default})" if batch_default else ""))
-    parser.add_argument("--seq-len", type=int, default=None, metavar="S",
-                        help="sequence length (passed to the model as seq_len)")
+    add_seq_len_flag(parser)
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
                         help="training precision (default bf16; fp8: fp8 GEMMs on bf16 weights, H100 and newer)")
     parser.add_argument("--memory-headroom", type=float, default=DEFAULT_MEMORY_HEADROOM, metavar="F",
@@ -81,6 +80,12 @@ def add_trace_model_flags(group) -> None:
 
 def model_sources(args):
     return ModelSources(tuple(args.model_file), args.trust_model_paths)
+
+
+def add_seq_len_flag(parser: argparse.ArgumentParser) -> None:
+    """--seq-len, as every command that builds the model takes it (checked by `parse_model_args`)."""
+    parser.add_argument("--seq-len", type=int, default=None, metavar="S",
+                        help="sequence length (passed to the model as seq_len)")
 
 
 def parse_model_args(pairs: list[str], seq_len: int | None) -> dict:

@@ -13,7 +13,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from autopar.cli.common import add_model_flags, add_profile_timeout_flag, parse_model_args
+from autopar.cli.common import add_model_flags, add_profile_timeout_flag, add_seq_len_flag, parse_model_args
 from autopar.cli.elastic import add_elastic_flags, elastic_spec, show_replans
 from autopar.executor.options import RunOptions, add_run_flags
 
@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
                                    "the cost model's prediction.")
     p.add_argument("plan", metavar="plan.json", help="a plan file, as `autopar search -o` writes")
     add_model_flags(p)
+    add_seq_len_flag(p)
     p.add_argument("--trace", metavar="traces.jsonl", help="append the run's trace record here")
     p.add_argument("--cluster", metavar="PRESET|FILE.json",
                    help="the cluster to record and predict for (default: detected from this machine)")
@@ -69,7 +70,7 @@ def run(args) -> int:
 
     # a bad flag is refused before anything starts
     options = RunOptions.from_args(args, elastic=elastic_spec(args))
-    model_args = parse_model_args(args.model_arg, None)
+    model_args = parse_model_args(args.model_arg, args.seq_len)
     ran = run_plan(args.plan, args.model, model_args, options, cluster=args.cluster,
                    profile_timeout=args.profile_timeout, trace=args.trace)
 
