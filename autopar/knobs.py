@@ -24,8 +24,18 @@ from functools import cache
 from typing import Any
 
 from autopar import axes as _axes
-from autopar.capability import sequence_parallel_options
+from autopar.capability import (  # noqa: F401  (fp8_problem, comm_dtype_problem, compile_problem: re-exported)
+    BLOCK_SCALED,
+    FP8_RECIPES,
+    Target,
+    allowed,
+    comm_dtype_problem,
+    compile_problem,
+    fp8_problem,
+    refusal,
+)
 from autopar.errors import PlanError
+from autopar.runtime import is_megatron
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -35,11 +45,9 @@ COMM_DTYPES = ("fp32", "bf16", "fp16")
 # (autopar/cost/precision.py prices the casts and the fp8 copies), so its storage dtype is bf16
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
 STORAGE_DTYPE = {"fp8": "bf16"}
-# torchao's float8 training recipes (per-tensor or per-row scales), and MXFP8 (a scale per 32
-# elements, Blackwell's tensor cores only); under runtime megatron, Transformer Engine's recipes of
-# the same granularity (delayed / current per-tensor scaling, MXFP8)
-FP8_RECIPES = ("tensorwise", "rowwise", "mxfp8")
-BLOCK_SCALED = ("mxfp8",)  # recipes the GPU must have block-scaled fp8 tensor cores for
+# FP8_RECIPES (autopar.capability): torchao's float8 training recipes (per-tensor or per-row scales), and
+# MXFP8 (a scale per 32 elements, Blackwell's tensor cores only); under runtime megatron, Transformer
+# Engine's recipes of the same granularity (delayed / current per-tensor scaling, MXFP8)
 ZERO_STAGES = (0, 1, 2, 3)
 BUCKETS_MB = (5.0, 25.0, 100.0)
 MAX_VIRTUAL_STAGES = 8
@@ -250,9 +258,9 @@ def _folded_knob(folded: _axes.FoldedAxis) -> Knob:
     """A folded axis's degree: the divisors of the ranks it splits that the model allows (1 always)."""
 
     def choices(workload, decided) -> list[int]:
-        if any(decided.get(a, 1) > 1 for a in folded.needs_one):
-            return [1]
-        return [d for d in _axes.divisors(folded.whole(decided)) if folded.allowed(workload, d) is None]
+        target = Target.of(workload)
+        return [d for d in _axes.divisors(folded.whole(decided))
+                if folded.allowed(workload, d) is None and refusal(folded.name, target, d, decided) is None]
 
     def check(plan) -> None:
         folded.check({a: getattr(plan, a) for a in folded.within}, getattr(plan, folded.name))
@@ -274,18 +282,12 @@ def storage_dtype(precision: str) -> str:
     return STORAGE_DTYPE.get(precision, precision)
 
 
-def fp8_problem(precision: str, gpu, recipe: str | None = None) -> str | None:
-    """Why a GPU cannot train in `precision` with `recipe` (None: it can): fp8 needs fp8 tensor
-    cores (Hopper, Ada, Blackwell: `peak_flops["fp8"]`), MXFP8 block-scaled ones (Blackwell)."""
-    if precision != "fp8":
-        return None
-    if not gpu.peak_flops.get("fp8"):
-        return (f"precision fp8 needs a GPU with fp8 tensor cores (H100, H200, B200, GB200); {gpu.name} has none: "
-                f"use --precision bf16")
-    if recipe in BLOCK_SCALED and not gpu.peak_flops.get(recipe):
-        return (f"fp8 recipe {recipe} needs block-scaled fp8 tensor cores (B200, GB200); {gpu.name} has none: "
-                f"use recipe tensorwise or rowwise")
-    return None
+def default_precision(gpu) -> str:
+    """The precision a workload trains in when none is asked for: mixed precision only where the
+    device runs 16-bit matmuls faster than fp32 (bf16 first, then fp16, as V100 has only fp16 tensor
+    cores); otherwise fp32, which autocast's casts and rounding would only slow and blur (the CPU)."""
+    rate = gpu.peak_flops
+    return next((p for p in ("bf16", "fp16") if rate.get(p, 0.0) > rate["fp32"]), "fp32")
 
 
 # -- the knobs of today ------------------------------------------------------------------------------
@@ -301,7 +303,7 @@ def _recompute_choices(w, d) -> list[tuple[str, int]]:
     Megatron-Core recomputes its core attention selectively whatever the model file's attention."""
     pp = d["pp"]
     out = [("none", 0)]
-    if w.runtime == "megatron" or any(b.attn_core_bytes > 0 for b in w.profile.layers):
+    if is_megatron(w.runtime) or any(b.attn_core_bytes > 0 for b in w.profile.layers):
         out.append(("selective", 0))
     most = max(device_blocks(balanced_split(w.profile.num_layers, pp), pp))
     counts = set(range(1, min(most, 16) + 1)) | {int(round(most * f / 16)) for f in range(1, 17)}
@@ -401,21 +403,12 @@ def _check_schedule(plan) -> None:
                         f"{plan.num_micro_batches}; lower the micro-batch size or use schedule 'gpipe'")
 
 
-def comm_dtype_problem(dtype: str, backend: str) -> str | None:
-    """What a backend cannot reduce in: gloo has no bf16 reductions (the space leaves bf16 out on
-    CPU clusters, the executor refuses it on gloo)."""
-    if dtype == "bf16" and "nccl" not in backend:  # "cpu:gloo,cuda:nccl" reduces GPU tensors over NCCL
-        return (f"grad_comm_dtype 'bf16' reduces gradients in bfloat16, which needs NCCL, not {backend}; "
-                f"use grad_comm_dtype 'fp16' or 'fp32' on this backend")
-    return None
-
-
 def _comm_choices(w, d) -> list[str]:
+    """fp32, and the training dtype where the backend reduces in it (gloo has no bf16 reductions)."""
     if d["dp"] == 1:
         return ["fp32"]
-    backend = "gloo" if _gloo(w) else "nccl"
-    return ["fp32"] + [p for p in (storage_dtype(w.precision),)
-                       if p != "fp32" and comm_dtype_problem(p, backend) is None]
+    own = [p for p in (storage_dtype(w.precision),) if p != "fp32"]
+    return ["fp32"] + allowed("grad_comm_dtype", Target.of(w), own, d)
 
 
 def _mesh_choices(w, d) -> list[tuple[str, ...]]:
@@ -445,18 +438,17 @@ def _check_sp(plan) -> None:
 
 
 def _sp_choices(w, d) -> list[bool]:
-    """Off and on under tensor parallelism, as far as the executor can run them for this model
-    (not for an MoE model: autopar.executor.support)."""
-    options = sequence_parallel_options(w.profile, d["tp"])
-    return [v for v in options if not v] if w.profile.is_moe else list(options)
+    """Off and on under tensor parallelism, as far as the runtime runs them for this model
+    (autopar.capability: not for an MoE model under autopar's executor)."""
+    return allowed("sequence_parallel", Target.of(w), [False, True] if d["tp"] > 1 else [False], d)
 
 
 def _zero_choices(w, d) -> list[int]:
-    """No ZeRO-1 with expert parallelism: its optimizer would broadcast one rank's experts over
-    another's (autopar.executor.support); FSDP2 shards experts over their own group."""
+    """Every stage the runtime runs with this ep (autopar.capability: no ZeRO-1 beside expert
+    parallelism in autopar's executor); only ZeRO-0 without data parallelism."""
     if d["dp"] == 1:
         return [0]
-    return [z for z in ZERO_STAGES if z != 1] if d.get("ep", 1) > 1 else list(ZERO_STAGES)
+    return allowed("zero", Target.of(w), list(ZERO_STAGES), d)
 
 
 def _offload_choices(w, d) -> list[bool]:
@@ -481,7 +473,7 @@ def _fp8_recipe_choices(w, d) -> list[str]:
     """None but under fp8; then every recipe the GPU's tensor cores run."""
     if d["precision"] != "fp8":
         return ["none"]
-    return [r for r in FP8_RECIPES if fp8_problem("fp8", w.cluster.gpu, r) is None]
+    return allowed("fp8_recipe", Target.of(w), list(FP8_RECIPES), d)
 
 
 def _check_fp8_recipe(plan) -> None:
@@ -490,20 +482,9 @@ def _check_fp8_recipe(plan) -> None:
                         f"one of {', '.join(FP8_RECIPES)}, any other precision 'none'")
 
 
-def compile_problem(plan) -> str | None:
-    """What the executor cannot compile: blocks under tensor parallelism (torch 2.13's compiled
-    autograd of a checkpointed DTensor block saves a DeviceMesh and fails) or in a pipeline stage (not
-    verified)."""
-    if plan.compile and (plan.tp > 1 or plan.pp > 1):
-        return (f"compile with tp={plan.tp}, pp={plan.pp}: the executor compiles blocks without tensor or "
-                "pipeline parallelism only; set compile false or tp = pp = 1")
-    return None
-
-
 def _compile_choices(w, d) -> list[bool]:
-    """torch.compile of each block under autopar's executor, where it can (`compile_problem`);
-    Megatron-Core runs its own fused kernels (Transformer Engine), never torch.compile."""
-    return [False] if w.runtime == "megatron" or d["tp"] > 1 or d["pp"] > 1 else [False, True]
+    """torch.compile of each block where the runtime runs it (autopar.capability)."""
+    return allowed("compile", Target.of(w), [False, True], d)
 
 
 def _parse_order(text: str) -> tuple[str, ...]:

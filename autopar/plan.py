@@ -13,9 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from autopar import axes
+from autopar import axes, capability
 from autopar.atomic import write_text_atomic
-from autopar.capability import check_plan
 from autopar.errors import PlanError
 from autopar.knobs import (  # noqa: F401  (re-exported: the names plans are made of)
     COMM_DTYPES,
@@ -55,7 +54,7 @@ class Plan:
     (`autopar.knobs.plan_fields()`) plus `layer_split` (blocks per virtual stage in pipeline
     order; empty: balanced); a field left out takes its declared default."""
 
-    __slots__ = ("_values",)
+    __slots__ = ("_values", "_record")
 
     def __init__(self, **values):
         known = {f.name: f for f in plan_fields()}
@@ -81,6 +80,7 @@ class Plan:
                 and out["bucket_mb"] > 0):
             raise PlanError(f"bucket_mb must be a positive number of megabytes, got {out['bucket_mb']!r}")
         object.__setattr__(self, "_values", out)
+        object.__setattr__(self, "_record", {})  # what it was searched under (`recorded`): not part of the plan
         for k in knobs():
             if k.check is not None:
                 k.check(self)
@@ -109,7 +109,7 @@ class Plan:
         return "Plan(" + ", ".join(f"{k}={v!r}" for k, v in self._values.items()) + ")"
 
     def __reduce__(self):
-        return (_from_fields, (dict(self._values),))
+        return (_from_fields, (dict(self._values), self._record))
 
     # -- derived -----------------------------------------------------------------------
     @property
@@ -137,7 +137,30 @@ class Plan:
         return self.dims.strides()
 
     def with_(self, **changes) -> Plan:
-        return Plan(**{**self._values, **changes})
+        return Plan(**{**self._values, **changes}).recorded(**self._record)
+
+    # -- what it was searched under: the knobs an elastic re-plan keeps (docs/elastic.md) --------------
+    def recorded(self, fixed=(), searched=None) -> Plan:
+        """This plan, recording the knobs the search held (`search --fix`) and the values it chose for
+        every decision (`searched`, JSON values by field), so that a re-plan can tell an edit from them."""
+        out = object.__new__(Plan)  # the same (immutable) values, already checked
+        object.__setattr__(out, "_values", self._values)
+        record = {"fixed": tuple(fixed), "searched": dict(searched or {})}
+        object.__setattr__(out, "_record", {k: v for k, v in record.items() if v})
+        return out
+
+    @property
+    def fixed(self) -> tuple[str, ...]:
+        return self._record.get("fixed", ())
+
+    def kept(self) -> tuple[str, ...]:
+        """The knobs a re-plan must keep at this plan's values: the ones the search held, and any whose
+        value is not what the search chose (set by hand in plan.json). A plan without a search record
+        keeps only what it lists as fixed."""
+        searched, mine = self._record.get("searched", {}), self.to_dict()
+        edited = [k.name for k in knobs() if k.name not in self.fixed
+                  and any(f.name in searched and searched[f.name] != mine[f.name] for f in k.fields)]
+        return self.fixed + tuple(edited)
 
     def fields(self) -> dict[str, Any]:
         return dict(self._values)
@@ -168,10 +191,7 @@ class Plan:
             why = folded.allowed(workload, getattr(self, folded.name))
             if why:
                 raise PlanError(why)
-        check_plan(self, profile)
-        problem = fp8_problem(self.precision, workload.cluster.gpu, self.fp8_recipe)
-        if problem:
-            raise PlanError(problem)
+        capability.check(self, capability.Target.of(workload))  # what the workload's runtime runs on its cluster
         if self.layer_split and sum(self.layer_split) != layers:
             raise PlanError(f"layer_split sums to {sum(self.layer_split)} but the model has {layers} blocks")
         if self.recompute == "full":
@@ -204,7 +224,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self._values.items()}
-        return {"schema_version": PLAN_SCHEMA_VERSION, **d}
+        record = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self._record.items()}
+        return {"schema_version": PLAN_SCHEMA_VERSION, **d, **record}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -221,14 +242,15 @@ class Plan:
         for old, new in ALIASES.items():
             if old in d and new not in d:
                 d[new] = d.pop(old)
+        fixed, searched = d.pop("fixed", []), d.pop("searched", {})
         known = {f.name for f in plan_fields()} | {"layer_split"}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise PlanError(f"unknown plan key(s) {unknown}; valid keys are {sorted(known)}")
+            raise PlanError(f"unknown plan key(s) {unknown}; valid keys are {sorted(known | {'fixed', 'searched'})}")
         missing = [k for k in REQUIRED if k not in d]
         if missing:
             raise PlanError(f"plan is missing required key(s) {missing}")
-        return cls(**check_plan_dict(d, PlanError))
+        return cls(**check_plan_dict(d, PlanError)).recorded(_fixed_names(fixed), _searched_fields(searched))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -252,5 +274,20 @@ def degrees_text(degrees: dict[str, int]) -> str:
     return " ".join(f"{a}{d}" for a, d in degrees.items() if a in REQUIRED or d > 1)
 
 
-def _from_fields(values: dict) -> Plan:
-    return Plan(**values)
+def _from_fields(values: dict, record: dict | None = None) -> Plan:
+    return Plan(**values).recorded(**(record or {}))
+
+
+def _fixed_names(names) -> tuple[str, ...]:
+    """A plan file's `fixed`: names of decisions (a knob or a degree; not dp, derived from the GPU count)."""
+    decisions = [k.name for k in knobs() if k.decision]
+    if not isinstance(names, list) or any(not isinstance(n, str) or n not in decisions for n in names):
+        raise PlanError(f"plan key 'fixed' must be a list of knob names from {decisions}, got {names!r}")
+    return tuple(dict.fromkeys(names))
+
+
+def _searched_fields(values) -> dict[str, Any]:
+    """A plan file's `searched`: plan fields and the values the search chose, checked as plan fields are."""
+    if not isinstance(values, dict) or set(values) - {f.name for f in plan_fields()}:
+        raise PlanError(f"plan key 'searched' must map plan fields to the values the search chose, got {values!r}")
+    return check_plan_dict(values, PlanError)

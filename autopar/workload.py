@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autopar.errors import AutoparError
 from autopar.knobs import fp8_problem
@@ -33,6 +33,9 @@ class Workload:
     # as published MoE benchmarks run); ignored for a dense model
     expert_imbalance: float = 1.0
     fp8: bool = False  # GEMMs in fp8 on top of the profile's bf16 (precision "fp8")
+    # knobs held at one value ((knob name, value) pairs, `search --fix`): the plan space offers only
+    # that value (autopar/search/space.py), so every planner and the RL masks see it
+    fixed: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):
         runtime, switches = resolve_runtime(self.runtime, self.switches)  # megatron-core: megatron + its switches

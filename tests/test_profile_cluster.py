@@ -31,9 +31,12 @@ def test_collective_efficiency_is_half_the_all_reduce_over_the_measured_time():
         {"all_gather": 1.0, "broadcast": 2.0, "reduce_scatter": 1 / 3})
 
 
-def test_profile_cluster_writes_a_usable_cluster(tmp_path, capsys):
+@pytest.mark.slow
+def test_profile_cluster_writes_a_usable_cluster(tmp_path, capsys, monkeypatch):
     """Two gloo processes, four small messages and one of 1 MiB (where the ZeRO collectives are
-    timed too): seconds, not minutes."""
+    timed too): seconds, not minutes. The measurement is cached in this test's own cache folder, so
+    no later test's `--cluster cpu` takes it."""
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "cpu.json"
     code = main(["profile-cluster", "-o", str(out), "--ranks", "2", "--min-bytes", "4K", "--max-bytes", "1M",
                  "--backend", "gloo", "--timeout", "120", "--json"])
@@ -53,6 +56,8 @@ def test_profile_cluster_writes_a_usable_cluster(tmp_path, capsys):
     assert cluster.gpu.peak_flops["fp32"] == pytest.approx(max(report["measurements"]["matmul_flops"]["fp32"].values()))
     assert cluster.links["shm"].bandwidth == pytest.approx(report["measurements"]["fit"]["bandwidth"])
     assert cluster.coefficients["collective_latency_s"] >= 0
+    assert report["cached"].startswith(str(tmp_path / "cache"))  # the cpu preset now uses this machine's figures
+    assert load_cluster("cpu").gpu == cluster.gpu
     # the planner takes it
     assert main(["estimate", "gpt", "--cluster", str(out), "--model-arg", "size=tiny", "--global-batch", "4",
                  "--gpus-per-node", "2", "--dp", "2", "--tp", "1", "--pp", "1", "--micro-batch", "2", "--json"]) == 0

@@ -6,10 +6,11 @@ import argparse
 import json
 import sys
 
+from autopar import capability
 from autopar.cluster import load_cluster
 from autopar.cost.coefficients import Coefficients
 from autopar.errors import AutoparError
-from autopar.knobs import PRECISIONS, fp8_problem, storage_dtype
+from autopar.knobs import PRECISIONS, default_precision, fp8_problem, storage_dtype
 from autopar.profile import profile_model
 from autopar.profile.isolated import DEFAULT_PROFILE_TIMEOUT, check_timeout
 from autopar.schema import check_global_batch
@@ -31,8 +32,10 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
     parser.add_argument("--global-batch", type=int, default=batch_default, metavar="B",
                         help="samples per optimizer step" + (f" (default {batch_default})" if batch_default else ""))
     add_seq_len_flag(parser)
-    parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                        help="training precision (default bf16; fp8: fp8 GEMMs on bf16 weights, H100 and newer)")
+    parser.add_argument("--precision", choices=PRECISIONS, default=None,
+                        help="training precision (default: bf16 where the GPU runs it faster than fp32, else fp16 "
+                             "where that is faster, else fp32, as on the cpu preset; fp8: fp8 GEMMs on bf16 "
+                             "weights, H100 and newer)")
     parser.add_argument("--memory-headroom", type=float, default=DEFAULT_MEMORY_HEADROOM, metavar="F",
                         help="fraction of GPU memory plans leave free for the allocator's fragmentation "
                              f"(default {DEFAULT_MEMORY_HEADROOM:g})")
@@ -124,6 +127,8 @@ def load_workload(args, nodes: int | None = None, global_batch: int | None = Non
         raise AutoparError(f"--memory-headroom must be a fraction in [0, 1), got {args.memory_headroom}")
     cluster = load_cluster(args.cluster, nodes=args.nodes or nodes, gpus_per_node=args.gpus_per_node)
     Coefficients.from_dict(cluster.coefficients)  # a bad coefficient fails before the model is profiled
+    if args.precision is None:  # mixed precision only where the device runs it faster
+        args.precision = default_precision(cluster.gpu)
     problem = fp8_problem(args.precision, cluster.gpu)
     if problem:  # before the model is profiled
         raise AutoparError(problem)
@@ -143,12 +148,17 @@ def print_json(obj) -> None:
     sys.stdout.write("\n")
 
 
+def excluded(workload) -> dict[str, str]:
+    """{limit: what the plan space leaves out and why} for this model on this runtime (autopar.capability)."""
+    return {key: text for key, _, text in capability.excluded(capability.Target.of(workload))}
+
+
 def workload_dict(workload) -> dict:
     p, c = workload.profile, workload.cluster
     return {"model": p.name, "params": p.params, "layers": p.num_layers, "seq_len": p.seq_len,
             "dims": p.dims, "cluster": c.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
             "gpu": c.gpu.name, "global_batch": workload.global_batch, "precision": workload.precision,
-            "memory_headroom": workload.memory_headroom, "notes": list(p.notes), "excluded": dict(p.limits),
+            "memory_headroom": workload.memory_headroom, "notes": list(p.notes), "excluded": excluded(workload),
             "runtime": workload.runtime, "megatron_switches": list(workload.switches),
             **({"experts": p.num_experts, "top_k": p.top_k, "active_params": p.active_params,
                 "expert_imbalance": workload.expert_imbalance} if p.is_moe else {})}

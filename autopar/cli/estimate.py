@@ -36,7 +36,7 @@ def add_plan_flags(p) -> None:
         choices = [str(v) for v in f.values] if f.values is not None and len(k.fields) == 1 else None
         p.add_argument(*names, dest=k.name, default=None, help=k.flag_help, choices=choices,
                        metavar=None if choices else k.name.upper().replace("_", "-"))  # parsed in _flag_value
-    p.set_defaults(precision=None)  # the plan's precision with --plan, else bf16
+    p.set_defaults(precision=None)  # the plan's precision with --plan, else the device's default
 
 
 def add_parser(sub) -> None:
@@ -111,7 +111,6 @@ def plan_and_workload(args):
         args.precision = plan.precision
         workload = load_workload(args, nodes=_fit_cluster_to(args, plan.world_size), global_batch=plan.global_batch)
     else:
-        args.precision = args.precision or "bf16"
         if args.dp is None or args.micro_batch_size is None:
             raise PlanError("give --plan plan.json, or at least --dp and --micro-batch-size (with --tp, --pp ...)")
         for k in decisions():

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from autopar.calibrate.cluster_profile import profile_cluster, write_cluster
 from autopar.cli.common import print_json
+from autopar.cluster.measured import store_measurement
 from autopar.errors import AutoparError
 from autopar.executor.options import BACKENDS
 
@@ -68,10 +69,15 @@ def run(args) -> int:
                                       progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     if args.output:
         write_cluster(cluster, args.output)
+    # CPU workers: this machine's figures, cached for `--cluster cpu` (GPUs keep their datasheets)
+    cached = str(store_measurement(cluster)) if result.device == "cpu" else None
     if args.json:
-        print_json({"cluster": cluster.to_dict(), "measurements": result.to_dict(), "output": args.output})
+        print_json({"cluster": cluster.to_dict(), "measurements": result.to_dict(), "output": args.output,
+                    "cached": cached})
         return 0
     _print(cluster, result, args.output, Console())
+    if cached:
+        Console().print(f"cached this machine's measurement in {cached}: --cluster cpu now uses it")
     return 0
 
 

@@ -16,6 +16,7 @@ from autopar.errors import AutoparError
 from autopar.explain import explain
 from autopar.report import alternatives_table, params_text, print_estimate, why_table
 from autopar.search import get_planner
+from autopar.search.fixed import parse_fixes, searched, with_fixes
 
 DEFAULT_METHOD = "rl"
 
@@ -32,6 +33,10 @@ def add_parser(sub) -> None:
     p.add_argument("--storage", metavar="URL", help="optuna: study storage, e.g. sqlite:///study.db (resumable)")
     p.add_argument("--study-name", help="optuna: study name within the storage")
     p.add_argument("--seed", type=int, default=0, help="optuna/random/rl sampling seed (default 0)")
+    p.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
+                   help="consider only plans with this value of a knob or parallel degree, e.g. compile=false, "
+                        "pp=4, recompute=full (repeatable; dp is derived from the GPU count); the plan file "
+                        "records it, and elastic re-plans keep it")
     p.add_argument("--top-k", type=int, default=5, metavar="K", help="plans to show (default 5)")
     p.add_argument("-o", "--output", metavar="plan.json", help="write the best plan here")
     add_plot_flag(p)
@@ -56,8 +61,9 @@ def run(args) -> int:
     started = time.perf_counter()
     console = Console(stderr=args.json)
     planner = get_planner(args.method, **planner_options(args))  # a bad method or option fails before profiling
+    fixed = parse_fixes(args.fix)  # a bad --fix too
     with console.status("profiling the model"):
-        workload = load_workload(args)
+        workload = with_fixes(load_workload(args), fixed)
     # optuna shows its own progress bar; a spinner beside it would flicker
     status = contextlib.nullcontext() if args.method == "optuna" else console.status(f"searching ({args.method})")
     with status:
@@ -66,8 +72,8 @@ def run(args) -> int:
     confidence = getattr(planner, "last_confidence", None)  # planners that can be unsure say so
     best, best_est = plans[0], estimates[0]
     reasons = explain(workload, best, fastest=min(e.iteration_time_s for e in estimates))
-    if args.output:
-        best.save(args.output)
+    if args.output:  # with what it was searched under: a re-plan keeps the held knobs and any you edit
+        searched(best, fixed).save(args.output)
     written = draw(args, workload, best, best_est)
     wall = time.perf_counter() - started
     note = getattr(planner, "stale_note", None)  # a policy trained against an older cost model: said once

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from autopar.cluster.gpus import DTYPES, GPUS, OPTIONAL_DTYPES, GPUSpec
 from autopar.cluster.hardware import LINK_KINDS, Link, NodeLayout
+from autopar.cluster.measured import measurement
 from autopar.cluster.presets import PRESETS, preset_names
 from autopar.cluster.topology import SCHEMA_VERSION, Cluster
 from autopar.errors import ClusterError
@@ -27,9 +28,11 @@ _LINK_KEYS = ("bandwidth", "latency")
 
 
 def load_cluster(spec: str, nodes: int | None = None, gpus_per_node: int | None = None) -> Cluster:
-    """A preset by name, or a cluster JSON file by path; `nodes` / `gpus_per_node` resize it."""
+    """A preset by name, or a cluster JSON file by path; `nodes` / `gpus_per_node` resize it. The `cpu`
+    preset takes this machine's figures when `autopar profile-cluster` has measured them (cluster/measured.py)."""
     if spec in PRESETS:
-        cluster = cluster_from_dict({"preset": spec}, f"preset {spec!r}")
+        measured = measurement() if spec == "cpu" else None
+        cluster = cluster_from_dict({"preset": spec, **(measured or {})}, f"preset {spec!r}")
     else:
         cluster = cluster_from_dict(_read_json(spec), spec)
     if nodes is not None or gpus_per_node is not None:

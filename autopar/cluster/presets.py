@@ -98,8 +98,11 @@ PRESETS: dict[str, dict] = {
     "cpu": {**_preset("cpu", 4, {"intra": "shm", "sockets": 1, "gpus_per_pcie_switch": 0, "nics": 1,
                                  "nic_attach": "cpu", "nic_kind": "ethernet"},
                       shm=5e9, pcie=32e9, ethernet=1.25e9),
-            # the process runs its Python and its kernels on the same cores: host time adds (p = 1)
-            "coefficients": {"gemm_efficiency": 1.0, "gemm_half_flops": 1e6, "host_overlap": 1.0}},
+            # the process runs its Python and its kernels on the same cores: host time adds (p = 1).
+            # torch.compile gains nothing here: Inductor's CPU kernels ran the tiny GPT's step 3x slower
+            # than eager on one AVX2 core (122 vs 41 ms) after ~110 s of compiling (docs/hardware.md)
+            "coefficients": {"gemm_efficiency": 1.0, "gemm_half_flops": 1e6, "host_overlap": 1.0,
+                             "compile_elementwise": 1.0, "compile_host": 1.0}},
 }
 
 

@@ -55,6 +55,11 @@ class Coefficients:
     # (sharding propagation and redistribution run in Python for every op of a tensor-parallel block)
     selective_host_s: float = 0.0  # extra host seconds per block per micro-batch under selective recompute:
     # PyTorch's selective checkpoint caches every kept op's output and replays the block in Python
+    # torch.compile of each block: factors on a compiled block's elementwise HBM traffic (Inductor fuses
+    # pointwise chains) and on its host launch time (cost/precision.py says where 0.5 comes from); 1 and 1:
+    # compile gains nothing on this device (the cpu preset)
+    compile_elementwise: float = 0.5
+    compile_host: float = 0.5
     # bandwidth of ZeRO's collectives relative to the all-reduce's (reduce_scatter, all_gather: FSDP;
     # broadcast: ZeroRedundancyOptimizer's shards), measured by `autopar profile-cluster`; 1 if absent
     collective_efficiency: dict = field(default_factory=dict)
@@ -108,6 +113,8 @@ COEFFICIENT_RANGES = {
     "dp_overlap": Num(0.0, 1.0),
     "gemm_efficiency": Num(0.0, 1.0, open_lo=True),
     "hbm_efficiency": Num(0.0, 1.0, open_lo=True),
+    "compile_elementwise": Num(0.3, 1.0),  # compiled kernels move at most the eager traffic
+    "compile_host": Num(0.2, 1.0),
 }
 LINK_EFFICIENCY_KEYS = ("nvlink", "pcie", "upi", "ib", "ethernet", "shm", "none")
 COLLECTIVES = ("reduce_scatter", "all_gather", "broadcast")
@@ -148,10 +155,7 @@ class GpuCalibration:
     regime: dict = field(default_factory=dict)
     source: str = ""
     derived_from: str = ""  # the GPU whose fit this one's coefficients were scaled from (see `derive`)
-    # the best model-FLOPs utilisation published on this GPU type, by how attention runs: "unfused"
-    # (every score computed and stored) or "flash" (a fused kernel, which skips a causal mask's upper
-    # half: under the FLOPs convention of docs/hardware.md, which counts all scores, it can go higher)
-    best_mfu: dict = field(default_factory=dict)
+    # (the best MFU published on each GPU type, with its source: autopar/cost/published_mfu.py)
 
     @property
     def calibrated(self) -> bool:
@@ -192,10 +196,7 @@ _A100 = GpuCalibration(
     fitted={"gemm_efficiency": 0.7959, "gemm_half_flops": 1.998e10, "elementwise_traffic": 0.8909},
     regime={"precision": ("bf16", "fp16"), "recompute": ("full", "selective"), "runtime": ("megatron",),
             "tp": 8, "pp": 64, "dp": 32},
-    source=_MEGATRON_A100,
-    # unfused: Korthikanti et al. 2022 Table 5, 1T, selective recompute + sequence parallelism (Megatron-LM);
-    # flash: Dao 2023 (FlashAttention-2), GPT-style 2.7B at 8k tokens on 8 A100: 225 TFLOP/s per GPU
-    best_mfu={"unfused": 0.563, "flash": 0.72})
+    source=_MEGATRON_A100)
 GPU_CALIBRATION: dict[str, GpuCalibration] = {
     "A100-SXM4-80GB": _A100,
     "A100-SXM4-40GB": _A100,  # the same chip, less and slower HBM (the datasheet figures differ)

@@ -167,12 +167,41 @@ def _links(cluster, pa: PlanArrays, coeffs: Coefficients) -> dict[str, np.ndarra
 def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]:
     """Everything that does not depend on the data-parallel knobs (ZeRO, buckets, gradient dtype,
     offload): computed once per group of plans sharing degrees, micro-batching, schedule,
-    recompute, sequence parallel, precision and mesh order."""
+    recompute, sequence parallel, precision and mesh order. In named steps, each adding its
+    figures to the group's (`x`): the group's columns and links, one micro-batch of each block kind
+    on one GPU, of each representative pipeline rank by part, the host's pace, the schedule, the
+    activations in flight, the tied embedding, then the parts."""
+    x = _group(workload, g, c)
+    for step in (_per_kind, _per_rank, _host_paced, _schedule, _activations, _tied):
+        x.update(step(workload, g, c, x))
+    return _parts(workload, g, x)
+
+
+def _col(a) -> np.ndarray:
+    """(G,) -> (G, 1)."""
+    return np.asarray(a, dtype=float)[:, None]
+
+
+def _take(x: dict, names: str) -> list:
+    """The figures of the earlier steps a step reads, by name."""
+    return [x[n] for n in names.split()]
+
+
+def _sums(x: dict):
+    """(G, K) per block kind -> (G, J) per representative rank (`on`), and over the layers alone (`on_layers`)."""
+    counts, k = x["counts"], x["k"]
+    on = lambda per_kind: np.einsum("gjk,gk->gj", counts, per_kind)  # noqa: E731
+    on_layers = lambda per_kind: on(per_kind * k["is_layer"])  # noqa: E731
+    return on, on_layers
+
+
+def _group(workload, g: PlanArrays, c: Coefficients) -> dict:
+    """The group's (G, 1) columns, its links, and the profile's per-kind figures as the runtime runs them."""
     profile, cluster = workload.profile, workload.cluster
     k = moe.dispatch_as_run(_attention_as_run(_kind_arrays(profile), workload, c), workload)
     k = cross_entropy.loss_as_run(k, workload)  # the loss priced from the logit count (head_times below)
     tp_overlap = "tp_comm_overlap" in workload.switches
-    col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (G,) -> (G, 1)
+    col = _col
 
     t, m, v, pp = col(g.tp), col(g.num_micro_batches), col(g.virtual_stages), col(g.pp)
     b = col(g.micro_batch_size) / col(sequence_share(g))  # samples' worth of tokens per rank (cp splits them)
@@ -185,8 +214,17 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     links = _links(cluster, g, c)
     tp_bw, tp_lat = col(links["tp_bw"]), col(links["tp_lat"])
     split = vocabulary.tp_split(workload, g.tp, len(profile.blocks))  # t; less at Megatron's padded ends
+    return dict(profile=profile, cluster=cluster, k=k, tp_overlap=tp_overlap, t=t, m=m, v=v, pp=pp, b=b,
+                sp_div=sp_div, act_scale=act_scale, peak=peak, hbm_raw=hbm_raw, hbm=hbm, links=links, tp_bw=tp_bw,
+                tp_lat=tp_lat, split=split)
 
-    # -- per block kind, per micro-batch on one GPU: (G, K) --------------------------------------
+
+def _per_kind(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
+    """(G, K), one micro-batch of each block kind on one GPU: compute and tensor-parallel collectives of
+    each pass, the routed experts (cost/moe.py), what selective recompute reruns, and the activations kept."""
+    col = _col
+    (profile, cluster, k, tp_overlap, t, b, sp_div, act_scale, peak, hbm_raw, hbm, tp_bw, tp_lat, split) = _take(x,
+        "profile cluster k tp_overlap t b sp_div act_scale peak hbm_raw hbm tp_bw tp_lat split")
     flops_f = b * (k["tp_fwd_flops"] / split + (k["fwd_flops"] - k["tp_fwd_flops"]))
     flops_b = flops_f * _ratio(k["bwd_flops"], k["fwd_flops"])
     shape = kind_efficiency(profile, b[:, 0], g.tp, cluster.gpu.sms)  # tile and wave quantisation
@@ -228,15 +266,24 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
                 - scale["saved"] + cross_entropy.saved_as_run(k, workload, b, act_scale, split))
     act_sel = act_full - b * act_scale * k["attn_core_bytes"] / t
     act_ckpt = b * act_scale * k["out_bytes"] / sp_div
+    return dict(base=base, scale=scale, tp_fwd=tp_fwd, tp_bwd=tp_bwd, compute_f=compute_f, compute_b=compute_b,
+                unfused=unfused, routed=routed, tp_f=tp_f, tp_b=tp_b, selective_f=selective_f, act_full=act_full,
+                act_sel=act_sel, act_ckpt=act_ckpt)
 
-    # -- per representative pipeline rank: (G, J) ----------------------------------------------------
+
+def _per_rank(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
+    """(G, J), one micro-batch, forward and backward, on each representative pipeline rank, by part:
+    compute, tensor- and expert-parallel collectives, recompute, the pipeline's point-to-point sends."""
+    col = _col
+    (k, t, v, pp, b, sp_div, act_scale, links, tp_bw, tp_lat, base, compute_f, compute_b, tp_fwd, tp_bwd,
+     tp_f, tp_b, routed, selective_f) = _take(x,
+        "k t v pp b sp_div act_scale links tp_bw tp_lat base compute_f compute_b tp_fwd tp_bwd tp_f "
+        "tp_b routed selective_f")
     reps = g.splits.stacked(g.split)
     counts, rank, n_layers, mult = reps["counts"], reps["rank"], reps["layers"], reps["mult"]
-    on = lambda per_kind: np.einsum("gjk,gk->gj", counts, per_kind)  # noqa: E731
-    on_layers = lambda per_kind: on(per_kind * k["is_layer"])  # noqa: E731
+    on, on_layers = _sums({"counts": counts, "k": k})
     mode = col(g.recompute)
     ckpt_frac = np.where(mode == FULL, _ratio(np.minimum(col(g.recompute_blocks), n_layers), n_layers), 0.0)
-
     compute = on(compute_f + compute_b)
     tp_comm = on(tp_f + tp_b)
     ep_comm = on(routed["a2a_f"] + routed["a2a_b"])
@@ -254,10 +301,20 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     p2p = 2 * v * p2p_one * np.ones_like(compute)
     if "overlap_p2p_comm" in workload.switches:  # interleaved: each chunk's sends and receives run under the
         p2p = np.where(v > 1, p2p / (2 * v), p2p)  # next chunk's compute; one per micro-batch stays exposed
+    return dict(counts=counts, rank=rank, n_layers=n_layers, mult=mult, mode=mode, ckpt_frac=ckpt_frac,
+                compute=compute, tp_comm=tp_comm, ep_comm=ep_comm, tp_hidden=tp_hidden, recompute=recompute,
+                p2p=p2p)
+
+
+def _host_paced(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
+    """(G, J): each rank's micro-batch on the GPU, and paced by the host's kernel launches where they
+    take longer than the GPU can hide."""
+    (k, t, counts, n_layers, mode, ckpt_frac, unfused, compute, tp_comm, ep_comm, recompute, p2p) = _take(x,
+        "k t counts n_layers mode ckpt_frac unfused compute tp_comm ep_comm recompute p2p")
     gpu_mb = compute + tp_comm + ep_comm + recompute + p2p  # one micro-batch, forward + backward, on each rank
     host = c.host
     if host:  # the host launches every block's kernels (through DTensor under TP); the GPU hides what it can
-        per_pass = (c.block_host_s + np.where(t > 1, c.tp_host_s, 0.0)) * fp8.host_scale(g)
+        per_pass = (c.block_host_s + np.where(t > 1, c.tp_host_s, 0.0)) * fp8.host_scale(g, c)
         # recompute replays the forward of its blocks (selective too: the checkpoint reruns every op,
         # returning the kept outputs of all but the attention core)
         replayed = np.where(mode == SELECTIVE, n_layers, ckpt_frac * n_layers)
@@ -271,14 +328,28 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
         per_mb = _norm(gpu_mb, host_mb, c.host_overlap)
     else:
         per_mb = gpu_mb
+    return dict(gpu_mb=gpu_mb, host=host, per_mb=per_mb)
 
+
+def _schedule(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
+    """The pipeline of m micro-batches: the sum over ranks and (m - 1) x the slowest (interleaved: over v),
+    and the slowest rank, whose parts the breakdown reports."""
+    (m, v, per_mb, mult) = _take(x, "m v per_mb mult")
     slowest = per_mb.max(axis=1)
     total = (per_mb * mult).sum(axis=1)
     m1, v1 = m[:, 0], v[:, 0]
     pipe = np.where(v1 > 1, total / v1 + (m1 - 1 / v1) * slowest, total + (m1 - 1) * slowest)
     at_slowest = np.argmax(per_mb, axis=1)[:, None]
-    at = lambda part: np.take_along_axis(part, at_slowest, axis=1)[:, 0] * m1  # noqa: E731
+    return dict(slowest=slowest, m1=m1, pipe=pipe, at_slowest=at_slowest)
 
+
+def _activations(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
+    """(G, J): the activations each rank keeps in flight under its schedule and recompute, and the
+    largest layer's parameters (ZeRO-3 gathers two at a time)."""
+    col = _col
+    (k, t, m, v, pp, mode, ckpt_frac, rank, counts, act_full, act_sel, act_ckpt) = _take(x,
+        "k t m v pp mode ckpt_frac rank counts act_full act_sel act_ckpt")
+    on, on_layers = _sums(x)
     per_kind_act = np.where(mode == SELECTIVE, act_sel, act_full)
     act_mb = (on_layers(per_kind_act) * (1 - ckpt_frac) + on_layers(act_ckpt) * ckpt_frac
               + on(per_kind_act * (1 - k["is_layer"])))
@@ -291,6 +362,13 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     head_in_flight = np.where(sched == GPIPE, m, 1.0)
     working = np.where(ckpt_frac > 0, (act_full * k["is_layer"]).max(axis=1, keepdims=True), 0.0)
     block_params = ((k["tp_params"] / t + k["params"] - k["tp_params"]) * k["is_layer"]).max(axis=1)
+    return {"activations": (act_mb - head_act) * in_flight + head_act * head_in_flight + working,
+            "block_params": block_params}
+
+
+def _tied(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
+    """(G, J): the tied embedding weights each rank all-reduces with the other end, and the copy the last holds."""
+    (profile, split, counts, pp) = _take(x, "profile split counts pp")
     # tied embeddings over a pipeline: the last stage keeps a copy of the embedding's weight, and the two
     # ends all-reduce its gradient every step (Megatron's embedding group, DeepSpeed's tied modules,
     # autopar's executor/tied.py)
@@ -298,7 +376,22 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
     ends = (counts[:, :, 0] > 0) | (counts[:, :, -1] > 0)
     tied_rank = np.where(ends & (pp > 1), tied, 0.0)  # (G, J): what each rank all-reduces with the other end
     tied_copy = np.where(counts[:, :, 0] > 0, 0.0, tied_rank)
+    return dict(tied_rank=tied_rank, tied_copy=tied_copy)
 
+
+def _parts(workload, g: PlanArrays, x: dict) -> dict[str, np.ndarray]:
+    """What `evaluate` reads: the slowest rank's parts over the micro-batches, and per rank what the
+    data-parallel step and memory need."""
+    (profile, k, split, scale, routed, compute_f, compute_b, tp_f, tp_b, counts, mult, mode, ckpt_frac,
+     compute, recompute) = _take(x,
+        "profile k split scale routed compute_f compute_b tp_f tp_b counts mult mode ckpt_frac "
+        "compute recompute")
+    (tp_comm, ep_comm, p2p, tp_hidden, gpu_mb, host, per_mb, slowest, m1, pipe, at_slowest, tied_rank,
+     tied_copy) = _take(x,
+        "tp_comm ep_comm p2p tp_hidden gpu_mb host per_mb slowest m1 pipe at_slowest tied_rank "
+        "tied_copy")
+    on, _ = _sums(x)
+    at = lambda part: np.take_along_axis(part, at_slowest, axis=1)[:, 0] * m1  # noqa: E731
     total_counts = np.array([1] + [blk.count for blk in profile.layers] + [1], dtype=float)
     recompute_flops = np.select([mode == FULL, mode == SELECTIVE],
                                 [ckpt_frac * (counts * (k["fwd_flops"] * k["is_layer"])).sum(axis=2),
@@ -313,8 +406,8 @@ def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]
         "linear_params": on(scale["weights"]),  # what fp8 casts (cost/precision.py)
         "tied_params": tied_rank,
         "expert_local": on(routed["expert_params"]),
-        "activations": (act_mb - head_act) * in_flight + head_act * head_in_flight + working,
-        "block_params": block_params,
+        "activations": x["activations"],
+        "block_params": x["block_params"],
         "model_flops_per_sample": np.full(len(g), _model_flops(profile, k, total_counts)),
         "recompute_flops_per_sample": (recompute_flops * mult).sum(axis=1),
     }

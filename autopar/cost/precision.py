@@ -22,7 +22,8 @@ torchao's casts are separate elementwise kernels in eager mode, slower than the 
 save: its gain is charged only with `compile` on (torchao's README: "enable torch.compile to
 generate fused kernels for float8 scaling and casting"). Compile also fuses the elementwise ops
 of every block (norms, activations, residual adds) and launches fewer kernels, for any precision:
-`COMPILE_ELEMENTWISE` and `COMPILE_HOST` are bounded, documented factors, not fitted per row.
+the coefficients `compile_elementwise` and `compile_host` are bounded, documented factors, not fitted
+per row, and a cluster sets them to 1 where compiling gains nothing (the CPU).
 """
 
 from __future__ import annotations
@@ -43,11 +44,10 @@ TE_CAST_BYTES = 4.0
 # torch.compile (Inductor) fuses chains of pointwise ops into one kernel: of the HBM traffic the
 # eager ops make, about half remains (a norm, a residual add and an activation read their input
 # once instead of once per op; Ansel et al. ASPLOS'24 report 1.4-2x on training of HF and TIMM models
-# mostly from such fusion). Bounded in [0.3, 1]; not fitted.
-COMPILE_ELEMENTWISE = 0.5
-# and launches fewer, fused kernels: half the host time per block pass (the GEMMs remain one
-# launch each). Bounded in [0.2, 1]; not fitted.
-COMPILE_HOST = 0.5
+# mostly from such fusion), and launches fewer, fused kernels: half the host time per block pass (the
+# GEMMs remain one launch each): the defaults 0.5 and 0.5 of `Coefficients.compile_elementwise` and
+# `compile_host`, bounded in [0.3, 1] and [0.2, 1], not fitted. A device where compile gains nothing
+# sets them to 1 in its cluster's coefficients (the `cpu` preset, autopar/cluster/presets.py).
 # fp8 over bf16 GEMM rate for a large GEMM, per GPU type: fitted to the NeMo 24.07 H100 rows (1.46 on
 # all twelve; 1.44-1.52 leaving each model family out in turn: experiments/nemo_fp8.py --fit;
 # docs/hardware.md); bounded to (1, 2]:
@@ -136,19 +136,19 @@ def compute_scale(workload, g, b: np.ndarray, sp_div: np.ndarray, flops_f: np.nd
     if megatron:  # inputs forward, output gradients backward; weights cast once per iteration (cached)
         cast_f, cast_b = TE_CAST_BYTES * inputs / hbm, TE_CAST_BYTES * outputs / hbm
     else:  # forward: inputs and weights; backward: output gradients, and both again transposed
-        eager = np.where(col(compiled) > 0, 1.0, 1 / COMPILE_ELEMENTWISE)
+        eager = np.where(col(compiled) > 0, 1.0, 1 / c.compile_elementwise)
         cast_f = eager * per_element * (inputs + weights) / hbm
         cast_b = eager * per_element * (outputs + inputs + weights) / hbm
     on = col(fp8) > 0
     saved = np.where(on & megatron, te_saved_credit(workload, g, b, t, sp_div, lin), 0.0)
-    elementwise = np.where(col(compiled) > 0, COMPILE_ELEMENTWISE, 1.0) * ones
+    elementwise = np.where(col(compiled) > 0, c.compile_elementwise, 1.0) * ones
     return {"gemm": gemm, "cast_f": np.where(on, cast_f, 0.0), "cast_b": np.where(on, cast_b, 0.0),
             "elementwise": elementwise, "saved": saved, "weights": weights}
 
 
-def host_scale(g) -> np.ndarray:
+def host_scale(g, c) -> np.ndarray:
     """Factor on the host's launch time per block pass, shape (G, 1): compiled blocks launch fewer kernels."""
-    return np.where(np.asarray(g.compile, dtype=bool), COMPILE_HOST, 1.0)[:, None]
+    return np.where(np.asarray(g.compile, dtype=bool), c.compile_host, 1.0)[:, None]
 
 
 def fp8_weight_bytes(workload, pa, linear_params: np.ndarray) -> np.ndarray:

@@ -3,27 +3,41 @@
 A GPU type's coefficients (autopar/cost/coefficients.py `GPU_CALIBRATION`) were fitted to published
 rows covering some precisions, recompute modes, runtimes and parallel degrees; a plan beyond them is
 extrapolated, and a GPU without public measurements is not calibrated at all. Coefficients a
-cluster JSON carries from `autopar calibrate` were fitted to that cluster's own traces: their regime
-is the traces', which the calibration report states, so no note is made for them.
+cluster JSON carries from `autopar calibrate` were fitted to that cluster's own traces, whose regime
+the calibration report states but the cluster JSON does not record: no regime note is made for
+them, but a predicted MFU above the best published for that GPU, runtime and precision
+(autopar/cost/published_mfu.py) is flagged whatever calibration the cluster carries. A CPU
+cluster's figures are nominal until `autopar profile-cluster` has measured this machine
+(autopar/cluster/measured.py): every estimate on it says so.
 """
 
 from __future__ import annotations
 
+from autopar.cluster.measured import is_cpu, measured_here
 from autopar.cost.coefficients import gpu_calibration
 from autopar.cost.estimate import estimate
+from autopar.cost.published_mfu import best_published
 from autopar.cost.vocabulary import vocabulary_note
 from autopar.runtime import megatron_attention
 
 _TRACE_FITTED = ("gemm_efficiency", "gemm_half_flops", "block_host_s")
+CPU_ROUGH_NOTE = ("note: rough estimate: the cpu preset's figures are nominal, not this machine's (runs have "
+                  "measured 50-70x slower than such predictions) until `autopar profile-cluster` has measured "
+                  "this machine's matmul and all-reduce (cached; --cluster cpu then uses them)")
 
 
 def regime_note(workload, plan, est=None) -> str:
     """"" when the plan is inside the calibrated regime, else one line saying what is outside; with
-    the plan's estimate, also when it predicts a higher MFU than any published on the GPU type (then
-    the line says whether the calibration covers the plan)."""
+    the plan's estimate, also when it predicts a higher MFU than any published on the GPU type for
+    that runtime and precision (then the line says whether the calibration covers the plan). On a
+    CPU cluster: the rough-estimate line unless the cluster carries this machine's measurement."""
     cluster = workload.cluster
+    if is_cpu(cluster):
+        return "" if measured_here(cluster) else CPU_ROUGH_NOTE
+    best, published = _above_published(workload, plan, est)
     if any(k in cluster.coefficients for k in _TRACE_FITTED):
-        return ""
+        return (f"note: {best}; the cluster's calibration (fitted to its own traces) does not record that it "
+                f"covered such a plan{published}") if best else ""
     cal = gpu_calibration(cluster.gpu.name)
     if not cal.calibrated:
         return (f"note: {cluster.gpu.name} is uncalibrated (no public measurements behind its efficiencies, "
@@ -41,17 +55,29 @@ def regime_note(workload, plan, est=None) -> str:
     if cal.derived_from:
         outside.insert(0, f"GPU {cluster.gpu.name}: coefficients scaled from the {cal.derived_from} fit by "
                           "measured matmul ceilings")
-    kind = "flash" if attention_fused(workload) else "unfused"
-    best_mfu = cal.best_mfu.get(kind)
-    if est is not None and best_mfu is not None and est.mfu > best_mfu:
-        best = (f"MFU {est.mfu:.1%} above the best published on {cluster.gpu.name} with {kind} attention "
-                f"({best_mfu:.1%})")
+    if best:
         if not outside:
-            return f"note: {best}; the plan lies inside the calibrated regime of {cal.source}"
+            return f"note: {best}; the plan lies inside the calibrated regime of {cal.source}{published}"
         outside.insert(0, best)
     if not outside:
         return ""
-    return f"note: outside the calibrated regime ({'; '.join(outside)}) of {cal.source}: the estimate is extrapolated"
+    return (f"note: outside the calibrated regime ({'; '.join(outside)}) of {cal.source}: the estimate is "
+            f"extrapolated{published}")
+
+
+def _above_published(workload, plan, est) -> tuple[str, str]:
+    """("MFU x above the best published ... (y)", "; best published: its runtime, precision, source")
+    when the estimate beats the best published MFU for its GPU, runtime, precision and attention
+    kernel; ("", "") otherwise or without an estimate."""
+    if est is None:
+        return "", ""
+    gpu = workload.cluster.gpu.name
+    kind = "flash" if attention_fused(workload) else "unfused"
+    row = best_published(gpu, workload.runtime, plan.precision, kind)
+    if row is None or est.mfu <= row.mfu:
+        return "", ""
+    return (f"MFU {est.mfu:.1%} above the best published on {gpu} with {kind} attention ({row.mfu:.1%})",
+            f"; best published: {row.runtime}, {'/'.join(row.precisions)}, {row.source}")
 
 
 def attention_fused(workload) -> bool:

@@ -14,6 +14,11 @@ to the new world, the same micro-batch size, the micro-batch count that keeps th
 valid and within memory. If its predicted step time is within `tolerance` of the planner's best
 for the new world, it is kept (decision "kept"): a gain smaller than the cost model's error is
 not worth leaving a plan that ran.
+
+What a re-plan keeps: the knobs the plan file lists under `fixed` (`search --fix`) and any knob whose
+value differs from the one `search` chose (recorded under `searched`: the user edited it in
+plan.json), each at the plan's value (`Plan.kept`); the planner searches the new world with them
+held (`Workload.fixed`), and the new plan lists them as `fixed`, so later re-plans keep them too.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from autopar.cluster import detect, load_cluster
 from autopar.cost import estimate
 from autopar.errors import AutoparError, PlanError
 from autopar.executor.options import ElasticSpec
+from autopar.knobs import knob
 from autopar.plan import Plan
 from autopar.profile import profile_model
 from autopar.replan import ReplanDecision
@@ -83,17 +89,20 @@ class Replanner:
         profile = profile_model(self.model, self.model_args, dtype=old.precision)
         cluster = self.cluster(world)
         planner = get_planner(self.method)
+        kept = old.kept()  # held by `search --fix`, or edited by hand in plan.json: the re-plan keeps them
+        fixed = tuple((name, knob(name).value_of(old)) for name in kept)
         problems = []
         for batch in batches_near(old.global_batch):
-            workload = Workload(profile=profile, cluster=cluster, global_batch=batch)
+            workload = Workload(profile=profile, cluster=cluster, global_batch=batch, fixed=fixed)
             try:
                 best = planner.propose(workload, 1)[0]
                 break
             except AutoparError as e:
                 problems.append(str(e))
         else:
-            raise AutoparError(f"no plan for {world} ranks at any global batch up to {2 * old.global_batch}: "
-                               f"{problems[0]}")
+            keeping = f" keeping {', '.join(f'{n}={v}' for n, v in fixed)}" if fixed else ""
+            raise AutoparError(f"no plan for {world} ranks{keeping} at any global batch up to "
+                               f"{2 * old.global_batch}: {problems[0]}")
         new_s = estimate(workload, best).iteration_time_s
         old_s = self._predict(workload, rescaled(old, world, batch))
         moved = f" (global batch {old.global_batch} does not divide over {world} ranks: using {batch})" \
@@ -104,11 +113,13 @@ class Replanner:
                       f"against the new best {best.describe()} ({new_s * 1e3:.2f} ms): within the "
                       f"{self.tolerance:.0%} tolerance{moved}")
         else:
-            plan, decision = best, "replanned"
+            plan, decision = best.recorded(fixed=kept), "replanned"  # later re-plans keep them too
             why = ("the old plan does not fit when only dp changes" if old_s is None else
                    f"the old plan with dp rescaled is predicted {old_s * 1e3:.2f} ms/step, "
                    f"{old_s / new_s - 1:.0%} slower")
             reason = f"{self.method} planner: {best.describe()} at {new_s * 1e3:.2f} ms/step; {why}{moved}"
+        if kept:
+            reason += f"; kept {', '.join(kept)} as the plan has them"
         return ReplanDecision(plan, decision, reason, time.perf_counter() - started, old_s, new_s)
 
     @staticmethod

@@ -15,14 +15,13 @@ never to compare speed.
 from __future__ import annotations
 
 from autopar.axes import AXES, divisors
-from autopar.capability import sequence_parallel_options
 from autopar.cost import PlanArrays, evaluate
-from autopar.errors import NoValidPlanError
+from autopar.errors import NoValidPlanError, PlanError
 from autopar.knobs import STATE_BYTES_PER_PARAM, knob
 from autopar.plan import Plan
 from autopar.search.base import Planner
 from autopar.search.simplicity import simplicity_key
-from autopar.search.space import choices, degree_choices
+from autopar.search.space import choices, degree_choices, held_fields, in_space
 DEEP_MODEL_BLOCKS = 20
 
 
@@ -67,6 +66,7 @@ class RulesPlanner(Planner):
         # fp8: the first recipe the GPU runs, compiled where compile is offered (fp8 pays only compiled)
         recipe = choices(workload, knob("fp8_recipe"), {"precision": workload.precision})[0]
         compiled = workload.precision == "fp8" and True in choices(workload, knob("compile"), {"tp": tp, "pp": pp})
+        sp = choices(workload, knob("sequence_parallel"), {"tp": tp})[-1]  # on where it runs
         for zero in ((0, 1, 3) if dp > 1 else (0,)):
             recompute = choices(workload, knob("recompute"), {"pp": pp})
             for mode, blocks in [r for r in recompute if r[0] != "selective"]:
@@ -77,7 +77,11 @@ class RulesPlanner(Planner):
                     candidates.append(Plan(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_micro_batches=nmb,
                                            zero=zero, recompute=mode, recompute_blocks=blocks,
                                            precision=workload.precision, fp8_recipe=recipe, compile=compiled,
-                                           sequence_parallel=sequence_parallel_options(workload.profile, tp)[-1]))
+                                           sequence_parallel=sp))
+        held = held_fields(workload)  # `search --fix`: the rules' choices give way to the held values
+        if held:
+            candidates = list(dict.fromkeys(p for p in (_with(c, held) for c in candidates)
+                                            if p is not None and in_space(workload, p)))
         if not candidates:
             return []
         # preference order: the simplest plan (less ZeRO, no recompute: simplicity_key), then larger micro-batches
@@ -85,3 +89,10 @@ class RulesPlanner(Planner):
         fits = evaluate(workload, PlanArrays.from_plans(candidates, workload.profile))["fits"]
         self.evaluations += len(candidates)
         return [p for p, ok in zip(candidates, fits) if ok][:k]
+
+
+def _with(plan: Plan, fields: dict) -> Plan | None:
+    try:
+        return plan.with_(**fields)
+    except PlanError:  # the held values with this candidate's others make no plan
+        return None

@@ -15,6 +15,7 @@ import numpy as np
 
 from autopar.errors import PlanError
 from autopar.plan import REQUIRED, Plan, plan_fields
+from autopar.search.space import holds
 
 TIE = 5e-3  # plans within 0.5% are equally fast for the cost model
 IMPLIED_DEFAULTS = {"tp": 1, "pp": 1}  # no model parallelism: the plain data-parallel plan
@@ -81,7 +82,7 @@ def simpler_variants(workload, plan: Plan) -> list[Plan]:
             variant.validate(workload)
         except PlanError:
             continue
-        if variant != plan and variant not in out:
+        if variant != plan and variant not in out and holds(workload, variant):  # not a held knob
             out.append(variant)
     return out
 

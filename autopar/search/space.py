@@ -20,8 +20,8 @@ import numpy as np
 
 from autopar import axes
 from autopar.cost.arrays import PlanArrays, SplitTable, encode
-from autopar.errors import AutoparError
-from autopar.knobs import Knob, depends_of, knobs
+from autopar.errors import AutoparError, NoValidPlanError
+from autopar.knobs import Knob, depends_of, knob, knobs
 from autopar.plan import Plan
 
 Pick = Callable[[list], list]  # a knob's choices -> the ones to walk
@@ -41,8 +41,40 @@ class Walk:
 
 
 def choices(workload, k: Knob, decided: dict) -> list:
-    """A knob's choices given the values decided so far (only its dependencies are read)."""
-    return k.choices(workload, {d: decided[d] for d in depends_of(k)})
+    """A knob's choices given the values decided so far (only its dependencies are read), narrowed
+    to the value the workload holds it at (`Workload.fixed`, `search --fix`)."""
+    opts = k.choices(workload, {d: decided[d] for d in depends_of(k)})
+    held = dict(getattr(workload, "fixed", ()))
+    return narrow(held[k.name], opts) if k.name in held else opts
+
+
+def narrow(value, opts: list) -> list:
+    """The choices equal to a held value; a part held as None takes the largest choice with the rest
+    (`--fix recompute=full`: every block of the busiest rank, as `--recompute full`)."""
+    if isinstance(value, tuple) and None in value:
+        return [o for o in opts if all(v is None or v == x for v, x in zip(value, o))][-1:]
+    return [o for o in opts if o == value]
+
+
+def held_fields(workload) -> dict:
+    """The Plan fields of the held values that name one value (not `recompute=full`, resolved per plan)."""
+    out: dict = {}
+    for name, value in getattr(workload, "fixed", ()):
+        if not (isinstance(value, tuple) and None in value):
+            out.update(knob(name).assign(value))
+    return out
+
+
+def in_space(workload, plan: Plan) -> bool:
+    """Whether the walk offers this plan: each knob's value among its choices given the others
+    (held values included), for a plan a planner assembled itself."""
+    values = values_of(plan)
+    return all(values[k.name] in choices(workload, k, values) for k in knobs())
+
+
+def holds(workload, plan: Plan) -> bool:
+    """Whether a plan has every value the workload holds (a plan a planner built outside the walk)."""
+    return all(narrow(value, [knob(name).value_of(plan)]) for name, value in getattr(workload, "fixed", ()))
 
 
 def walk(workload, pick: dict[str, Pick] | None = None) -> Walk:
@@ -121,14 +153,42 @@ def values_of(plan: Plan) -> dict:
 
 
 def sample(workload, choose: Callable[[Knob, list], int]) -> Plan:
-    """One plan of the space: each decision picked by `choose(knob, choices)` (an index)."""
+    """One plan of the space: each decision picked by `choose(knob, choices)` (an index). A pick
+    after which a later knob has no choice (a held value that earlier picks exclude: `--fix compile=true`
+    after tp=2) is replaced by the nearest one that leads to a plan: a depth-first walk that remembers
+    dead ends by what the later knobs read, so it never retries one. Without held knobs no pick is a
+    dead end and `choose` alone decides."""
+    ks = knobs()
+    read_later = [sorted({d for k in ks[i:] for d in depends_of(k)} & {k.name for k in ks[:i]})
+                  for i in range(len(ks) + 1)]
     decided: dict = {}
-    for k in knobs():
+    dead: set = set()
+
+    def grow(i: int) -> bool:
+        if i == len(ks):
+            return True
+        key = (i, tuple(decided[d] for d in read_later[i]))
+        if key in dead:
+            return False
+        k = ks[i]
         opts = choices(workload, k, decided)
-        decided[k.name] = opts[choose(k, opts)] if k.decision and len(opts) > 1 else opts[0]
+        first = choose(k, opts) if opts and k.decision and len(opts) > 1 else 0
+        for j in sorted(range(len(opts)), key=lambda j: (abs(j - first), j)):
+            decided[k.name] = opts[j]
+            if grow(i + 1):
+                return True
+        decided.pop(k.name, None)
+        dead.add(key)
+        return False
+
+    if not grow(0):
+        raise NoValidPlanError(f"no plan of {workload.describe()} has every held value "
+                               f"({', '.join(f'{n}={v}' for n, v in getattr(workload, 'fixed', ()))})")
     return plan_of(workload, decided)
 
 
 def degree_choices(workload) -> list[dict[str, int]]:
-    """The degrees of every axis the workload allows (see `autopar.axes.feasible_degrees`)."""
-    return axes.feasible_degrees(workload)
+    """The degrees of every axis the workload allows (see `autopar.axes.feasible_degrees`), with the
+    degrees it holds (`Workload.fixed`)."""
+    held = [(a, v) for a, v in getattr(workload, "fixed", ()) if a in axes.AXES]
+    return [d for d in axes.feasible_degrees(workload) if all(d[a] == v for a, v in held)]
