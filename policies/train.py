@@ -78,6 +78,9 @@ def load_pool(spec: str, seed: int, progress: bool) -> list:
         return training_workloads(int(spec), seed=seed, progress=progress)
     items = loads(read_file(spec, "--workloads file", AutoparError), spec, AutoparError)
     items = check(items, List(workload_spec_schema(), max_len=MAX_ITEMS), spec, AutoparError)
+    if not items:  # nothing to train on: refused before the policy file is touched
+        raise AutoparError(f"--workloads {spec} lists no workloads; give at least one workload spec, or a number of "
+                           f"workloads to draw")
     return [WorkloadSpec.from_dict(d).build() for d in items]
 
 

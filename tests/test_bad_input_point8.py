@@ -70,3 +70,37 @@ def test_a_measured_run_is_appended_to_a_trace_in_a_folder_not_made_yet(tmp_path
     append_record(trace, TraceRecord.from_dict(RECORD))
     records, problems = read_records(trace)
     assert len(records) == 1 and not problems and records[0].measured["median_step_s"] == 0.1
+
+
+# -- train: an empty workload list, a broken measurement cache ------------------------------------------------
+def test_an_empty_workload_list_is_one_line_and_keeps_the_policy(tmp_path, capsys):
+    (tmp_path / "w.json").write_text("[]")
+    policy = tmp_path / "pol.zip"
+    policy.write_bytes(b"the user's policy")
+    assert main(["train", "cost", "--workloads", str(tmp_path / "w.json"), "--timesteps", "64", "-o",
+                 str(policy)]) == 2
+    assert "lists no workloads" in one_error(capsys)
+    assert policy.read_bytes() == b"the user's policy" and not (tmp_path / "pol.json").exists()
+
+
+@pytest.mark.parametrize("cache", ["corrupt", "directory", "wrong_entry", "list"])
+def test_a_measurement_cache_autopar_cannot_use_is_one_line_before_any_work(cache, tmp_path, capsys):
+    path = tmp_path / "c.json"
+    if cache == "directory":
+        path.mkdir()
+    else:
+        path.write_text({"corrupt": "{bad", "wrong_entry": '{"k": {"reward": "x", "record": null}}',
+                         "list": "[1, 2]"}[cache])
+    assert main(["train", "measured", "gpt", *TINY, "--cache", str(path), "-o", str(tmp_path / "p.zip")]) == 2
+    line = one_error(capsys)
+    assert "c.json" in line and "Traceback" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]
+
+
+def test_a_valid_measurement_cache_is_read_back(tmp_path):
+    from autopar.traces.reward import read_cache
+
+    path = tmp_path / "c.json"
+    assert read_cache(path) == {}
+    path.write_text(json.dumps({"k": {"reward": -0.5, "record": None}}))
+    assert read_cache(path) == {"k": {"reward": -0.5, "record": None}}

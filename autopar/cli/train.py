@@ -13,6 +13,7 @@ import sys
 
 from rich.console import Console
 
+from autopar.atomic import check_output
 from autopar.cli.common import add_model_flags, add_trace_model_flags, model_sources, parse_model_args
 from autopar.envs.restricted import DEFAULT_RESTRICT, restrictable
 from autopar.errors import AutoparError
@@ -217,9 +218,12 @@ def run_traces(args) -> int:
 
 
 def run_measured(args) -> int:
-    from autopar.policies.measured import train_measured  # pulls torch: imported on first use
+    from autopar.policies.measured import default_cache, train_measured  # pulls torch: imported on first use
+    from autopar.traces.reward import read_cache  # pulls torch: imported on first use
 
     sidecar_path(args.output)
+    args.cache = args.cache or default_cache()
+    read_cache(check_output(args.cache, "--cache"))  # a corrupt cache or a folder: one line before any work
     if not args.model:
         raise AutoparError("autopar train measured needs a MODEL (a model.py or zoo name)")
     if args.budget < 1:

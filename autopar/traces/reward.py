@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import tempfile
 from pathlib import Path
 
@@ -22,9 +24,23 @@ from autopar.errors import AutoparError, PlanError
 from autopar.executor.options import RunOptions
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
+from autopar.schema import Anything, Map, Num, Obj, Opt, check, loads, read_file
 from autopar.traces.run_plan import run_plan
 
 FAILURE_REWARD = -1000.0  # far below any real -step_time: an infeasible plan
+CACHE_SCHEMA = Map(Obj({"reward": Num(-math.inf), "record": Opt(Anything())}, required=("reward", "record")))
+
+
+def read_cache(path) -> dict:
+    """The measurements cached at `path` ({} before the first); a cache autopar cannot use (not
+    JSON, not a mapping of measurements, a folder, a FIFO) is one line, before any run."""
+    if not os.path.lexists(path):
+        return {}
+    try:
+        return check(loads(read_file(path, "measurement cache", AutoparError), str(path), AutoparError),
+                     CACHE_SCHEMA, f"measurement cache {path}", AutoparError)
+    except AutoparError as e:
+        raise AutoparError(f"{e}; move it away (its plans are measured again) or name another cache file") from None
 
 
 class MeasuredReward:
@@ -44,7 +60,7 @@ class MeasuredReward:
         self.cluster = cluster  # preset or JSON the records and predictions name (default: detected)
         self.cache_path = Path(cache_path) if cache_path else None
         self.model_digest = load_model_file(self.model_path).digest
-        self._cache = json.loads(self.cache_path.read_text()) if self.cache_path and self.cache_path.exists() else {}
+        self._cache = read_cache(self.cache_path) if self.cache_path else {}
 
     def key(self, plan: Plan) -> str:
         """The cache key: model file, model arguments, plan and world size."""
