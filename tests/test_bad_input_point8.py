@@ -104,3 +104,12 @@ def test_a_valid_measurement_cache_is_read_back(tmp_path):
     assert read_cache(path) == {}
     path.write_text(json.dumps({"k": {"reward": -0.5, "record": None}}))
     assert read_cache(path) == {"k": {"reward": -0.5, "record": None}}
+
+
+# -- profile-cluster: a timeout no process count can meet ----------------------------------------------------
+@pytest.mark.parametrize("timeout", ["0", "-3", "0.01", "nan"])
+def test_a_profile_cluster_timeout_too_small_is_refused_before_any_process_starts(timeout, tmp_path, capsys):
+    """In the quick tier a started process fails the test (tests/conftest.py): this one starts none."""
+    assert main(["profile-cluster", "--timeout", timeout, "-o", str(tmp_path / "c.json")]) == 2
+    assert "--timeout must be between" in one_error(capsys)
+    assert not list(tmp_path.iterdir())

@@ -15,6 +15,7 @@ from autopar.errors import AutoparError
 from autopar.executor.options import BACKENDS
 
 NAME = "profile-cluster"
+MIN_TIMEOUT_S = 10.0  # starting a process count's workers (torch import, gloo set-up) alone takes seconds
 
 
 def _sizes(text: str) -> int:
@@ -42,12 +43,16 @@ def add_parser(sub) -> None:
     p.add_argument("--max-bytes", type=_sizes, default=64 * 2**20, metavar="SIZE", help="largest message (default 64M)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto: NCCL when CUDA GPUs are present, gloo otherwise")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="per process count (default 300 s)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help=f"per process count (default 300 s; at least {MIN_TIMEOUT_S:g} s)")
     p.add_argument("--json", action="store_true", help="print the measurements and the cluster as JSON")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if not MIN_TIMEOUT_S <= args.timeout <= 86_400:  # before any process starts (nan fails here too)
+        raise AutoparError(f"--timeout must be between {MIN_TIMEOUT_S:g} and 86400 seconds per process count, got "
+                           f"{args.timeout:g}")
     try:
         if args.ranks is None:
             ranks = [n for n in (2, 4) if n <= max(2, os.cpu_count() or 1)]
