@@ -34,6 +34,7 @@ from autopar import axes
 from autopar.cost.arrays import PlanArrays, mesh_order_of, unique_rows
 from autopar.cost.coefficients import Coefficients
 from autopar.knobs import PRECISIONS, RECOMPUTE_MODES, storage_dtype
+from autopar.runtime import is_megatron
 
 ROTATE_METHODS = ("allgather", "alltoall")  # torch's _cp_options.rotate_method
 TORCH_ROTATE_METHOD = "allgather"  # torch's default, which autopar's executor keeps
@@ -54,7 +55,7 @@ def gradient_group_size(pa: PlanArrays) -> np.ndarray:
 
 
 def method_of(workload) -> str:
-    return RING if workload.runtime == "megatron" else TORCH_ROTATE_METHOD
+    return RING if is_megatron(workload.runtime) else TORCH_ROTATE_METHOD
 
 
 def _attention(workload) -> tuple[float, float]:
@@ -67,7 +68,7 @@ def _attention(workload) -> tuple[float, float]:
     flops = sum(blk.attn_flops * c for blk, c in layers) / n
     kv = flops / (2.0 * profile.seq_len ** 2)
     heads, kv_heads = profile.dims.get("heads"), profile.dims.get("kv_heads")
-    if workload.runtime == "megatron" and heads and kv_heads:
+    if is_megatron(workload.runtime) and heads and kv_heads:
         kv *= kv_heads / heads
     return kv, flops
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar.runtime import is_megatron
+
 CROSS_ENTROPY_BYTES = (38.0, 14.0)  # HBM bytes per logit element: forward, backward
 # Kernels the loss launches in forward (host time, cost/launches.py): `float()`; in
 # `_VocabParallelCrossEntropy.forward` the max, its all-reduce, the subtraction, the target mask (<,
@@ -42,7 +44,7 @@ TARGET_SAVED_BYTES = 9.0  # per token: the target mask (bool) and the masked tar
 def vocab_parallel(workload) -> bool:
     """Whether the loss runs on logits sharded over the vocabulary (Megatron's, under runtime megatron
     or the switch), so that a vocab-sharded head never gathers them (cost/tensor_parallel.py)."""
-    return workload.runtime == "megatron" or "megatron_cross_entropy" in workload.switches
+    return is_megatron(workload.runtime) or "megatron_cross_entropy" in workload.switches
 
 
 def applies(workload) -> bool:

@@ -47,7 +47,7 @@ from autopar.cost import precision as fp8
 from autopar.cost.fused import megatron_layer_io, megatron_layer_saved
 from autopar.cost.context_parallel import gradient_group_size, sequence_share
 from autopar.cost.gemm import kind_efficiency
-from autopar.runtime import megatron_attention
+from autopar.runtime import is_megatron, megatron_attention
 from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, knobs, storage_dtype
 
 PRECISION_BYTES = np.array([DTYPE_BYTES[p] for p in PRECISIONS], dtype=float)
@@ -105,7 +105,7 @@ def _attention_as_run(k: dict[str, np.ndarray], workload, c: Coefficients) -> di
     runtime megatron the rest of each dense layer's traffic and saved bytes are Megatron-Core's
     too, from the architecture (cost/fused.py)."""
     k = dict(k)
-    megatron = workload.runtime == "megatron"
+    megatron = is_megatron(workload.runtime)
     if not megatron_attention(workload):
         k["fused_attn_flops"] = k["attn_flops"] - k["attn_core_flops"]
         return k
@@ -261,7 +261,7 @@ def _per_kind(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     kept = k["saved_bytes"] - k["loss_saved_bytes"] - kept_tp - k["entry_saved_bytes"]
     # a column-wise linear's input: torch's DTensor linear saves it as gathered along the sequence, whole
     # on every rank; Megatron's saves its sequence shard and gathers it again in backward
-    entry_div = sp_div if workload.runtime == "megatron" else 1.0
+    entry_div = sp_div if is_megatron(workload.runtime) else 1.0
     act_full = (b * act_scale * (kept_tp / split + kept / sp_div + k["entry_saved_bytes"] / entry_div)
                 - scale["saved"] + cross_entropy.saved_as_run(k, workload, b, act_scale, split))
     act_sel = act_full - b * act_scale * k["attn_core_bytes"] / t
@@ -292,7 +292,7 @@ def _per_rank(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
                           [ckpt_frac * on_layers(compute_f + tp_f + routed["a2a_f"]), on_layers(selective_f)], 0.0)
     # boundary activations ~ the hidden states; Megatron's scatter/gather sends 1/t of them from each
     # tensor-parallel rank (and all-gathers them over the node's links), as sequence parallelism does
-    scatter_gather = workload.runtime == "megatron"
+    scatter_gather = is_megatron(workload.runtime)
     p2p_bytes = b * act_scale * k["out_bytes"][0] / (t if scatter_gather else sp_div)
     p2p_one = np.where(pp > 1, p2p_bytes / col(links["pp_bw"]) + (col(links["pp_lat"]) + base), 0.0)
     if scatter_gather:  # the receiving stage all-gathers the pieces over its tensor-parallel group
@@ -425,7 +425,7 @@ def _dp_hiding(workload, c: Coefficients, backward_s: np.ndarray, forward_s: np.
     """Seconds of one micro-batch's backward and forward under which data-parallel collectives hide:
     torch's DDP / FSDP2 buckets hide `dp_overlap` of them (fitted: launch order and stream contention
     decide); Megatron-Core all of them, but only with its overlap switch on (else they run after)."""
-    if workload.runtime == "megatron":
+    if is_megatron(workload.runtime):
         return ((1.0 if "overlap_grad_reduce" in workload.switches else 0.0) * backward_s,
                 (1.0 if "overlap_param_gather" in workload.switches else 0.0) * forward_s)
     return c.dp_overlap * backward_s, c.dp_overlap * forward_s
@@ -462,7 +462,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     dp_bw, dp_lat = col(links["dp_bw"]), col(links["dp_lat"])
     local_params = part["local_params"]
     hide_b, hide_f = _dp_hiding(workload, c, part["backward_s"], part["forward_s"])
-    megatron = workload.runtime == "megatron"
+    megatron = is_megatron(workload.runtime)
     grad_bytes = local_params * col(COMM_BYTES[pa.grad_comm_dtype])
     prec_bytes = col(PRECISION_BYTES[pa.precision])
     param_bytes = local_params * prec_bytes

@@ -47,6 +47,7 @@ from autopar.cost import precision as fp8
 from autopar.cost.arrays import mesh_order_of, unique_rows
 from autopar.cost.collectives import all_gather_time, all_reduce_time, all_to_all_time
 from autopar.cost.gemm import TILES
+from autopar.runtime import is_megatron
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,7 @@ def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict
     # fp8 GEMM rate, and a cast of each GEMM input (forward) and output gradient (backward; gate and up
     # are one GEMM of 2 x ffn). torchao's float8 conversion, which autopar's executor applies, swaps
     # nn.Linear modules only: the zoo's stacked experts stay bf16 under the torch runtime.
-    te_fp8 = ((np.asarray(g.precision) == fp8.FP8) & (workload.runtime == "megatron"))[:, None].astype(float)
+    te_fp8 = ((np.asarray(g.precision) == fp8.FP8) & is_megatron(workload.runtime))[:, None].astype(float)
     out = {name: zeros.copy() for name in ("expert_f", "expert_b", "a2a_f", "a2a_b", "expert_params")}
     for j, kind in enumerate(kinds):
         if kind is None:

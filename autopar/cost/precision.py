@@ -32,6 +32,7 @@ import numpy as np
 
 from autopar.cost.gemm import layer_gemms
 from autopar.knobs import FP8_RECIPES, PRECISIONS, RECOMPUTE_MODES
+from autopar.runtime import is_megatron
 
 FP8 = PRECISIONS.index("fp8")
 RECIPE_CODES = ("none",) + FP8_RECIPES
@@ -104,7 +105,7 @@ def te_saved_credit(workload, g, b: np.ndarray, t: np.ndarray, sp_div: np.ndarra
 def _plan_masks(workload, g):
     fp8 = np.asarray(g.precision) == FP8
     compiled = np.asarray(g.compile, dtype=bool)
-    megatron = workload.runtime == "megatron"
+    megatron = is_megatron(workload.runtime)
     gains = fp8 & (compiled | megatron)  # Transformer Engine's fused casts need no compiler
     return fp8, compiled, gains
 
@@ -126,7 +127,7 @@ def compute_scale(workload, g, b: np.ndarray, sp_div: np.ndarray, flops_f: np.nd
     share = np.minimum(np.divide(b * lin["flops"] / t, flops_f, out=np.zeros_like(flops_f), where=flops_f > 0), 1.0)
     gemm = np.where(col(gains) > 0, 1 - share * (1 - fp8_time_factor(flops_f, c, gpu)), ones)
 
-    megatron = workload.runtime == "megatron"
+    megatron = is_megatron(workload.runtime)
     inputs = b * (lin["inputs"] + lin["inputs_tp"] / t)
     outputs = b * (lin["outputs"] + lin["outputs_tp"] / t)
     weights = lin["weights"] / t * ones
@@ -155,7 +156,7 @@ def fp8_weight_bytes(workload, pa, linear_params: np.ndarray) -> np.ndarray:
     """Bytes of the fp8 weight copies Transformer Engine keeps for the iteration: 1 per layer-linear
     parameter on the rank (`linear_params`, per representative rank; not the embedding's or the
     head's); torchao casts per GEMM (transient)."""
-    if workload.runtime != "megatron":
+    if not is_megatron(workload.runtime):
         return np.zeros_like(linear_params)
     fp8 = (np.asarray(pa.precision) == FP8)[:, None]
     return np.where(fp8, 1.0 * linear_params, 0.0)
@@ -164,7 +165,7 @@ def fp8_weight_bytes(workload, pa, linear_params: np.ndarray) -> np.ndarray:
 def gather_scale(workload, pa) -> np.ndarray:
     """Factor on the bytes FSDP2 all-gathers, shape (N, 1): torchao's fp8 all-gather sends the layers'
     linear weights in fp8 (tensorwise scaling, ZeRO-3) instead of bf16."""
-    if workload.runtime == "megatron":  # Megatron's ZeRO-3 is torch's FSDP2 without torchao's fp8 weights
+    if is_megatron(workload.runtime):  # Megatron's ZeRO-3 is torch's FSDP2 without torchao's fp8 weights
         return np.ones((len(pa), 1))
     tensorwise = RECIPE_CODES.index("tensorwise")
     on = ((np.asarray(pa.precision) == FP8) & (np.asarray(pa.fp8_recipe) == tensorwise)
