@@ -1,8 +1,9 @@
 """Bad inputs, run as a user would: every case through the `autopar` command line in a fresh
 folder, each with a 20 s bound. A case is clean when autopar exits with status 2 and its error is
-one line, the last on stderr ("autopar: error: ..."; progress lines such as calibrate's may come
-before it), with no Python traceback, and leaves the output it was asked
-to write (a sentinel file, or the odd path itself) untouched.
+one line, the only one on stderr ("autopar: error: ..."; nothing printed before it but the
+profiler's notice that a model file keeps it waiting, `autopar.profile.isolated.PROGRESS`),
+with no Python traceback, and leaves the output it was asked to write (a sentinel file, or the
+odd path itself) untouched.
 
     python experiments/bad_input_campaign.py [--only SUBSTRING] [--jobs 2] [--list]
 
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from autopar.profile.isolated import PROGRESS  # noqa: E402 - the checkout's autopar, as the cases run it
 TIMEOUT_S = 20
 TINY = ["--model-arg", "size=tiny"]
 SEARCH = ["search", "gpt", *TINY, "--cluster", "cpu", "--global-batch", "8"]
@@ -381,9 +384,11 @@ def run_case(case: Case, env: dict) -> Outcome:
         if done.returncode == 0:
             return Outcome(case, "accepted", (done.stdout.strip().splitlines() or [""])[-1][:160])
         errors = [line for line in err if line.startswith("autopar: error: ")]
-        if done.returncode != 2 or len(errors) != 1 or err[-1] != errors[0]:
+        before = [line for line in err[:-1] if not line.startswith(PROGRESS)]
+        if done.returncode != 2 or len(errors) != 1 or err[-1] != errors[0] or before:
             return Outcome(case, "wrong exit", f"exit {done.returncode}, {len(err)} stderr line(s): "
-                                               f"{(err or [''])[-1][:160]}")
+                                               f"{(err or [''])[-1][:160]}" + (f" after {before[0][:80]}" if before
+                                                                               else ""))
         if touched or (d / "RAN").exists():
             return Outcome(case, "touched", f"changed {touched}" + (" and ran the trace's model" if
                                                                      (d / "RAN").exists() else ""))

@@ -113,3 +113,25 @@ def test_a_profile_cluster_timeout_too_small_is_refused_before_any_process_start
     assert main(["profile-cluster", "--timeout", timeout, "-o", str(tmp_path / "c.json")]) == 2
     assert "--timeout must be between" in one_error(capsys)
     assert not list(tmp_path.iterdir())
+
+
+# -- calibrate: refused before its progress line -----------------------------------------------------------
+def write_records(path, records) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_calibrate_refuses_a_record_naming_untrusted_code_before_any_progress_line(tmp_path, capsys):
+    evil = tmp_path / "evil.py"
+    evil.write_text("import pathlib\npathlib.Path(__file__).with_name('RAN').write_text('ran')\n")
+    other = {**RECORD["plan"], "num_micro_batches": 4}
+    write_records(tmp_path / "t.jsonl", [{**RECORD, "model": {**RECORD["model"], "path": str(evil), "name": "evil"},
+                                          "plan": plan} for plan in (RECORD["plan"], other)])
+    assert main(["calibrate", str(tmp_path / "t.jsonl"), "--cluster", "cpu", "-o", str(tmp_path / "c.json")]) == 2
+    assert "does not run code it names" in one_error(capsys)
+    assert not (tmp_path / "RAN").exists() and not (tmp_path / "c.json").exists()
+
+
+def test_calibrate_refuses_too_few_runs_before_any_progress_line(tmp_path, capsys):
+    write_records(tmp_path / "t.jsonl", [RECORD] * 3)  # one plan measured three times: one row
+    assert main(["calibrate", str(tmp_path / "t.jsonl"), "--cluster", "cpu"]) == 2
+    assert "too few measured rows" in one_error(capsys)

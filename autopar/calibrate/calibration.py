@@ -17,13 +17,14 @@ Protocol (what the reported figures mean):
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from autopar.calibrate import metrics
 from autopar.calibrate.collectives import fit_allreduce, read_allreduce_table
-from autopar.calibrate.dataset import Dataset, build_dataset, load_traces
+from autopar.calibrate.dataset import Dataset, build_dataset, check_sources, load_traces
 from autopar.calibrate.fit import FitResult, default_parameters, fit_all, needed_rows, onto, with_values
 from autopar.calibrate.folds import group_holdout, group_kfold
 from autopar.cluster import Cluster, load_cluster
@@ -85,6 +86,13 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
         first = "; ".join(map(str, problems[:3])) + ("; ..." if len(problems) > 3 else "")
         raise AutoparError(f"no readable trace records in {', '.join(map(str, traces))}"
                            + (f" ({len(problems)} malformed line(s): {first})" if problems else " (empty)"))
+    check_sources(records, sources, models)  # an untrusted model file: one line, before the progress line
+    runs = {json.dumps([r.model.get("path") or r.model.get("name"), r.model.get("args"), r.model.get("digest"),
+                        r.cluster, r.workload, r.plan], sort_keys=True, default=str) for r in records if r.outcome == "ok"}
+    if len(runs) < needed_rows(1):  # at least as many as the dataset's rows: refused only where the fit would be
+        raise AutoparError(f"too few measured rows to calibrate: {len(runs)} distinct run(s) with outcome ok, but "
+                           f"fitting even one coefficient needs {needed_rows(1)}; collect more traces (autopar "
+                           f"traces collect)")
     say(f"{len(records)} trace records; profiling their models")
     ds = build_dataset(records, base, sources, models)
     runtimes = sorted({g.workload.runtime for g in ds.groups})

@@ -132,6 +132,15 @@ def model_label(model: dict) -> str:
     return str(model.get("name", "model"))
 
 
+def check_sources(records, sources: list[str] | None = None, models=None) -> None:
+    """Refuse, before any profiling, a record with outcome "ok" whose model profile can come from
+    nowhere (`ModelSources.check`): the error comes before any progress line, not minutes later."""
+    models = models or ModelSources()
+    for n, record in enumerate(records):
+        if record.outcome == "ok":
+            models.check(record.model, sources[n] if sources else f"record {n + 1}")
+
+
 def build_dataset(records, cluster, sources: list[str] | None = None, models=None) -> Dataset:
     """A Dataset of the records with outcome "ok" on `cluster` (a Cluster, or a preset name / cluster
     JSON path), each sized to its record's nodes and GPUs per node. Records of the same plan of the

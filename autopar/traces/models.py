@@ -88,13 +88,21 @@ class ModelSources:
                 except AutoparError:  # the code no longer takes the record's arguments: priced as stored
                     return profile
         if args is None:
-            raise AutoparError(f"{source}: the record's model has no 'args' (the model arguments it was profiled "
-                               f"with), so its profile cannot be rebuilt")
+            raise _no_args(source)
         path = code or self._file(model, source)
         try:
             return profile_model(path, args, dtype=dtype)
         except AutoparError as e:
             raise AutoparError(f"{source}: cannot profile the record's model {path!r}: {e}") from None
+
+    def check(self, model: dict, source: str) -> None:
+        """Refuse now, before any profiling starts, a record whose profile can come from nowhere:
+        it stores none, and it has no model arguments or no model file autopar may run."""
+        if model.get("profile") is not None:
+            return
+        if model.get("args") is None:
+            raise _no_args(source)
+        self._file(model, source)
 
     def _code(self, model: dict) -> str | None:
         """The model file the user allows autopar to run for this record, if any."""
@@ -116,6 +124,11 @@ class ModelSources:
         raise AutoparError(f"{source}: the record names the model file {named!r} and carries no profile; a trace is "
                            f"data and autopar does not run code it names: pass --model-file FILE (a file whose "
                            f"digest matches the record), or --trust-model-paths if you trust the traces' files")
+
+
+def _no_args(source: str) -> AutoparError:
+    return AutoparError(f"{source}: the record's model has no 'args' (the model arguments it was profiled with), so "
+                        f"its profile cannot be rebuilt")
 
 
 def stale_note(profile, source: str) -> str | None:
