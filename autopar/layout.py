@@ -202,12 +202,29 @@ def _order_problem(model, block_names, called, uses) -> str | None:
     if list(called) != list(block_names):
         return (f"pipeline parallelism runs each block once, in order, but the forward calls "
                 f"{_short(called)} of the blocks {_short(block_names)}; use pp=1")
+    by_param: dict[str, set[int]] = {}  # a parameter's own name (a tied copy has another: tied.py keeps it equal)
     for target, used in uses.items():
-        if len(used) > 1 and _owner_has_params(model, target):
+        for name in _param_names(model, target):
+            by_param.setdefault(name, set()).update(used)
+    for name, used in by_param.items():
+        if len(used) > 1:
             where = ", ".join("before the blocks" if s < 0 else f"after {block_names[s]}" for s in sorted(used))
-            return (f"the forward uses {target} at more than one place in the stack of blocks ({where}); a pipeline "
-                    f"cut would need its parameters on two stages: use pp=1")
+            return (f"the forward uses {name} at more than one place in the stack of blocks ({where}); a pipeline "
+                    f"cut would need it on two stages: use pp=1")
     return None
+
+
+def _param_names(model: nn.Module, target: str) -> list[str]:
+    """The names of the parameters a module call or attribute read uses."""
+    try:
+        return [target] if isinstance(model.get_parameter(target), nn.Parameter) else []
+    except AttributeError:
+        pass
+    try:
+        module = model.get_submodule(target)
+    except AttributeError:
+        return []  # a buffer or constant
+    return [f"{target}.{n}" for n, _ in module.named_parameters(remove_duplicate=False)]
 
 
 def _crossing_problem(nodes, block_names, block_pos) -> str | None:

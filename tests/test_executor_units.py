@@ -100,16 +100,17 @@ def test_pipeline_cut_keeps_names_and_ends():
     assert third.tok_embeddings is None and third.output is None
     assert [type(b).__name__ for b in first.layers] == ["Block", "Identity", "Identity", "Identity"]
     assert [type(b).__name__ for b in third.layers] == ["Identity", "Identity", "Block", "Identity"]
-    view = rank_view([first, third], "layers")
+    view = rank_view([first, third])
     held = dict(view.named_parameters())
     assert set(held) < set(names) and {n.split(".")[1] for n in held if n.startswith("layers.")} == {"0", "2"}
     assert all(torch.equal(held[n], names[n]) for n in held)  # copies of the same initial weights
 
 
-def test_pipeline_refuses_models_it_cannot_place():
+def test_pipeline_refuses_forwards_it_cannot_cut():
     model = gpt_model()
-    model.extra = nn.Linear(2, 2)
-    with pytest.raises(PlanError, match=r"top-level module\(s\) \['extra'\]"):
+    model.__class__ = type("Revisits", (type(model),), {  # a forward that runs one block twice
+        "forward": lambda self, x: self.output(self.layers[0](self.layers[0](self.tok_embeddings(x))))})
+    with pytest.raises(PlanError, match=r"runs each block once, in order, but the forward calls \[layers.0, layers.0\]"):
         cut_stages(model, model.layers, plan(pp=2, num_micro_batches=2), pp_rank=0)
 
 

@@ -21,22 +21,21 @@ from autopar.plan import Plan
 from autopar.profile import profile_model
 
 TITAN = str(Path(__file__).resolve().parent / "torchtitan_llama.py")
-NO_INPUT_MODULE = '''
+UNCUTTABLE = '''
 import torch
 from torch import nn
 
-class Net(nn.Module):
+class Net(nn.Module):  # the embedding's weight is read again after the blocks, outside any module
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(64, 32)
         self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
-        self.head = nn.Linear(32, 64)
 
     def forward(self, x):
         x = self.embed(x)
         for layer in self.layers:
             x = layer(x)
-        return self.head(x)
+        return x @ self.embed.weight.T
 
 def build_model():
     return Net()
@@ -81,14 +80,14 @@ def test_a_plan_mixes_no_forms_and_names_torch_styles_in_its_errors():
 
 
 def test_the_space_leaves_out_what_the_layout_cannot_run_and_the_why_table_says_so(tmp_path, capsys):
-    (tmp_path / "net.py").write_text(NO_INPUT_MODULE)
+    (tmp_path / "net.py").write_text(UNCUTTABLE)
     profile = profile_model(tmp_path / "net.py", {}, dtype="fp32", cache=False)
-    assert "pp" in profile.limits and "'embed', 'head'" in profile.limits["pp"]
-    assert "tok_embeddings" in profile.limits["sp"]
+    assert "the forward uses embed.weight at more than one place" in profile.limits["pp"]
+    assert "this forward has none after its blocks" in profile.limits["sp"]
     found = _search_small(tmp_path / "net.py", capsys)
     assert found["plan"]["pp"] == 1 and not found["plan"]["sequence_parallel"]
     why = {(r["knob"], r["instead"]) for r in found["why"]}
-    assert any(k == "degrees" and text.startswith("pp > 1 not considered: pipeline parallelism cannot place")
+    assert any(k == "degrees" and text.startswith("pp > 1 not considered: the forward uses embed.weight")
                for k, text in why)
 
 
@@ -100,17 +99,17 @@ def _search_small(model, capsys, method="exhaustive"):
 
 @pytest.mark.parametrize("method", ["rules", "exhaustive", "random"])
 def test_no_planner_proposes_what_the_layout_cannot_run(tmp_path, capsys, method):
-    (tmp_path / "net.py").write_text(NO_INPUT_MODULE)
+    (tmp_path / "net.py").write_text(UNCUTTABLE)
     plan = _search_small(tmp_path / "net.py", capsys, method)["plan"]
     assert plan["pp"] == 1 and not plan["sequence_parallel"]
 
 
 @pytest.mark.parametrize("plan, message", [
-    (dict(dp=2, pp=2, num_micro_batches=2), "pp=2 but pipeline parallelism cannot place"),
-    (dict(dp=2, tp=2, sequence_parallel=True), "sequence parallelism needs the model's input module"),
+    (dict(dp=2, pp=2, num_micro_batches=2), "pp=2 but the forward uses embed.weight at more than one place"),
+    (dict(dp=2, tp=2, sequence_parallel=True), "gathers the sequence into the module that computes the forward's"),
 ])
 def test_autopar_run_refuses_before_launch_in_one_line(tmp_path, capsys, plan, message):
-    (tmp_path / "net.py").write_text(NO_INPUT_MODULE)
+    (tmp_path / "net.py").write_text(UNCUTTABLE)
     Plan(**{"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 2, "num_micro_batches": 1, "precision": "fp32",
             **plan}).save(tmp_path / "p.json")
     code = main(["run", str(tmp_path / "p.json"), str(tmp_path / "net.py"), "--nproc-per-node", "4",

@@ -91,13 +91,13 @@ def _selective_context():
     return create_selective_checkpoint_contexts(SelectivePolicy())
 
 
-def apply_ac(blocks_held: list[tuple[nn.ModuleList, int]], plan: Plan) -> int:
-    """Wrap blocks for recompute. `blocks_held` lists (ModuleList, index) of the real blocks this
-    rank holds, in execution order. Returns how many blocks were wrapped."""
+def apply_ac(blocks_held: list[tuple[nn.Module, str | int]], plan: Plan) -> int:
+    """Wrap blocks for recompute. `blocks_held` lists (parent module, child name) of the real blocks
+    this rank holds, in execution order. Returns how many blocks were wrapped."""
     if plan.recompute == "none":
         return 0
     chosen = blocks_held if plan.recompute == "selective" else blocks_held[:plan.recompute_blocks]
     kwargs = {"context_fn": _selective_context} if plan.recompute == "selective" else {}
     for container, index in chosen:
-        container[index] = checkpoint_wrapper(container[index], **kwargs)  # non-reentrant
+        setattr(container, str(index), checkpoint_wrapper(getattr(container, str(index)), **kwargs))  # non-reentrant
     return len(chosen)

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from autopar.errors import PlanError
 from autopar.executor.expert_parallel import moe_experts
-from autopar.executor.pipeline import check_layout
-from autopar.executor.tensor_parallel import INPUT
+from autopar.layout import forward_layout
 from autopar.modelfile import sequence_parallel_styles
 
 
@@ -25,13 +23,9 @@ def model_limits(model: nn.Module, blocks: nn.ModuleList | None, tp_plan: dict) 
     if layers and len(moe_experts(model)) < len(layers):
         limits["ep"] = ("expert parallelism shards experts stacked as w1/w2/w3 (autopar.zoo.moe.GroupedExperts); "
                         "this model's MoE layers hold them otherwise: use ep 1")
-    if blocks is None:
-        limits["pp"] = "pipeline parallelism needs the model's repeated blocks (an nn.ModuleList); use pp=1"
-    else:
-        try:
-            check_layout(model, blocks)
-        except PlanError as exc:
-            limits["pp"] = str(exc)
+    layout = forward_layout(model, blocks)  # the forward's order, not module names
+    if layout.pp_problem:
+        limits["pp"] = layout.pp_problem
     if not getattr(model, "sequence_shardable", False):
         limits["cp"] = ("context parallelism needs the model to take its token positions and attention from "
                         "autopar.zoo's sequence helpers (token_positions, causal_sdpa / context_keys) and to say so "
@@ -42,7 +36,6 @@ def model_limits(model: nn.Module, blocks: nn.ModuleList | None, tp_plan: dict) 
                             "parallelism runs with sequence parallelism on")
     elif styles_sp is False:
         limits["sp"] = "the tp_plan's ParallelStyles do not shard the sequence (no SequenceParallel entry)"
-    elif tp_plan and not hasattr(model, INPUT):
-        limits["sp"] = (f"sequence parallelism needs the model's input module named '{INPUT}' (torchtitan "
-                        "layout) to know where the sequence is split")
+    elif tp_plan and layout.sp_problem:
+        limits["sp"] = layout.sp_problem
     return limits

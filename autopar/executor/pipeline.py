@@ -1,9 +1,18 @@
-"""Pipeline stages cut from the whole model, and the pipeline schedule.
+"""Pipeline stages cut from the whole model at its blocks, in the order its forward runs them.
 
-A stage is a copy of the model that keeps its own blocks and drops the rest (torchtitan's way):
-other stages' blocks become `nn.Identity` so the kept parameters keep their names (checkpoints
-map across plans), and `tok_embeddings` / `norm` / `output` are set to None off the first / last
-stage. A pipeline rank holds `virtual_stages` such chunks: stages r, r + pp, r + 2·pp, ...
+What runs before the first block goes to the first stage, what runs after the last to the last
+stage, whatever the modules are called (`autopar/layout.py` reads the forward). Two ways to cut,
+both keeping the model's own parameter names (checkpoints map across plans, tp_plan entries and
+tied weights find their modules):
+
+* a forward that skips parts set to None and runs nn.Identity blocks (torchtitan's layout: the
+  zoo's `StagedModel`, `hf:` models) gets copies of the model, other stages' blocks nn.Identity,
+  the other ends' modules None (torchtitan's way);
+* any other forward is cut from its fx graph: a stage is a `GraphModule` running its part of the
+  forward's glue with the model's modules under their own names, and the values live across a
+  cut (the blocks' outputs) are what it passes to the next stage.
+
+A pipeline rank holds `virtual_stages` such chunks: stages r, r + pp, r + 2·pp, ...
 """
 
 from __future__ import annotations
@@ -11,43 +20,19 @@ from __future__ import annotations
 import copy
 from itertools import accumulate
 
-from torch import nn
+from torch import fx, nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.fx.graph_module import _copy_attr
 from torch.nn.parallel import DistributedDataParallel
 
 from autopar.errors import PlanError
+from autopar.layout import ForwardLayout, forward_layout, live, recomputable
 from autopar.plan import Plan
-
-FIRST_ONLY = ("tok_embeddings",)
-LAST_ONLY = ("norm", "output")
-
-
-def blocks_name(model: nn.Module, blocks: nn.ModuleList) -> str:
-    """The attribute of `model` holding `blocks`; pipelining needs them as a direct child."""
-    for name, child in model.named_children():
-        if child is blocks:
-            return name
-    raise PlanError("pipeline parallelism needs the repeated blocks as a top-level nn.ModuleList of the "
-                    "model (torchtitan layout: tok_embeddings, layers, norm, output); use pp=1 for this model")
-
-
-def check_layout(model: nn.Module, blocks: nn.ModuleList) -> str:
-    """The blocks' attribute name; every other top-level part must be one the stages know where
-    to put (the model.py contract's pipeline layout)."""
-    name = blocks_name(model, blocks)
-    strays = [child for child, module in model.named_children()
-              if child != name and child not in FIRST_ONLY + LAST_ONLY
-              and module is not None and any(True for _ in module.parameters())]
-    if strays:
-        raise PlanError(f"pipeline parallelism cannot place the model's top-level module(s) {strays}: stages "
-                        f"know {list(FIRST_ONLY)} (first stage), {list(LAST_ONLY)} (last stage) and the "
-                        f"blocks; rename them accordingly or use pp=1")
-    return name
 
 
 def stage_ids(plan: Plan, pp_rank: int) -> list[int]:
@@ -55,43 +40,120 @@ def stage_ids(plan: Plan, pp_rank: int) -> list[int]:
     return [pp_rank + chunk * plan.pp for chunk in range(plan.virtual_stages)]
 
 
-def cut_stages(model: nn.Module, blocks: nn.ModuleList, plan: Plan, pp_rank: int) -> list[nn.Module]:
-    """This rank's stage modules (one per virtual stage), copied from the full `model`."""
-    check_layout(model, blocks)
+def cut_stages(model: nn.Module, blocks: nn.ModuleList, plan: Plan, pp_rank: int,
+               layout: ForwardLayout | None = None) -> list[nn.Module]:
+    """This rank's stage modules (one per virtual stage), cut from the full `model`."""
+    layout = layout or forward_layout(model, blocks)
+    if layout.pp_problem:
+        raise PlanError(layout.pp_problem)
     split = plan.split_for(len(blocks))
     if sum(split) != len(blocks):
         raise PlanError(f"layer_split {list(split)} sums to {sum(split)} but the model has {len(blocks)} blocks")
     bounds = [0, *accumulate(split)]
-    stages = []
-    for stage in stage_ids(plan, pp_rank):
-        keep = range(bounds[stage], bounds[stage + 1])
-        skip = nn.Identity()
-        # deepcopy with a memo that maps dropped parts to a placeholder copies only what is kept
-        memo = {id(b): skip for i, b in enumerate(blocks) if i not in keep}
-        if stage != 0:
-            memo.update({id(getattr(model, n)): None for n in FIRST_ONLY if getattr(model, n, None) is not None})
-        if stage != plan.stages - 1:
-            memo.update({id(getattr(model, n)): None for n in LAST_ONLY if getattr(model, n, None) is not None})
-        stages.append(copy.deepcopy(model, memo))
-    return stages
+    cut = _copied_stage if layout.skips_parts else _graph_stage
+    return [cut(model, list(blocks), layout, bounds[s], bounds[s + 1], s == 0, s == plan.stages - 1)
+            for s in stage_ids(plan, pp_rank)]
 
 
-def rank_view(parts: list[nn.Module], name: str) -> nn.Module:
+def _copied_stage(model, blocks, layout: ForwardLayout, lo: int, hi: int, first: bool, last: bool) -> nn.Module:
+    """A copy of the model keeping blocks lo..hi-1 (the others nn.Identity) and the ends' modules
+    with parameters of the first / last stage only where it is that stage."""
+    skip = nn.Identity()
+    # deepcopy with a memo that maps dropped parts to a placeholder copies only what is kept
+    memo = {id(b): skip for i, b in enumerate(blocks) if not lo <= i < hi}
+    for ends, here in ((layout.first, first), (layout.last, last)):
+        if not here:
+            memo.update({id(m): None for m in _param_modules(model, ends)})
+    return copy.deepcopy(model, memo)
+
+
+def _param_modules(model: nn.Module, names) -> list[nn.Module]:
+    modules = dict(model.named_modules())
+    return [modules[n] for n in names if n in modules and any(True for _ in modules[n].parameters())]
+
+
+def _graph_stage(model, blocks, layout: ForwardLayout, lo: int, hi: int, first: bool, last: bool) -> nn.Module:
+    """The forward's graph from block lo (the start, on the first stage) to block hi (the end, on
+    the last) as a GraphModule over the model's own modules, copied."""
+    nodes = list(layout.graph.nodes)
+    where = {n.target: i for i, n in enumerate(nodes) if n.op == "call_module" and n.target in layout.blocks}
+    start = 0 if first else where[layout.blocks[lo]]
+    end = len(nodes) if last else where[layout.blocks[hi]]
+    graph, env = fx.Graph(), {}
+    if not first:
+        for n in live(nodes, start):
+            env[n] = graph.placeholder(n.name)
+
+    def value(n: fx.Node):
+        if n not in env:  # made by an earlier stage: a parameter, buffer or constant computed again here
+            assert recomputable(n), n
+            env[n] = graph.node_copy(n, value)
+        return env[n]
+
+    for n in nodes[start:end]:
+        if n.op == "output":
+            graph.output(fx.node.map_arg(n.args[0], value))
+        elif n.op != "placeholder" or first:
+            env[n] = graph.node_copy(n, value)
+    if not last:
+        out = [value(n) for n in live(nodes, end)]
+        graph.output(out[0] if len(out) == 1 else tuple(out))
+    stage = fx.GraphModule(model, graph, class_name=type(model).__name__ + "Stage")
+    _keep_buffer_kinds(model, stage)
+    if first:
+        _keep_unused(model, stage, layout)
+    return copy.deepcopy(stage)
+
+
+def _keep_buffer_kinds(model: nn.Module, stage: nn.Module) -> None:
+    """Buffers the forward reads by name stay non-persistent where the model's are (GraphModule
+    registers every buffer it copies as persistent), so checkpoints hold the same entries."""
+    for name, _ in stage.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf in model.get_submodule(owner)._non_persistent_buffers_set:
+            stage.get_submodule(owner)._non_persistent_buffers_set.add(leaf)
+
+
+def _keep_unused(model: nn.Module, stage: nn.Module, layout: ForwardLayout) -> None:
+    """Modules with parameters the forward never uses ride on the first stage: every parameter
+    keeps a place, so checkpoints of any plan hold the same entries."""
+    used = {n.target for n in layout.graph.nodes if n.op in ("call_module", "get_attr")}
+    for name, module in model.named_modules():
+        if name and module._parameters and not any(name == u or name.startswith(u + ".") for u in used):
+            _copy_attr(model, stage, name)
+
+
+def held_blocks(part: nn.Module, layout: ForwardLayout) -> list[tuple[nn.Module, str]]:
+    """(parent module, child name) of each block `part` really runs (not another stage's
+    placeholder), in forward order: where recompute and compile wrap them in place."""
+    held = []
+    for name in layout.blocks:
+        parent, _, key = name.rpartition(".")
+        try:
+            container = part.get_submodule(parent)
+        except AttributeError:
+            continue
+        block = container._modules.get(key)
+        if block is not None and not isinstance(block, nn.Identity):
+            held.append((container, key))
+    return held
+
+
+def rank_view(parts: list[nn.Module]) -> nn.Module:
     """One module holding every part this rank owns under the full model's names: what the
     optimizer and distributed checkpoints see. A plain container, never run."""
-    if len(parts) == 1:
-        return parts[0]
-    view = nn.Module()  # not a copy of parts[0]: FSDP's wrapped classes re-run __init__ when copied
-    view._parameters, view._buffers = dict(parts[0]._parameters), dict(parts[0]._buffers)
-    view._modules = dict(parts[0]._modules)
-    for child in FIRST_ONLY + LAST_ONLY:
-        if child in view._modules:
-            view._modules[child] = next((p._modules[child] for p in parts if p._modules.get(child) is not None),
-                                        None)
-    lists = [p._modules[name] for p in parts]
-    view._modules[name] = nn.ModuleList(
-        next((lst[i] for lst in lists if not isinstance(lst[i], nn.Identity)), lists[0][i])
-        for i in range(len(lists[0])))
+    real = list({id(p): p for p in parts if p is not None and not isinstance(p, nn.Identity)}.values())
+    if len(real) <= 1:
+        return real[0] if real else parts[0]
+    # not a copy of parts[0]: FSDP's wrapped classes re-run __init__ when copied
+    view = nn.ModuleList() if all(isinstance(p, nn.ModuleList) for p in real) else nn.Module()
+    for p in real:
+        view._parameters.update(p._parameters)
+        view._buffers.update(p._buffers)
+        view._non_persistent_buffers_set |= p._non_persistent_buffers_set
+    for name in dict.fromkeys(k for p in real for k in p._modules):
+        subs = [p._modules[name] for p in real if p._modules.get(name) is not None]
+        view._modules[name] = rank_view(subs) if subs else None
     return view
 
 

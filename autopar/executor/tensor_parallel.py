@@ -16,12 +16,15 @@ as partial sums and are reduced once for the region, as Megatron-LM's fused q/k/
 plain tensor, each `ColwiseParallel` would all-reduce its own input gradient: three for separate
 q, k and v, two for gate and up (tests/test_tp_collectives.py counts them).
 
-With sequence parallelism the residual stream between the input module (`tok_embeddings`) and
-the head (`output`) is sharded along the sequence (dim 1). Norms on the stream run on their
+With sequence parallelism the residual stream between the input module and the head is sharded
+along the sequence (dim 1); both are read from the forward (`autopar/layout.py`): the module the
+first block's input comes from (else the first block's input itself) and the one the output
+comes from. Norms on the stream run on their
 shard (`SequenceParallel`, which also reduces their gradients); a region's owner gathers the
 sequence once at its input and reduce-scatters the summed input gradient in backward
 (`RegionInput`); an input module that is more than one vocab embedding (tokens + positions,
-patches) runs replicated and its output is scattered (`PrepareModuleOutput`); a head that is
+patches) runs replicated and its output is scattered (`PrepareModuleOutput`), as does everything
+before the first block when no one module gives it its input (`StreamScatter`); a head that is
 more than one vocab linear gathers its input and runs replicated. Other parameters must not
 touch the sharded stream, and code inside a region owner must give its input only to the
 region's linears (as torchtitan's and transformers' attention and MLP modules do).
@@ -44,14 +47,18 @@ from torch.distributed.tensor.parallel import (
 )
 
 from autopar.errors import PlanError
+from autopar.layout import ForwardLayout, forward_layout
 
-INPUT, HEAD = "tok_embeddings", "output"  # torchtitan's names of the stream's two ends
 # styles whose linear reads the residual stream: under SP its input must be gathered first
 _REGION_ENTRIES = ("colwise", "colwise_rep", "rowwise_in")
 
 
 def _parent(fqn: str) -> str:
     return fqn.rpartition(".")[0]
+
+
+def _within(fqn: str, regions) -> bool:
+    return fqn in regions or _inside(fqn, regions)
 
 
 def _inside(fqn: str, regions) -> bool:
@@ -95,6 +102,26 @@ class RegionInput(ParallelStyle):
         return module
 
 
+class StreamScatter(ParallelStyle):
+    """Give a module (the first block) its first input, replicated over the group, as this rank's
+    part of the sequence (dim 1): where the stream starts when no one module computes it."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        first = next(iter(inspect.signature(module.forward).parameters))
+
+        def scatter(t):
+            return DTensor.from_local(t, device_mesh, (Replicate(),), run_check=False).redistribute(
+                placements=(Shard(1),)).to_local()
+
+        def hook(_, args, kwargs):
+            if args:
+                return (scatter(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, first: scatter(kwargs[first])} if first in kwargs else kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
 def _linear_style(style: str, module: nn.Module, stream_in: bool, stream_out: bool) -> ParallelStyle:
     """The ParallelStyle of one named linear/embedding. `stream_in` / `stream_out`: under SP its
     input comes from / its output goes to the sequence-sharded stream."""
@@ -117,13 +144,14 @@ def _linear_style(style: str, module: nn.Module, stream_in: bool, stream_out: bo
     raise ValueError(f"unknown tensor-parallel style {style!r}")
 
 
-def tp_styles(model: nn.Module, tp_plan: dict[str, str], blocks: nn.ModuleList | None,
-              sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def tp_styles(model: nn.Module, tp_plan: dict[str, str], blocks, sequence_parallel: bool,
+              layout: ForwardLayout | None = None) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan for the modules of `model` that `tp_plan` names.
 
     `tp_plan` has wildcards already expanded (full FQNs); entries for modules this pipeline
     stage does not hold are dropped. A plan of torch ParallelStyle objects is applied as written:
-    its layouts decide the collectives and what sequence parallelism shards.
+    its layouts decide the collectives and what sequence parallelism shards. `blocks`: the blocks
+    `model` runs; `layout`: the whole model's (default: `model`'s own, a whole model).
     """
     present = dict(model.named_modules())
     plan = {fqn: style for fqn, style in tp_plan.items() if fqn in present}
@@ -137,33 +165,41 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str], blocks: nn.ModuleList |
     block_names = {name for name, m in present.items() if blocks is not None and any(m is b for b in blocks)}
     replicated = set()  # whole modules off the sequence-sharded stream
     if sequence_parallel:
-        if not hasattr(model, INPUT):
-            raise PlanError(f"sequence parallelism needs the model's input module named '{INPUT}' (torchtitan "
-                            f"layout) to know where the sequence is split; use a plan without it")
-        replicated = {end for end in (INPUT, HEAD) if end in present and end not in plan}
+        layout = layout or forward_layout(model, blocks)
+        if layout.sp_problem:
+            raise PlanError(layout.sp_problem)
+        start, head = layout.input, layout.head
+        # before the first block everything runs whole (but an input module the plan shards itself)
+        before = {m for m in layout.first if m in present and isinstance(present[m], nn.Module)}
+        replicated = {m for m in before | {head} if m in present and not (m == start and m in plan)}
+        if head in plan:
+            replicated.discard(head)
     # the block parts that own a region's entry linears; without SP only where two or more share the
     # input (one linear reduces its own gradient as well as its owner would)
     entries = [_parent(fqn) for fqn, style in plan.items()
-               if style in _REGION_ENTRIES and _parent(fqn) not in block_names | {""} and not _inside(fqn, replicated)]
+               if style in _REGION_ENTRIES and _parent(fqn) not in block_names | {""} and not _within(fqn, replicated)]
     owners = {name for name in entries if sequence_parallel or entries.count(name) > 1}
     styles.update({name: RegionInput(sequence_parallel) for name in owners})
     if sequence_parallel:
-        if INPUT in replicated:
-            styles[INPUT] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+        if start in replicated:
+            styles[start] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
                                                 use_local_output=True)
-        if HEAD in replicated:
-            styles[HEAD] = RegionInput(sequence_sharded=True, local_output=True)
+        elif start is None and layout.blocks and layout.blocks[0] in present:
+            styles[layout.blocks[0]] = StreamScatter()
+        if head in replicated:
+            styles[head] = RegionInput(sequence_sharded=True, local_output=True)
         styles.update({name: SequenceParallel(use_local_output=True) for name, module in present.items()
                        if name and _is_norm(module) and name not in plan
-                       and not _inside(name, replicated | owners)})
+                       and not _within(name, replicated) and not _inside(name, owners)})
     for fqn, style in plan.items():
-        stream_out = sequence_parallel and not _inside(fqn, replicated)
+        stream_out = sequence_parallel and not _within(fqn, replicated)
         stream_in = stream_out and not _inside(fqn, owners)
         styles[fqn] = _linear_style(style, present[fqn], stream_in, stream_out)
     return styles
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], blocks: nn.ModuleList | None,
-             sequence_parallel: bool) -> None:
-    """Shard `model` (a whole model or one pipeline stage of it) over `tp_mesh` in place."""
-    parallelize_module(model, tp_mesh, tp_styles(model, tp_plan, blocks, sequence_parallel))
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], blocks, sequence_parallel: bool,
+             layout: ForwardLayout | None = None) -> None:
+    """Shard `model` (a whole model or one pipeline stage of it, `layout` the whole model's) over
+    `tp_mesh` in place."""
+    parallelize_module(model, tp_mesh, tp_styles(model, tp_plan, blocks, sequence_parallel, layout))

@@ -21,7 +21,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from autopar.errors import PlanError
 from autopar.executor.checkpointing import apply_ac
 from autopar.executor.context_parallel import context_parallel_step, shard_sequence
 from autopar.executor.data import local_share
@@ -33,17 +32,17 @@ from autopar.executor.expert_parallel import (
     fill_experts,
     fsdp_expert_groups,
     ignore_in_ddp,
-    moe_experts,
     shard_experts,
 )
 from autopar.executor.mesh import Topology, build_mesh, current_backend, init_distributed, release_meshes
-from autopar.executor.pipeline import blocks_name, build_schedule, cut_stages, rank_view, stage_ids
-from autopar.executor.precision import (autocast, autocast_calls, autocast_forward, compile_blocks, convert_fp8,
-                                       fp8_refusal, grad_scaler)
+from autopar.executor.pipeline import build_schedule, cut_stages, held_blocks, rank_view, stage_ids
+from autopar.executor.precision import autocast, autocast_calls, autocast_forward, compile_blocks, convert_fp8, grad_scaler
+from autopar.executor.facts import device_facts, model_layout
 from autopar.executor.support import check_supported
 from autopar.executor.tensor_parallel import apply_tp
 from autopar.executor.tied import TiedGrads, tied_grads, tied_names
 from autopar.executor.weights import build_skeleton, build_source, materialise, unsaved_buffers, unwrapped
+from autopar.layout import forward_layout
 from autopar.modelfile import resolve_tp_plan
 from autopar.plan import Plan
 
@@ -56,13 +55,6 @@ def _default_blocks(model: nn.Module) -> nn.ModuleList | None:
         return model.layers
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     return max(lists, key=len, default=None)
-
-
-def _real_blocks(container: nn.ModuleList | None) -> list[tuple[nn.ModuleList, int]]:
-    """(container, index) of the blocks a stage really runs (not another stage's placeholder)."""
-    if container is None:
-        return []
-    return [(container, i) for i, b in enumerate(container) if not isinstance(b, nn.Identity)]
 
 
 def _split(tensors: tuple, n: int) -> list[tuple]:
@@ -227,55 +219,38 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
         the process group is not initialised yet; timeout_s: its collective timeout.
     """
     check_supported(plan, current_backend(backend))  # before any process group or model exists
-    device = init_distributed(backend, timeout_s)
-    problem = fp8_refusal(plan, device)
-    if problem:
-        raise PlanError(problem)
-    topo = build_mesh(plan, device)
-    source = build_source(build_model, seed)  # the whole model, on rank 0 only
-    model = build_skeleton(build_model)
-    unsaved = unsaved_buffers(model)
+    model = build_skeleton(build_model)  # on the meta device: its layout decides what runs
     find_blocks = blocks or _default_blocks
     block_list = find_blocks(model)
-    if plan.precision == "fp8":
-        if block_list is None:
-            raise PlanError("precision fp8 converts the model's repeated blocks (an nn.ModuleList); use precision bf16")
-        convert_fp8(list(block_list), plan)  # on the skeleton, before tensor parallelism (torchtitan's order)
+    tp_map = (resolve_tp_plan(model, tp_plan(model) if callable(tp_plan) else tp_plan)
+              if plan.tp > 1 and tp_plan is not None else None)  # None: no tp_plan given
+    check_supported(plan, current_backend(backend), model_layout(model, block_list, tp_map))
+    device = init_distributed(backend, timeout_s)
+    check_supported(plan, current_backend(backend), device=device_facts(device))  # fp8's tensor cores
+    topo = build_mesh(plan, device)
+    source = build_source(build_model, seed)  # the whole model, on rank 0 only
+    unsaved = unsaved_buffers(model)
+    convert_fp8(list(block_list or ()), plan)  # on the skeleton, before tensor parallelism (torchtitan's order)
     tied = tied_names(model)
-    if plan.sequence_parallel and moe_experts(model):
-        raise PlanError("sequence parallelism with an MoE model: each tp rank would route its part of the sequence "
-                        "and the router's and experts' gradients would miss the other tp ranks'; use "
-                        "sequence_parallel false")
     expert_groups = expert_mesh(plan, device.type) if plan.ep > 1 else None
     experts = expert_shapes(model) if expert_groups is not None else {}  # the whole model's, before the cut
-    tp_map = {}
-    if plan.tp > 1:
-        if tp_plan is None:
-            raise PlanError(f"the plan has tp={plan.tp} but no tp_plan was given for the model; pass "
-                            f"tp_plan=... or use a plan with tp=1")
-        tp_map = resolve_tp_plan(model, tp_plan(model) if callable(tp_plan) else tp_plan)
-        if not tp_map:
-            raise PlanError(f"the plan has tp={plan.tp} but the model's tp_plan is empty; use a plan with tp=1")
+    tp_map = tp_map or {}
     pp_rank = topo.rank("pp")
-    if plan.pp > 1:
-        if block_list is None:
-            raise PlanError("pipeline parallelism needs the model's repeated blocks (an nn.ModuleList); use pp=1")
-        name = blocks_name(model, block_list)
-        inner = cut_stages(model, block_list, plan, pp_rank)
-        containers = [getattr(part, name) for part in inner]
-    else:
-        inner, containers = [model], [block_list]
+    layout = forward_layout(model, block_list)  # the forward's order: the stage cut and the stream's ends
+    inner = cut_stages(model, block_list, plan, pp_rank, layout) if plan.pp > 1 else [model]
+    held = [held_blocks(part, layout) for part in inner]  # (parent, name) of each block a part runs
     del model
     torch.manual_seed(seed + 1 + pp_rank + plan.pp * topo.rank("dp"))  # dropout: same on tp peers
-    for part, container in zip(inner, containers):
+    for part, blocks_held in zip(inner, held):
         if expert_groups is not None:  # on the skeleton: each rank allocates its experts only
             shard_experts(part, plan.ep, expert_groups["ep"].get_group())
         if plan.tp > 1:  # on the skeleton: only this rank's shards will get storage
-            apply_tp(part, topo.mesh["tp"], tp_map, container, plan.sequence_parallel)
+            apply_tp(part, topo.mesh["tp"], tp_map, [c._modules[k] for c, k in blocks_held], plan.sequence_parallel,
+                     layout)
         if plan.pp > 1:  # the schedule runs forward and backward in one call: autocast the forward only
             autocast_forward(part, plan, device)
-    apply_ac([held for container in containers for held in _real_blocks(container)], plan)
-    compile_blocks([c[i] for container in containers for c, i in _real_blocks(container)], plan)
+    apply_ac([pair for blocks_held in held for pair in blocks_held], plan)
+    compile_blocks([c._modules[k] for blocks_held in held for c, k in blocks_held], plan)
     weights = (inner, source, unsaved, device, plan.offload_optimizer and plan.zero >= 2, experts, expert_groups)
     if plan.zero < 2:  # DDP needs real parameters; FSDP2 shards the skeleton first
         _fill_weights(*weights, plan)
@@ -283,12 +258,12 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
         for part in inner:
             ignore_in_ddp(part)
     own = fsdp_expert_groups(inner, expert_groups) if expert_groups is not None and plan.zero >= 2 else None
-    parts = [apply_dp(part, [c[i] for c, i in _real_blocks(container)], plan, topo, own)
-             for part, container in zip(inner, containers)]
+    parts = [apply_dp(part, [c._modules[k] for c, k in blocks_held], plan, topo, own)
+             for part, blocks_held in zip(inner, held)]
     if plan.zero >= 2:
         _fill_weights(*weights, plan)
     del source, weights
-    view = rank_view(inner, name) if plan.pp > 1 else inner[0]
+    view = rank_view(inner) if plan.pp > 1 else inner[0]
     opt = build_optimizer(list(view.parameters()), optimizer, plan, topo)
     scaler = grad_scaler(plan, device)
     result = ParallelModel(plan, topo, view, parts, opt, loss_fn, scaler=scaler, tp_leaves=localised_tp_leaves(view),

@@ -15,10 +15,10 @@ from pathlib import Path
 from autopar.atomic import write_text_atomic
 from autopar.profile.model_profile import ModelProfile
 
-PROFILER_VERSION = "autopar-profiler-13"  # 5: mixture-of-experts fields; 6: tied embeddings; 7: gathers;
+PROFILER_VERSION = "autopar-profiler-14"  # 5: mixture-of-experts fields; 6: tied embeddings; 7: gathers;
 # 8: the loss's saved bytes; 9: the column-wise linears' saved inputs; 10: dropout masks;
 # 11: only native_dropout's masks are masks (not any bool tensor); 12: head_dim among the dims, and an
-# MoE's dense_ffn as its ffn; 13: each block's kernel launches
+# MoE's dense_ffn as its ffn; 13: each block's kernel launches; 14: pp / sp limits from the forward's order
 ZOO = Path(__file__).resolve().parent.parent / "zoo"
 
 

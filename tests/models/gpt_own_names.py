@@ -23,13 +23,14 @@ from autopar.zoo import gpt as zoo_gpt
 class Attention(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.heads, self.p = c.heads, c.dropout
+        self.head_dim, self.dropout = c.hidden // c.heads, c.dropout  # `dropout`: the name --no-dropout turns off
         self.q, self.k, self.v = (nn.Linear(c.hidden, c.hidden) for _ in range(3))
         self.proj = nn.Linear(c.hidden, c.hidden)
 
     def forward(self, x):
-        q, k, v = (f(x).unflatten(-1, (self.heads, -1)).transpose(1, 2) for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0, is_causal=True)
+        # (-1, head_dim): the heads this tensor-parallel rank holds
+        q, k, v = (f(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return self.proj(y.transpose(1, 2).flatten(2))
 
 
@@ -77,7 +78,8 @@ def tp_plan(model):
     gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return {
         "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),)),
+        "layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                       use_local_output=True),
         "layers.*.ln1": SequenceParallel(),
         "layers.*.attn": gather,
         "layers.*.attn.q": ColwiseParallel(),

@@ -1,0 +1,77 @@
+"""Launched by torchrun from tests/test_pipeline_layout.py (2 gloo ranks) on tests/models/gpt_own_names.py,
+a GPT whose forward needs every part it has (tok, pos, layers, norm, out): a pp=2 plan (stages cut
+from the forward's graph) trains STEPS steps and saves a DCP checkpoint; a pp=1 dp=2 plan loads
+it and trains on; tp=2 with sequence parallelism runs the model's ParallelStyle plan and a plan of
+style names (the stream's ends read from the forward). Rank 0 writes {case: global losses} to the
+JSON file given first, and the one-process reference's losses under "reference"."""
+
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from autopar.executor.mesh import release_meshes
+from autopar.executor.parity import reference_losses, without_dropout
+from autopar.executor.state import load_checkpoint, save_checkpoint
+from autopar.executor.train_step import apply
+from autopar.modelfile import load_model_file
+from autopar.plan import Plan
+
+STEPS, MORE, GLOBAL_BATCH = 3, 2, 4
+ARGS = {"size": "tiny"}
+MODEL = load_model_file(Path(__file__).with_name("gpt_own_names.py"))
+NAMES_PLAN = {"tok": "vocab", "layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise",
+              "layers.*.attn.v": "colwise", "layers.*.attn.proj": "rowwise", "layers.*.fc": "colwise",
+              "layers.*.proj": "rowwise", "out": "vocab"}
+
+
+def build():
+    return without_dropout(MODEL.build(**ARGS))
+
+
+def batches(n: int):
+    torch.manual_seed(1000)
+    return [MODEL.example_batch(GLOBAL_BATCH, device="cpu", **ARGS) for _ in range(n)]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=2.0)  # plain SGD: a wrong gradient scale shows in the losses
+
+
+def plan(**kw) -> Plan:
+    base = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 2, "num_micro_batches": 2, "precision": "fp32"}
+    return Plan(**{**base, **kw})
+
+
+def train(p: Plan, steps, tp_plan=None, resume=None, save=None) -> list[float]:
+    par = apply(p, build, sgd, MODEL.loss_fn, tp_plan=tp_plan or MODEL.tp_plan, blocks=MODEL.blocks,
+                backend=sys.argv[2])
+    if resume:
+        load_checkpoint(par, resume)
+    losses = par.global_losses([par.train_step(*par.local_batch(*b)) for b in steps])
+    if save:
+        save_checkpoint(par, save, len(steps))
+    par.close()
+    return losses
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    data = batches(STEPS + MORE)
+    ckpt = Path(out).with_name("ckpt")
+    results = {"pp2": train(plan(pp=2), data[:STEPS], save=ckpt),
+               "pp1 dp2 resumed": train(plan(dp=2, micro_batch_size=1), data[STEPS:], resume=ckpt),
+               "tp2 sp styles": train(plan(tp=2, sequence_parallel=True), data[:MORE]),
+               "tp2 sp names": train(plan(tp=2, sequence_parallel=True), data[:MORE], tp_plan=NAMES_PLAN)}
+    if dist.get_rank() == 0:
+        results["reference"] = reference_losses(build, sgd, MODEL.loss_fn, data)
+        Path(out).write_text(json.dumps(results))
+    release_meshes()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])  # the backend second: the test pins gloo
