@@ -6,6 +6,9 @@ progress line, a model file that keeps the profiler waiting, and the ranks' trac
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -135,3 +138,52 @@ def test_calibrate_refuses_too_few_runs_before_any_progress_line(tmp_path, capsy
     write_records(tmp_path / "t.jsonl", [RECORD] * 3)  # one plan measured three times: one row
     assert main(["calibrate", str(tmp_path / "t.jsonl"), "--cluster", "cpu"]) == 2
     assert "too few measured rows" in one_error(capsys)
+
+
+# -- a model file that keeps the profiler waiting says so, on stderr ----------------------------------------
+class _SlowChild:
+    """A stand-in for the profiling process: still running at the first wait, done at the second."""
+
+    def __init__(self):
+        self.waits = []
+
+    def communicate(self, timeout):
+        self.waits.append(timeout)
+        if len(self.waits) == 1:
+            raise subprocess.TimeoutExpired("profiler", timeout)
+        return b"", b"the child's stderr"
+
+
+def test_a_long_profile_prints_one_progress_line_on_stderr_and_waits_out_its_timeout(capsys):
+    from autopar.profile import isolated
+
+    child = _SlowChild()
+    assert isolated._wait(child, "model.py", 120.0) == b"the child's stderr"
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"{isolated.PROGRESS} model.py (") and "--profile-timeout 120" in err
+    assert child.waits[0] == isolated.PROGRESS_AFTER_S and 0 < child.waits[1] <= 120  # the rest of the 120 s
+
+
+def test_a_short_profile_prints_nothing(capsys):
+    from autopar.profile import isolated
+
+    class Quick(_SlowChild):
+        def communicate(self, timeout):
+            return b"", b""
+
+    assert isolated._wait(Quick(), "model.py", 120.0) == b""
+    assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.slow
+def test_a_looping_model_file_shows_what_autopar_waits_for_and_keeps_stdout_clean(tmp_path):
+    (tmp_path / "loop.py").write_text("while True:\n    pass\n")
+    env = {**os.environ, "AUTOPAR_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "autopar", "search", str(tmp_path / "loop.py"), "--cluster", "cpu",
+                           "--global-batch", "8", "--profile-timeout", "9", "--json"], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(err) == 2 and err[0].startswith("autopar: profiling ") and "--profile-timeout 9" in err[0], err
+    assert err[1].startswith("autopar: error: ") and "did not finish within --profile-timeout 9" in err[1]
