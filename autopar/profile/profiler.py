@@ -22,6 +22,7 @@ from autopar.profile.kernels import CudaKernels, fused_norms
 from autopar.profile.model_profile import BlockProfile, ModelProfile
 from autopar.profile.moe import moe_fields, routing_settings
 from autopar.profile.recorder import Recorder, Tally, storage_key, tensor_bytes
+from autopar.profile.tp_shards import check_tp_shards
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD_ATTRS = ("n_heads", "num_heads", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
@@ -181,12 +182,20 @@ def _measure(mf: ModelFile, model_args: dict, dtype: str, digest: str) -> ModelP
         tp_note = f"tp_plan(model) of {mf.path.name} shards nothing: planned with tp = 1"
     else:
         tp_note = f"{mf.path.name} defines no tp_plan(model): planned with tp = 1"
-    return ModelProfile(name=name, digest=digest, seq_len=seq_len, dtype=dtype, blocks=chain,
-                        has_tp_plan=bool(plan), tp_note=tp_note, dims=dims,
-                        limits=model_limits(model, blocks, tp_plan), notes=getattr(mf.module, "notes", ()),
-                        tied_params=sum(p.numel() for p in tied),
-                        tied_tp_params=sum(p.numel() for p in tied if id(p) in sharded),
-                        profiler=profile_cache.PROFILER_VERSION, **routing_settings(model.modules()))
+    profile = ModelProfile(name=name, digest=digest, seq_len=seq_len, dtype=dtype, blocks=chain,
+                           has_tp_plan=bool(plan), tp_note=tp_note, dims=dims,
+                           limits=model_limits(model, blocks, tp_plan), notes=getattr(mf.module, "notes", ()),
+                           tied_params=sum(p.numel() for p in tied),
+                           tied_tp_params=sum(p.numel() for p in tied if id(p) in sharded),
+                           profiler=profile_cache.PROFILER_VERSION, **routing_settings(model.modules()))
+
+    def forward():
+        narrow = _narrowed(blocks, units) if blocks else contextlib.nullcontext()
+        with narrow, fused_norms(model), CudaKernels():
+            model(*inputs)
+
+    check_tp_shards(mf, model, tp_plan, forward)  # a tp_plan the forward cannot run on its shards is refused
+    return profile
 
 
 def _block_profile(kind: str, count: int, t: Tally, modules, params, sharded: dict, styles: dict,
