@@ -5,6 +5,8 @@ ModuleList is temporarily narrowed to them), so a 175B-parameter GPT costs as mu
 Hooks on those blocks move the recorder's segment: everything before the first block is the
 ``embed`` segment, everything after the last (final norm, output projection, loss) the ``head``.
 In backward, tensor hooks on block boundaries do the same (autograd runs the chain in reverse).
+Then the forward runs once more on a tensor-parallel rank's shards (`autopar.profile.tp_shards`):
+a tp_plan the model's code cannot run sharded is refused here, at planning time.
 """
 
 from __future__ import annotations
