@@ -114,5 +114,5 @@ def check_runtime(runtime: str, switches) -> tuple[str, ...]:
         raise AutoparError("flash_attn and megatron_softmax name two different attention kernels; give one")
     if megatron_only and not is_megatron(runtime):
         raise AutoparError(f"{', '.join(megatron_only)}: Megatron-Core switches need runtime 'megatron' "
-                           "(the torch runtime overlaps as DDP and FSDP2 do)")
+                           "(or megatron-core, which turns NeMo's on; the torch runtime overlaps as DDP and FSDP2 do)")
     return switches
