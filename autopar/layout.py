@@ -136,6 +136,9 @@ def forward_layout(model: nn.Module, blocks: nn.ModuleList | None) -> ForwardLay
     raises for a forward it cannot read: the reasons are in `pp_problem` / `sp_problem`."""
     block_list = list(blocks) if blocks is not None else []
     names = {id(m): n for n, m in model.named_modules()}
+    if any(id(b) not in names for b in block_list):
+        why = "the blocks given are not modules of the model; pass its own repeated blocks"
+        return ForwardLayout(pp_problem=why, sp_problem=why)
     try:
         graph = trace(model, block_list)
     except Exception as exc:  # the user's forward: any error it raises under tracing is the reason

@@ -92,3 +92,9 @@ def tp_plan(model):
         "norm": SequenceParallel(),
         "out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
+
+
+# the same plan as autopar's style names (tests/models/own_names_job.py runs both forms)
+NAMES_PLAN = {"tok": "vocab", "layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise",
+              "layers.*.attn.v": "colwise", "layers.*.attn.proj": "rowwise", "layers.*.fc": "colwise",
+              "layers.*.proj": "rowwise", "out": "vocab"}

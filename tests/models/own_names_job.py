@@ -23,9 +23,6 @@ from autopar.plan import Plan
 STEPS, MORE, GLOBAL_BATCH = 3, 2, 4
 ARGS = {"size": "tiny"}
 MODEL = load_model_file(Path(__file__).with_name("gpt_own_names.py"))
-NAMES_PLAN = {"tok": "vocab", "layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise",
-              "layers.*.attn.v": "colwise", "layers.*.attn.proj": "rowwise", "layers.*.fc": "colwise",
-              "layers.*.proj": "rowwise", "out": "vocab"}
 
 
 def build():
@@ -65,7 +62,7 @@ def main(out: str) -> None:
     results = {"pp2": train(plan(pp=2), data[:STEPS], save=ckpt),
                "pp1 dp2 resumed": train(plan(dp=2, micro_batch_size=1), data[STEPS:], resume=ckpt),
                "tp2 sp styles": train(plan(tp=2, sequence_parallel=True), data[:MORE]),
-               "tp2 sp names": train(plan(tp=2, sequence_parallel=True), data[:MORE], tp_plan=NAMES_PLAN)}
+               "tp2 sp names": train(plan(tp=2, sequence_parallel=True), data[:MORE], tp_plan=MODEL.module.NAMES_PLAN)}
     if dist.get_rank() == 0:
         results["reference"] = reference_losses(build, sgd, MODEL.loss_fn, data)
         Path(out).write_text(json.dumps(results))
