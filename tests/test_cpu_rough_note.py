@@ -129,3 +129,19 @@ def test_every_published_mfu_names_its_source():
     for row in PUBLISHED_MFU:
         assert 0 < row.mfu < 1 and row.attention in ("flash", "unfused") and row.precisions
         assert re.search(r"docs/references\.md §\d+", row.source), row
+
+
+def test_autopar_run_says_its_cpu_prediction_is_rough(no_measurement, monkeypatch):
+    """`autopar run` prints the prediction beside the measurement: on the unmeasured cpu preset its note
+    says the prediction is rough; measured here, nothing (the profile is stubbed: no child process)."""
+    import autopar.traces.run_plan as rp
+
+    monkeypatch.setattr(rp, "profile_model", lambda *a, **k: profile("gpt", size="tiny"))
+    plan = Plan(dp=2, tp=1, pp=1, micro_batch_size=4, num_micro_batches=2, precision="fp32")
+    predicted, _, note = rp.prediction("gpt", {"size": "tiny"}, plan, load_cluster("cpu", gpus_per_node=2), 10.0)
+    assert predicted["iteration_time_s"] > 0 and note == CPU_ROUGH_NOTE
+    store_measurement(_measured_cpu())
+    predicted, _, note = rp.prediction("gpt", {"size": "tiny"}, plan, load_cluster("cpu", gpus_per_node=2), 10.0)
+    assert predicted["iteration_time_s"] > 0 and note == ""
+    _, _, note = rp.prediction("gpt", {"size": "tiny"}, plan, load_cluster("dgx-a100-80g", nodes=1, gpus_per_node=2), 10.0)
+    assert note == ""  # GPU runs keep their table as before

@@ -16,7 +16,9 @@ from pathlib import Path
 
 from autopar.atomic import write_text_atomic
 from autopar.cluster import detect, load_cluster
+from autopar.cluster.measured import is_cpu
 from autopar.cost import estimate
+from autopar.cost.regime import regime_note
 from autopar.errors import AutoparError, ModelFileError
 from autopar.executor.launch import LaunchResult, check_world_size, launch
 from autopar.executor.mesh import resolve_backend
@@ -35,7 +37,8 @@ from autopar.workload import Workload
 @dataclass(frozen=True)
 class PlanRun:
     """How a run ended; `record` is its trace record (None on nodes other than 0, where rank 0's
-    measurement is not); `note` says why there is no prediction, when there is none."""
+    measurement is not); `note` says why there is no prediction, when there is none, or that it is
+    rough (a CPU cluster not yet measured by `autopar profile-cluster`)."""
 
     launched: LaunchResult
     record: TraceRecord | None
@@ -61,7 +64,8 @@ def resolve_cluster(cluster: str | None, options: RunOptions):
 def prediction(model, model_args: dict, plan: Plan, cluster, timeout: float) -> tuple[dict | None, object, str]:
     """The cost model's figures for this plan on this cluster, the model's profile, and a note when
     there is no prediction (the profiler or the cost model refused the model, the plan's precision
-    or the cluster with an AutoparError, which the note quotes). A plan the model's profile rejects
+    or the cluster with an AutoparError, which the note quotes) or when it is rough (a CPU cluster
+    `autopar profile-cluster` has not measured). A plan the model's profile rejects
     (PlanError: what the executor cannot run for it) is refused before launching; otherwise the
     prediction is an aside and the run goes ahead; any other exception is a bug and propagates.
     The profile runs the model file in a child process first (within `timeout`), so a model that
@@ -78,7 +82,9 @@ def prediction(model, model_args: dict, plan: Plan, cluster, timeout: float) -> 
         est = estimate(workload, plan)
     except AutoparError as e:
         return None, profile, f"no prediction: the cost model cannot estimate this plan on {cluster.name}: {e}"
-    return {"iteration_time_s": est.iteration_time_s, "peak_memory_gb": est.peak_memory_bytes / 1e9}, profile, ""
+    # a CPU cluster this machine has not measured predicts 50-70x off: the run says so under its table
+    rough = regime_note(workload, plan, est) if is_cpu(cluster) else ""
+    return {"iteration_time_s": est.iteration_time_s, "peak_memory_gb": est.peak_memory_bytes / 1e9}, profile, rough
 
 
 def claim_job_folder(options: RunOptions, model: dict) -> None:
