@@ -78,7 +78,8 @@ class RLPlanner(Planner):
         space = PlanSpace(workload)
         first = space.step(())
         if not first.allowed.any():
-            raise memory_error(workload, float(first.memory.min())) if first.values else no_plan_error(workload)
+            least = float(first.memory.min()) if first.values else np.inf  # inf: no completion at all (--fix)
+            raise memory_error(workload, least) if np.isfinite(least) else no_plan_error(workload)
         features = workload_features(workload)
         width = max(k, self.beam)
         if width > 1 and self.decode == "sample":

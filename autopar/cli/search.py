@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 
@@ -71,7 +72,9 @@ def run(args) -> int:
     estimates = [estimate(workload, p) for p in plans]
     confidence = getattr(planner, "last_confidence", None)  # planners that can be unsure say so
     best, best_est = plans[0], estimates[0]
-    reasons = explain(workload, best, fastest=min(e.iteration_time_s for e in estimates))
+    # the Why table weighs every knob in the whole space, the held ones too (what holding them costs)
+    reasons = explain(dataclasses.replace(workload, fixed=()), best,
+                      fastest=min(e.iteration_time_s for e in estimates))
     if args.output:  # with what it was searched under: a re-plan keeps the held knobs and any you edit
         searched(best, fixed).save(args.output)
     written = draw(args, workload, best, best_est)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from autopar import axes
@@ -87,6 +89,10 @@ def no_plan_error(workload) -> NoValidPlanError:
     """Explain why the space is empty: the batch admits no data-parallel degree, or the GPU count
     cannot be split into tensor x pipeline degrees the model allows."""
     n, batch = workload.world_size, workload.global_batch
+    held = getattr(workload, "fixed", ())
+    if held and degree_choices(dataclasses.replace(workload, fixed=())):  # `--fix` emptied it
+        return NoValidPlanError(f"no plan for global batch {batch} on {n} GPUs has "
+                                + ", ".join(f"{name}={value}" for name, value in held))
     if not degree_choices(workload):
 
         dp = axes.derived_axis()  # the degrees the other axes allow, whatever the batch
