@@ -1,7 +1,7 @@
 """This machine's own figures, as `autopar profile-cluster` measured them on CPU workers, cached.
 
-The `cpu` preset's figures are nominal (50 GFLOP/s and 5 GB/s per process): runs on a real machine
-measure 50-70x off its predictions. `profile-cluster` on CPU stores its measured GPU spec (matmul
+The `cpu` preset's figures are nominal (50 GFLOP/s and 5 GB/s per process): bf16 runs on this
+repository's 2-core host measured 50-70x off its predictions. `profile-cluster` on CPU stores its measured GPU spec (matmul
 FLOP/s, memory bandwidth), shm link (all-reduce) and coefficients here, keyed by this machine;
 `load_cluster("cpu")` then uses them, and the cost model's notes call a CPU estimate rough unless
 its cluster carries this machine's measurement. Nothing is measured automatically: without the

@@ -21,9 +21,10 @@ from autopar.cost.vocabulary import vocabulary_note
 from autopar.runtime import megatron_attention
 
 _TRACE_FITTED = ("gemm_efficiency", "gemm_half_flops", "block_host_s")
-CPU_ROUGH_NOTE = ("note: rough estimate: the cpu preset's figures are nominal, not this machine's (runs have "
-                  "measured 50-70x slower than such predictions) until `autopar profile-cluster` has measured "
-                  "this machine's matmul and all-reduce (cached; --cluster cpu then uses them)")
+CPU_ROUGH_NOTE = ("note: rough estimate: the cpu preset's figures are nominal (50 GFLOP/s, 5 GB/s per process), "
+                  "not this machine's, and can be many-fold off (the tiny GPT in bf16 ran 70x slower) until "
+                  "`autopar profile-cluster` has measured this machine's matmul and all-reduce (cached; "
+                  "--cluster cpu then uses them)")
 
 
 def regime_note(workload, plan, est=None) -> str:
