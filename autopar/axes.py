@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from autopar.capability import context_parallel_allowed, context_parallel_offered, sequence_parallel_options
+from autopar.capability import Target, context_parallel_offered, refusal
 from autopar.errors import PlanError
 from autopar.runtime import vocab_padding
 
@@ -66,8 +66,6 @@ class FoldedAxis:
     within: tuple[str, ...]
     help: str = ""
     allowed: Check = lambda workload, degree: None  # the model's rule on the degree (ep divides the experts)
-    # axes of `within` that must be 1 while this one is above 1 (what the executor cannot combine yet)
-    needs_one: tuple[str, ...] = ()
 
     def whole(self, degrees: dict[str, int]) -> int:
         """The ranks it splits: the product of the degrees of `within`."""
@@ -78,10 +76,6 @@ class FoldedAxis:
         if degree < 1 or whole % degree:
             raise PlanError(f"{self.name}={degree} must divide {' x '.join(self.within)} = {whole}; "
                             f"use a {self.name} that divides {whole}")
-        busy = [a for a in self.needs_one if degrees.get(a, 1) > 1]
-        if degree > 1 and busy:
-            raise PlanError(f"{self.name}={degree} with {', '.join(f'{a}={degrees[a]}' for a in busy)}: the executor "
-                            f"does not combine them yet; use {self.name}=1 or {'='.join(busy)}=1")
 
     def stride(self, dims: ParallelDims) -> int:
         """Rank distance between neighbours along the folded axis: that of the innermost axis it splits."""
@@ -286,10 +280,9 @@ def _feasible(workload, unchecked: tuple[str, ...]) -> list[dict[str, int]]:
 
 # -- the axes of today ------------------------------------------------------------------------------
 def _pp_allowed(workload, pp: int) -> str | None:
-    layers, limits = workload.profile.num_layers, getattr(workload.profile, "limits", {})
-    if pp > 1 and "pp" in limits:  # what the executor cannot run for this model (autopar.capability)
-        return f"pp={pp} but {limits['pp']}"
-    return None if pp <= layers else f"pp={pp} exceeds the model's {layers} blocks; use fewer pipeline stages"
+    layers = workload.profile.num_layers
+    why = refusal("pp", Target.of(workload), pp)  # what the runtime cannot pipeline
+    return why or (None if pp <= layers else f"pp={pp} exceeds the model's {layers} blocks; use fewer pipeline stages")
 
 
 def _dp_allowed(workload, dp: int) -> str | None:
@@ -322,8 +315,9 @@ def _tp_allowed(workload, tp: int) -> str | None:
     profile = workload.profile
     if tp == 1:
         return None
-    if not profile.has_tp_plan:
-        return f"tp={tp} but {profile.tp_note or 'the model has no tensor-parallel plan'}"
+    why = refusal("tp", Target.of(workload), tp)  # a tp_plan, and a sequence-parallel setting that runs
+    if why:
+        return why
     vocab = (profile.dims or {}).get("vocab")
     units = tp_units(workload)
     bad = [u for u in units if u % tp]
@@ -333,11 +327,11 @@ def _tp_allowed(workload, tp: int) -> str | None:
         if vocab in bad:  # Megatron-LM pads it (--make-vocab-size-divisible-by); a model file can too
             fix += f", or pad the vocabulary to {padded_vocab(vocab, tp):,}"
         return f"tp={tp} does not divide {bad} (heads / sharded dims of the model); {fix}"
-
-    if not sequence_parallel_options(profile, tp):
-        return (f"tp={tp} needs sequence parallelism for this model ({profile.limits['sp_off']}), but the sequence "
-                f"length {profile.seq_len} is not divisible by {tp}; use a tp that divides it")
     return None
+
+
+def _cp_allowed(workload, cp: int) -> str | None:
+    return refusal("cp", Target.of(workload), cp)  # attention to split, and a runtime that splits it
 
 
 # declaration order is the Plan's field order and the decision order (the derived dp last);
@@ -345,7 +339,7 @@ def _tp_allowed(workload, tp: int) -> str | None:
 declare_axis(Axis("dp", "data", 1, _dp_allowed, derived=True, help="data-parallel degree", reduces_gradients=True))
 declare_axis(Axis("tp", "tensor", 3, _tp_allowed, help="tensor-parallel degree"))
 declare_axis(Axis("pp", "pipeline", 0, _pp_allowed, help="pipeline-parallel degree"))
-declare_axis(Axis("cp", "context", 2, context_parallel_allowed, reduces_gradients=True,
+declare_axis(Axis("cp", "context", 2, _cp_allowed, reduces_gradients=True,
                   offered=context_parallel_offered,
                   help="context-parallel degree: the sequence split over cp ranks (docs/context-parallel.md)"))
 
@@ -355,8 +349,6 @@ def _ep_allowed(workload, ep: int) -> str | None:
     experts = getattr(profile, "num_experts", 0)
     if ep == 1:
         return None
-    if "ep" in getattr(profile, "limits", {}):  # what the executor cannot run for this model (autopar.capability)
-        return f"ep={ep} but {profile.limits['ep']}"
     if not experts:
         return (f"ep={ep} but {profile.name} is a dense model (no experts to shard); use ep 1, or an MoE model "
                 f"for expert parallelism")
@@ -369,6 +361,6 @@ def _ep_allowed(workload, ep: int) -> str | None:
 # experts / ep experts each, as Megatron-Core's and torchtitan's EP; expert-data-parallel = dp x cp / ep
 declare_folded(FoldedAxis("ep", "expert", ("dp",) + tuple(a for a in ("cp",) if a in AXES),
                           help="expert-parallel degree (MoE): experts sharded over ep ranks carved out of dp",
-                          allowed=_ep_allowed,
-                          # executor/expert_parallel.py splits dp alone and reduces expert gradients over it
-                          needs_one=tuple(a for a in ("cp",) if a in AXES)))
+                          allowed=_ep_allowed))
+# what runs the plan may not combine ep with the axes it splits (autopar's executor splits dp alone and
+# reduces expert gradients over it): autopar.capability's rule for ep

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar import axes
+from autopar import axes, capability
 from autopar.cost import PlanArrays, evaluate
 from autopar.cost.model import time_parts
 from autopar.errors import PlanError
@@ -133,7 +133,7 @@ def explain(workload, plan: Plan, coeffs=None, fastest: float | None = None) -> 
         if knob in axes.FOLDED:  # a degree: against 1 and the neighbouring degree, then the fastest
             text = _against_neighbours(plan, knob, [(flat[i - 1][2], i) for i in rows], res, text)
         reasons.append(Reason(knob, _chosen(plan, knob), text))
-    excluded = _excluded(workload.profile)
+    excluded = _excluded(workload)
     return reasons + excluded + _left_out(workload, reasons + excluded)
 
 
@@ -169,12 +169,11 @@ def _against_neighbours(plan: Plan, name: str, alternatives: list[tuple[Plan, in
     return "; ".join([", ".join(parts)] + rest)
 
 
-def _excluded(profile) -> list[Reason]:
-    """What the plan space leaves out for this model, and why (autopar/executor/limits.py)."""
-    labels = {"pp": (DEGREES, "pp > 1"), "sp": ("sequence_parallel", "sequence parallel on"),
-              "sp_off": ("sequence_parallel", "sequence parallel off")}  # rows named as the Why table's
-    return [Reason(labels[k][0], "-", f"{labels[k][1]} not considered: {why}")
-            for k, why in profile.limits.items() if k in labels]
+def _excluded(workload) -> list[Reason]:
+    """What the plan space leaves out for this model on this runtime, and why (autopar.capability);
+    an axis's row is the degrees'."""
+    return [Reason(DEGREES if knob in axes.AXES else knob, "-", text)
+            for _, knob, text in capability.excluded(capability.Target.of(workload))]
 
 
 def _left_out(workload, shown: list[Reason]) -> list[Reason]:

@@ -13,7 +13,7 @@ from autopar.cli import main
 from autopar.cluster import load_cluster
 from autopar.errors import AutoparError, PlanError
 from autopar.executor.parity import reference_losses
-from autopar.executor.precision import fp8_refusal
+from autopar.executor.facts import device_facts
 from autopar.executor.support import refusal
 from autopar.executor.train_step import apply
 from autopar.modelfile import load_model_file
@@ -75,8 +75,9 @@ def test_run_refuses_an_fp8_plan_on_cpu_before_launching(capsys, tmp_path):
 def test_the_executor_refuses_fp8_on_gloo_and_on_the_cpu_device():
     assert "CPU" in refusal(FP8_PLAN, "gloo")
     assert refusal(FP8_PLAN, "nccl") is None
-    assert "use precision bf16" in fp8_refusal(FP8_PLAN, torch.device("cpu"))
-    assert fp8_refusal(Plan(dp=1, tp=1, pp=1, micro_batch_size=2, num_micro_batches=2), torch.device("cpu")) is None
+    cpu = device_facts(torch.device("cpu"))
+    assert "this run is on cpu: use precision bf16" in refusal(FP8_PLAN, "nccl", device=cpu)
+    assert refusal(Plan(dp=1, tp=1, pp=1, micro_batch_size=2, num_micro_batches=2), "nccl", device=cpu) is None
     with pytest.raises(PlanError, match="fp8_recipe 'none' with precision fp8"):
         Plan(dp=1, tp=1, pp=1, micro_batch_size=2, num_micro_batches=2, precision="fp8")
 

@@ -1,8 +1,8 @@
 """Compute precision: autocast for bf16/fp16, loss scaling for fp16, torchao's fp8 training, and
 torch.compile of the blocks.
 
-FP8 (CUDA only; the CPU and GPUs before compute capability 8.9 are refused in one line) runs the
-blocks' linears as torchao's float8 linears (`convert_to_float8_training` with
+FP8 (CUDA only; the CPU and GPUs before compute capability 8.9 are refused in one line by
+`autopar.capability`) runs the blocks' linears as torchao's float8 linears (`convert_to_float8_training` with
 `Float8LinearConfig.from_recipe_name("tensorwise" | "rowwise")`; MXFP8 on Blackwell through
 `MXFP8TrainingOpConfig`), on the bf16 skeleton before tensor parallelism, as torchtitan does; the
 output head stays bf16. The rest of the model autocasts in bf16. Under FSDP2 with tensorwise
@@ -43,23 +43,6 @@ from autopar.plan import Plan
 
 # fp8 autocasts in bf16: only the converted linears cast their inputs to fp8 (convert_fp8)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
-FP8_CAPABILITY = {"tensorwise": (8, 9), "rowwise": (8, 9), "mxfp8": (10, 0)}  # Ada/Hopper; Blackwell for MX
-
-
-def fp8_refusal(plan: Plan, device: torch.device) -> str | None:
-    """Why this device cannot train `plan` in fp8 (None: it can, or the plan is not fp8)."""
-    if plan.precision != "fp8":
-        return None
-    if device.type != "cuda":
-        return (f"precision fp8 needs CUDA GPUs with fp8 tensor cores; this run is on {device.type}: "
-                "use precision bf16")
-    need = FP8_CAPABILITY[plan.fp8_recipe]
-    have = torch.cuda.get_device_capability(device)
-    if have < need:
-        return (f"fp8 recipe {plan.fp8_recipe} needs compute capability {need[0]}.{need[1]}+, "
-                f"{torch.cuda.get_device_name(device)} has {have[0]}.{have[1]}: use precision bf16"
-                + (" or recipe tensorwise / rowwise" if plan.fp8_recipe == "mxfp8" and have >= (8, 9) else ""))
-    return None
 
 
 def _fp8_linear(module: nn.Module) -> bool:

@@ -1,15 +1,17 @@
-"""Which plans the executor can run, and why not the others.
+"""Which plans autopar's executor can run, and why not the others: it asks `autopar.capability`
+(the torch runtime's rules) with what it knows, and nothing else decides.
 
-One rule function for everyone: `apply` and `autopar run` refuse a plan with its reason before
-any process starts, and the search space (`autopar.search.space`) leaves out what it refuses
-(knob by knob: `autopar.knobs.comm_dtype_problem`), so no planner proposes a plan that cannot run. Every plan the
-space holds is run on 4 gloo ranks by tests/test_executor_plans.py.
+`apply` asks twice before any process group exists: with its backend and the model's layout as it
+builds it on the meta device (`facts.model_layout`), then with the device it got. `autopar run` asks with
+the backend before launching and `preflight` with the layout, so every rank's refusal is refused
+once, in one line, before torchrun starts. The plan space asks the same rules (knob by knob), so no
+planner proposes a plan that cannot run; every plan the space holds is run on 4 gloo ranks by
+tests/test_executor_plans.py. Standard library only (the trace collector imports it).
 """
 
 from __future__ import annotations
 
-from autopar.errors import PlanError
-from autopar.knobs import comm_dtype_problem, compile_problem
+from autopar.capability import Device, Layout, Target, check, refusals
 from autopar.plan import Plan
 
 
@@ -18,24 +20,18 @@ def has_nccl(backend: str) -> bool:
     return "nccl" in backend
 
 
-def refusal(plan: Plan, backend: str) -> str | None:
-    """Why the executor cannot run `plan` on `backend` ("nccl", "gloo", ...), or None when it can.
-
-    Every other combination of the plan's knobs runs (tests/test_executor_plans.py): fp16 loss
-    scaling with tensor parallelism, recompute under bf16/fp16 in pipelines, interleaved
-    schedules with FSDP2, optimizer offload with fp16."""
-    if getattr(plan, "ep", 1) > 1 and (plan.zero == 1 or plan.sequence_parallel):
-        return (f"ep={plan.ep} runs with zero 0, 2 or 3 and without sequence parallelism (ZeRO-1's optimizer would "
-                f"broadcast one rank's experts over another's; sequence parallelism leaves expert gradients "
-                f"unreduced over tp): use zero 0/2/3 and sequence_parallel false")
-    if plan.precision == "fp8" and not has_nccl(backend):
-        return (f"precision fp8 needs CUDA GPUs with fp8 tensor cores (H100, H200, B200, GB200); this run is on "
-                f"{backend} (CPU processes): use precision bf16")
-    return compile_problem(plan) or comm_dtype_problem(plan.grad_comm_dtype, backend)
+def target(backend: str | None = None, layout: Layout | None = None, device: Device | None = None) -> Target:
+    """The executor as a capability target: the torch runtime, with what is known of the run."""
+    return Target(runtime="torch", layout=layout, backend=backend, device=device)
 
 
-def check_supported(plan: Plan, backend: str) -> None:
-    """Raise PlanError with the reason when the executor cannot run `plan` on `backend`."""
-    reason = refusal(plan, backend)
-    if reason:
-        raise PlanError(reason)
+def refusal(plan: Plan, backend: str, layout: Layout | None = None, device: Device | None = None) -> str | None:
+    """Why the executor cannot run `plan` on `backend` ("nccl", "gloo", ...), or None when it can
+    (as far as the layout and device, when given, tell)."""
+    reasons = refusals(plan, target(backend, layout, device))
+    return reasons[0] if reasons else None
+
+
+def check_supported(plan: Plan, backend: str | None, layout: Layout | None = None, device: Device | None = None) -> None:
+    """Raise PlanError with the reason when the executor cannot run `plan`."""
+    check(plan, target(backend, layout, device))
