@@ -89,6 +89,7 @@ def run(args) -> int:
                              for p, e in zip(plans[1:], estimates[1:])],
             "why": [{"knob": r.knob, "chosen": r.chosen, "instead": r.text} for r in reasons],
             "workload": workload_dict(workload), "method": args.method,
+            "fixed": {name: k_value for name, k_value in workload.fixed},
             **json_notes(workload, best, best_est),
             "confidence": None if confidence is None else {"probability": confidence.probability,
                                                            "min_step": confidence.min_step},

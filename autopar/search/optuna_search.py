@@ -200,8 +200,11 @@ def _suggest(trial, knob) -> float:
 
 def _study_key(workload) -> str:
     """A short hash of everything the study's space and objective depend on."""
-    text = json.dumps([workload.profile.digest, workload.cluster.to_dict(), workload.global_batch,
-                       workload.optimizer, workload.memory_headroom], sort_keys=True)
+    key = [workload.profile.digest, workload.cluster.to_dict(), workload.global_batch, workload.optimizer,
+           workload.memory_headroom]
+    if workload.fixed:  # a study under `--fix` searched a narrower space (none: the key studies had before)
+        key.append([[name, repr(value)] for name, value in workload.fixed])
+    text = json.dumps(key, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
