@@ -191,7 +191,7 @@ def _left_out(workload, shown: list[Reason]) -> list[Reason]:
         why = next((w for d in above if (w := axis.allowed(workload, d) or (axis.offered and axis.offered(workload, d)))),
                    None)
         if why:
-            out.append(Reason(DEGREES, "-", f"{name} > 1 not considered: {why}"))
+            out.append(Reason(name, "-", f"{name} > 1 not considered: {why}"))  # its own row: the degrees' stays
     for name, folded in axes.FOLDED.items():
         k = next(k for k in knobs() if k.name == name)
         offered = (k.choices(workload, {a: {**defaults, **d, "precision": workload.precision}[a]
