@@ -1,8 +1,10 @@
 """Faults in `autopar run`, injected into one of 4 gloo ranks of a tiny GPT, all runs appending to
 one trace file: kill -9, SIGTERM, an exception, os._exit, an out-of-memory (a memory cap set on
 the running rank with setrlimit), and SIGSTOP. For each run: the exit status, the wall time
-against the bound, whether the last line of stderr names the failing rank, and the outcome the
-trace records; at the end, the records in the trace (none may be lost) and leftover workers.
+against the bound, whether the last line of stderr names the failing rank, how many lines and
+Python tracebacks stderr holds (the ranks' own output goes to the log folder that line names,
+not the terminal; each run's stderr is kept as runN.stderr), and the outcome the trace records;
+at the end, the records in the trace (none may be lost) and leftover workers.
 
     python experiments/fault_campaign.py [--runs 20] [--rank 2] [--timeout 300] [--out DIR]
 """
@@ -108,9 +110,13 @@ def one_run(i: int, fault: str, args, d: Path, trace: Path) -> dict:
     left = workers(tag)
     for pid in left.values():  # the campaign cleans up after a failure to, and counts it
         os.kill(pid, signal.SIGKILL)
-    last = (err.strip().splitlines() or [""])[-1]
+    (d / f"run{i}.stderr").write_text(err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    last = (lines or [""])[-1]
     return {"run": i, "fault": fault, "rc": proc.returncode, "wall_s": round(wall, 1), "last_line": last,
-            "names_rank": f"rank {args.rank}" in last, "leftover_workers": len(left), "injected": injected}
+            "names_rank": f"rank {args.rank}" in last, "stderr_lines": len(lines),
+            "tracebacks": err.count("Traceback (most recent call last)"), "leftover_workers": len(left),
+            "injected": injected}
 
 
 def main() -> int:
@@ -143,7 +149,9 @@ def main() -> int:
           f"{len(problems)}) / expected outcome {right} / last line names rank {sum(r['names_rank'] for r in results)}"
           f" / within bound {sum(r['wall_s'] < args.timeout + 60 for r in results)} / nonzero exit "
           f"{sum(r['rc'] not in (0, None) for r in results)} / leftover workers "
-          f"{sum(r['leftover_workers'] for r in results)}; trace {trace}")
+          f"{sum(r['leftover_workers'] for r in results)} / tracebacks on stderr "
+          f"{sum(r['tracebacks'] > 0 for r in results)} (most stderr lines {max(r['stderr_lines'] for r in results)});"
+          f" trace {trace}")
     print("outcomes:", {f: [o for o, r in zip(outcomes, results) if r["fault"] == f] for f in faults})
     return 0
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -187,3 +189,75 @@ def test_a_looping_model_file_shows_what_autopar_waits_for_and_keeps_stdout_clea
     assert done.returncode == 2 and done.stdout == ""
     assert len(err) == 2 and err[0].startswith("autopar: profiling ") and "--profile-timeout 9" in err[0], err
     assert err[1].startswith("autopar: error: ") and "did not finish within --profile-timeout 9" in err[1]
+
+
+# -- a failed rank is one line; the other ranks' tracebacks go to the log folder it names ---------------------
+FAULTY = '''import os
+from autopar.zoo.gpt import GPT, config, example_batch, tp_plan, blocks  # noqa: F401
+
+
+class Faulty(GPT):
+    steps = 0
+
+    def forward(self, tokens):
+        Faulty.steps += 1
+        if os.environ.get("RANK") == "1" and Faulty.steps >= 2:
+            raise RuntimeError("injected fault on rank 1")
+        return super().forward(tokens)
+
+
+def build_model(**kw):
+    return Faulty(config(**kw))
+'''
+
+
+def test_the_launch_sends_every_ranks_output_to_files_under_the_log_folder(tmp_path):
+    from autopar.executor.launch import torchrun_argv
+    from autopar.executor.options import RunOptions
+
+    argv = torchrun_argv("p.json", "gpt", {}, RunOptions(nproc_per_node=2), tmp_path / "r.json", tmp_path / "logs")
+    assert argv[argv.index("--redirects") + 1] == "3" and argv[argv.index("--log-dir") + 1] == str(tmp_path / "logs")
+
+
+def test_the_agents_log_goes_to_the_file_while_it_runs_and_back_to_stderr_after(tmp_path, capsys):
+    import logging
+
+    from autopar.executor.launch import _agent_log
+
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    before = logging.getLogger("torch.distributed").handlers[:]
+    with _agent_log(tmp_path / "agent.log"):
+        logger.warning("Sending process 1 closing signal SIGTERM")
+    assert "closing signal SIGTERM" in (tmp_path / "agent.log").read_text()
+    assert "SIGTERM" not in capsys.readouterr().err
+    assert logging.getLogger("torch.distributed").handlers == before
+
+
+def test_a_clean_job_leaves_no_log_folder_and_a_failed_one_keeps_it(tmp_path):
+    from autopar.executor.launch import LaunchResult, _keep_logs
+
+    for outcome, wrote, kept in (("ok", "", False), ("ok", "a warning", True), ("rank_failed", "", True)):
+        logs = tmp_path / f"{outcome}-{bool(wrote)}"
+        (logs / "job_x" / "attempt_0" / "1").mkdir(parents=True)
+        (logs / "job_x" / "attempt_0" / "1" / "stderr.log").write_text(wrote)
+        result = _keep_logs(logs, LaunchResult(outcome), range(2))
+        assert logs.exists() == kept and result.logs == (str(logs) if kept else None)
+
+
+@pytest.mark.slow
+def test_a_rank_fault_prints_one_line_naming_the_rank_and_its_log_folder(tmp_path):
+    (tmp_path / "faulty.py").write_text(FAULTY)
+    (tmp_path / "p.json").write_text(json.dumps({**PLAN, "micro_batch_size": 1, "num_micro_batches": 1}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "autopar", "run", "p.json", "faulty.py", *TINY, "--nproc-per-node",
+                           "2", "--steps", "5", "--warmup", "1", "--timeout", "240"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=400, check=False)
+    err = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("autopar: profiling")]
+    assert done.returncode == 1 and len(err) == 1, err  # a slow machine may add the profiler's wait notice
+    assert "rank 1 failed: RuntimeError: injected fault on rank 1" in err[0] and "Traceback" not in done.stderr
+    logs = Path(err[0].rsplit("launcher's log: ", 1)[1])
+    try:
+        assert (logs / "agent.log").is_file()
+        assert "injected fault on rank 1" in "".join(f.read_text() for f in logs.glob("*/attempt_*/1/*"))
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)

@@ -81,8 +81,8 @@ def test_the_lifeline_ends_a_child_whose_parent_is_killed(tmp_path, platform):
     pretend = "" if platform == "linux" else f"sys.platform = {platform!r}; "
     grandchild = (f"import os, sys, time; from autopar.executor.lifeline import die_with_parent; {pretend}"
                   f"die_with_parent(os.getppid()); open({marker!r}, 'w').close(); time.sleep(600)")
-    middle = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
-                               f"subprocess.Popen([sys.executable, '-c', {grandchild!r}, {marker!r}]); time.sleep(600)"])
+    middle = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, "
+                               f"'-c', {grandchild!r}, {marker!r}]); time.sleep(600)"])
     try:
         assert wait_for(lambda: Path(marker).exists(), 60), "the grandchild did not start"
         assert live(marker)

@@ -88,7 +88,8 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
                            + (f" ({len(problems)} malformed line(s): {first})" if problems else " (empty)"))
     check_sources(records, sources, models)  # an untrusted model file: one line, before the progress line
     runs = {json.dumps([r.model.get("path") or r.model.get("name"), r.model.get("args"), r.model.get("digest"),
-                        r.cluster, r.workload, r.plan], sort_keys=True, default=str) for r in records if r.outcome == "ok"}
+                        r.cluster, r.workload, r.plan], sort_keys=True, default=str)
+            for r in records if r.outcome == "ok"}
     if len(runs) < needed_rows(1):  # at least as many as the dataset's rows: refused only where the fit would be
         raise AutoparError(f"too few measured rows to calibrate: {len(runs)} distinct run(s) with outcome ok, but "
                            f"fitting even one coefficient needs {needed_rows(1)}; collect more traces (autopar "

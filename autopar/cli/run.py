@@ -80,9 +80,12 @@ def run(args) -> int:
         show_replans(console, record.measured)
     else:
         console.print(f"node {options.node_rank}: {launched.outcome}")
-    if launched.outcome != "ok":  # the last line: the failing rank and its own error
-        print(f"autopar: run failed ({launched.outcome}): {launched.error}", file=sys.stderr, flush=True)
+    logs = f"; every rank's output and the launcher's log: {launched.logs}" if launched.logs else ""
+    if launched.outcome != "ok":  # the last line: the failing rank and its own error, and where the ranks' output is
+        print(f"autopar: run failed ({launched.outcome}): {launched.error}{logs}", file=sys.stderr, flush=True)
         return 1
+    if logs:
+        print(f"autopar: note: ranks wrote to stderr{logs}", file=sys.stderr, flush=True)
     if record is not None and not record.measured.get("parity_ok", True):  # beyond the precision's tolerance
         return 1
     return 0

@@ -7,20 +7,25 @@ ends the job, and its own error is the job's error (except an elastic job, `Elas
 restarts its workers on another world size, `autopar.executor.elastic`). Each rank beats a heartbeat file; the
 launcher watches them to order the ranks' ends and to find a stopped rank, which torchrun
 would blame on the survivors' collective timeouts. A timeout raises in the agent's thread,
-whose shutdown path then terminates every worker; whatever is left is killed.
+whose shutdown path then terminates every worker; whatever is left is killed. The ranks'
+stdout and stderr (a failed job's peers print their own tracebacks of the lost connection) and
+the agent's log go to files in a log folder (torchrun's --redirects, `LaunchResult.logs`), not
+the terminal: the caller shows one line naming the failing rank and that folder.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
+import shutil
 import signal
 import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from autopar.executor.options import RunOptions, worker_argv
@@ -41,6 +46,8 @@ class LaunchResult:
     error: str | None = None
     result: dict | None = None
     wall_s: float = 0.0
+    logs: str | None = None  # the folder of the ranks' output and the agent's log, kept when the job failed or
+    # a rank wrote to stderr (else removed)
 
 
 class _JobTimeout(Exception):
@@ -55,7 +62,7 @@ def check_world_size(plan: Plan, options: RunOptions) -> None:
                           f"{options.world_size}", needs="the plan needs ")
 
 
-def torchrun_argv(plan_path, model, model_args: dict, options: RunOptions, result_path) -> list[str]:
+def torchrun_argv(plan_path, model, model_args: dict, options: RunOptions, result_path, logs=None) -> list[str]:
     """The torchrun command line (without `torchrun`) that runs the worker on this node."""
     if options.elastic:
         nodes = options.elastic.torchrun_flags(options.nnodes)
@@ -68,6 +75,8 @@ def torchrun_argv(plan_path, model, model_args: dict, options: RunOptions, resul
               "--result", str(result_path), *worker_argv(options)]
     if not options.elastic:  # no restarts: a failed rank ends the job
         nodes += ["--max-restarts", "0"]
+    if logs is not None:  # every rank's stdout and stderr to files under `logs`, none to the terminal
+        nodes += ["--redirects", "3", "--log-dir", str(logs)]
     return [*nodes, "--nproc-per-node", str(options.nproc_per_node), "--module", "autopar.executor.worker", *worker]
 
 
@@ -88,6 +97,36 @@ def _deadline(seconds: float | None):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@contextmanager
+def _agent_log(path: Path):
+    """The agent logs through the `torch.distributed` logger, to stderr (the workers it terminates,
+    each failed rank's exit code): while it runs, those lines go to `path` instead."""
+    logger = logging.getLogger("torch.distributed")
+    saved = logger.handlers[:]
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(saved[0].formatter if saved else logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.handlers = [handler]
+    try:
+        yield
+    finally:
+        logger.handlers = saved
+        handler.close()
+
+
+def _rank_logs(logs: Path, local_rank: int) -> list[Path]:
+    """The stderr files torchrun wrote for one local rank (one per attempt)."""
+    return sorted(logs.glob(f"*/attempt_*/{local_rank}/stderr.log"))
+
+
+def _keep_logs(logs: Path, launched: LaunchResult, ranks: range) -> LaunchResult:
+    """The result naming its log folder: kept when the job failed or a rank wrote to stderr, else removed."""
+    wrote = any(f.stat().st_size for r in range(len(ranks)) for f in _rank_logs(logs, r))
+    if launched.outcome == "ok" and not wrote:
+        shutil.rmtree(logs, ignore_errors=True)
+        return launched
+    return replace(launched, logs=str(logs))
 
 
 @contextmanager
@@ -285,9 +324,10 @@ def launch(plan_path, model, model_args: dict, options: RunOptions) -> LaunchRes
     if not options.elastic:  # an elastic job re-plans for whatever world it gets
         check_world_size(Plan.load(plan_path), options)
     started = time.perf_counter()
+    logs = Path(tempfile.mkdtemp(prefix="autopar-run-logs-"))  # outlives the job when it failed (`_keep_logs`)
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
         result_path = _result_path(options, tmp)
-        args = get_args_parser().parse_args(torchrun_argv(plan_path, model, model_args, options, result_path))
+        args = get_args_parser().parse_args(torchrun_argv(plan_path, model, model_args, options, result_path, logs))
         caller_pid = os.environ.get(LAUNCHER_PID)  # put back after the run: an in-process caller keeps its env
         os.environ[LAUNCHER_PID] = str(os.getpid())  # workers inherit it: see worker._die_with_launcher
         first = options.node_rank * options.nproc_per_node
@@ -295,11 +335,12 @@ def launch(plan_path, model, model_args: dict, options: RunOptions) -> LaunchRes
         watch.start()
 
         def ended(outcome: str, error: str | None = None, result=None) -> LaunchResult:
-            return LaunchResult(outcome, error, result, wall_s=time.perf_counter() - started)
+            return _keep_logs(logs, LaunchResult(outcome, error, result, wall_s=time.perf_counter() - started),
+                              watch.ranks)
 
         kills = oom_kills()  # a SIGKILL while this count rises is the kernel's OOM killer
         try:
-            with _own_signal_handlers(), _deadline(options.timeout_s):
+            with _own_signal_handlers(), _agent_log(logs / "agent.log"), _deadline(options.timeout_s):
                 run(args)
         except _JobTimeout:
             return ended("timeout", f"the job did not finish within --timeout {options.timeout_s:g} s; "
