@@ -1,9 +1,10 @@
 """Launched by torchrun from tests/test_pipeline_layout.py (2 gloo ranks) on tests/models/gpt_own_names.py,
 a GPT whose forward needs every part it has (tok, pos, layers, norm, out): a pp=2 plan (stages cut
 from the forward's graph) trains STEPS steps and saves a DCP checkpoint; a pp=1 dp=2 plan loads
-it and trains on; tp=2 with sequence parallelism runs the model's ParallelStyle plan and a plan of
-style names (the stream's ends read from the forward). Rank 0 writes {case: global losses} to the
-JSON file given first, and the one-process reference's losses under "reference"."""
+it and trains on; an interleaved pp=2 plan recomputes a block; tp=2 with sequence parallelism
+runs the model's ParallelStyle plan and a plan of style names (the stream's ends read from the
+forward). Rank 0 writes {case: global losses} to the JSON file given first, and the one-process
+reference's losses under "reference"."""
 
 import json
 import sys
@@ -61,6 +62,8 @@ def main(out: str) -> None:
     ckpt = Path(out).with_name("ckpt")
     results = {"pp2": train(plan(pp=2), data[:STEPS], save=ckpt),
                "pp1 dp2 resumed": train(plan(dp=2, micro_batch_size=1), data[STEPS:], resume=ckpt),
+               "pp2 interleaved recompute": train(plan(pp=2, schedule="interleaved", virtual_stages=2,
+                                                       recompute="full", recompute_blocks=1), data[:MORE]),
                "tp2 sp styles": train(plan(tp=2, sequence_parallel=True), data[:MORE]),
                "tp2 sp names": train(plan(tp=2, sequence_parallel=True), data[:MORE], tp_plan=MODEL.module.NAMES_PLAN)}
     if dist.get_rank() == 0:
