@@ -86,7 +86,9 @@ def capability_refusals(path: Path, rel: str, fields: set[str]) -> list[str]:
 def reads_layout_facts(path: Path, rel: str) -> list[str]:
     tree = ast.parse(path.read_text(), str(path))
     return [f"{rel}:{n.lineno} reads {ast.unparse(n)}" for n in ast.walk(tree)
-            if isinstance(n, ast.Attribute) and n.attr == "limits" and isinstance(n.ctx, ast.Load)]
+            if isinstance(n, ast.Attribute) and n.attr == "limits" and isinstance(n.ctx, ast.Load)
+            or isinstance(n, ast.Call) and ast.unparse(n.func) == "getattr" and len(n.args) > 1
+            and isinstance(n.args[1], ast.Constant) and n.args[1].value == "limits"]
 
 
 def outside_capability(root: Path):
@@ -118,11 +120,13 @@ def test_the_checker_finds_a_planted_refusal_and_leaves_the_plans_own_checks(tmp
         "    if plan.tp > 1:\n"
         "        if moe_experts(model):\n"  # the plan against the model: a capability refusal
         "            raise PlanError('no tp for an MoE model')\n"
-        "    limits = model.limits\n")
+        "    limits = model.limits\n"
+        "    return getattr(model, 'limits', {})\n")
     fields = governed_fields()
     assert capability_refusals(planted, "train_step.py", fields) == [
         "train_step.py:8 weighs ['plan'] against ['model', 'moe_experts']"]
-    assert reads_layout_facts(planted, "train_step.py") == ["train_step.py:9 reads model.limits"]
+    assert reads_layout_facts(planted, "train_step.py") == [
+        "train_step.py:9 reads model.limits", "train_step.py:10 reads getattr(model, 'limits', {})"]
 
 
 def test_every_rule_reads_only_what_its_knob_depends_on():
