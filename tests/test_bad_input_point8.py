@@ -261,3 +261,31 @@ def test_a_rank_fault_prints_one_line_naming_the_rank_and_its_log_folder(tmp_pat
         assert "injected fault on rank 1" in "".join(f.read_text() for f in logs.glob("*/attempt_*/1/*"))
     finally:
         shutil.rmtree(logs, ignore_errors=True)
+
+
+def test_a_rank_terminated_while_writing_its_error_file_leaves_none_half_written(tmp_path, monkeypatch):
+    """torchrun's agent parses every failed rank's error file: a peer it terminated while that peer
+    wrote its own left an empty file, and the agent raised JSONDecodeError (a traceback instead of
+    autopar's line). The worker writes the file aside and renames it into place."""
+    from autopar.executor.worker import _whole_error_file
+
+    final = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(final))
+    handler = _whole_error_file()
+
+    def terminated(*args, **kwargs):
+        raise SystemExit("SIGTERM while writing")
+
+    with monkeypatch.context() as m:
+        m.setattr(json, "dump", terminated)
+        with pytest.raises(SystemExit):
+            try:
+                raise RuntimeError("lost the connection to a peer")
+            except RuntimeError as e:
+                handler.record_exception(e)
+    assert not final.exists()  # the agent finds no file, not half of one
+    try:
+        raise RuntimeError("injected fault on rank 2")
+    except RuntimeError as e:
+        handler.record_exception(e)
+    assert json.loads(final.read_text())["message"]["message"] == "RuntimeError: injected fault on rank 2"

@@ -97,7 +97,7 @@ def main(argv=None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record  # torch: heavy, imported on first use
 
     try:
-        record(_train)(args)
+        record(_train, error_handler=_whole_error_file())(args)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says "interrupted", once
         os._exit(130)
     except Exception as e:
@@ -105,6 +105,33 @@ def main(argv=None) -> None:
         write_text_atomic(failure_note(args.result, rank),
                           json.dumps({"time": time.time(), "message": f"{type(e).__name__}: {first}"}))
         raise
+
+
+def _whole_error_file():
+    """torch's error handler, writing the error file aside and renaming it into place: torchrun's
+    agent reads a failed rank's file as soon as the rank has ended, and a rank the agent terminated
+    while it wrote its own (a peer that failed on the lost connection) left half a file, on which
+    the agent raised JSONDecodeError instead of reporting the job's failure."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler  # torch: heavy, imported on first use
+
+    class WholeErrorFile(ErrorHandler):
+        aside: str | None = None
+
+        def _get_error_file_path(self):
+            return self.aside or super()._get_error_file_path()
+
+        def record_exception(self, e: BaseException) -> None:
+            final = super()._get_error_file_path()
+            if not final:
+                return super().record_exception(e)
+            self.aside = f"{final}.partial"
+            try:
+                super().record_exception(e)
+            finally:
+                self.aside = None
+            os.replace(f"{final}.partial", final)
+
+    return WholeErrorFile()
 
 
 def _no_dropout(build):
