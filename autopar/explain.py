@@ -171,9 +171,8 @@ def _against_neighbours(plan: Plan, name: str, alternatives: list[tuple[Plan, in
 
 def _excluded(workload) -> list[Reason]:
     """What the plan space leaves out for this model on this runtime, and why (autopar.capability);
-    an axis's row is the degrees'."""
-    return [Reason(DEGREES if knob in axes.AXES else knob, "-", text)
-            for _, knob, text in capability.excluded(capability.Target.of(workload))]
+    each in its knob's or axis's own row, so the degrees' row stays."""
+    return [Reason(knob, "-", text) for _, knob, text in capability.excluded(capability.Target.of(workload))]
 
 
 def _left_out(workload, shown: list[Reason]) -> list[Reason]:

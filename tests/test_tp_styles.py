@@ -87,7 +87,7 @@ def test_the_space_leaves_out_what_the_layout_cannot_run_and_the_why_table_says_
     found = _search_small(tmp_path / "net.py", capsys)
     assert found["plan"]["pp"] == 1 and not found["plan"]["sequence_parallel"]
     why = {(r["knob"], r["instead"]) for r in found["why"]}
-    assert any(k == "degrees" and text.startswith("pp > 1 not considered: the forward uses embed.weight")
+    assert any(k == "pp" and text.startswith("pp > 1 not considered: the forward uses embed.weight")
                for k, text in why)
 
 
