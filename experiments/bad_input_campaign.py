@@ -314,9 +314,37 @@ def workload_spec_cases() -> list[Case]:
     return cases
 
 
+def first_hour_cases() -> list[Case]:
+    """Issue 39 point 8: what a new user hit in the first hour (each was accepted, a traceback, or
+    work done before the error)."""
+    est = ("estimate", "gpt", *TINY, "--cluster", "cpu")
+    cases = [Case(f"plan/mesh_order_{k}", (*est, "--plan", "{d}/p.json"), {"p.json": _plan(mesh_order=v)}, output=None)
+             for k, v in (("partial", ["pp", "dp"]), ("null", None))]
+    cases.append(Case("estimate/mesh_order_partial", (*est, "--dp", "1", "--micro-batch", "1", "--global-batch", "8",
+                                                      "--mesh-order", "pp,dp"), output=None))
+    cases.append(Case("run/trace_under_file", ("run", "{d}/p.json", "gpt", *TINY, "--trace", "{d}/f/t.jsonl"),
+                      {"p.json": _plan(dp=1, micro_batch_size=2, num_micro_batches=1), "f": "x"}, output=None))
+    cases.append(Case("workloads/empty_list", ("train", "cost", "--workloads", "{d}/w.json", "--timesteps", "64", "-o",
+                                               "{d}/pol.zip"), {"w.json": []}, output="pol.zip"))
+    measured = ("train", "measured", "gpt", *TINY, "--cache", "{d}/c.json", "-o", "{d}/pol.zip")
+    cases += [Case(f"measured/cache_{k}", measured, {"c.json": v}, output=None) for k, v in
+              (("corrupt", (RAW, "{bad")), ("directory", DIRECTORY), ("list", [1, 2]), ("fifo", FIFO),
+               ("bad_entry", {"k": {"reward": "x", "record": None}}))]
+    cases += [Case(f"profile_cluster/timeout_{k}", ("profile-cluster", "--timeout", v, "-o", "{d}/out.json"))
+              for k, v in (("zero", "0"), ("negative", "-3"), ("tiny", "0.01"), ("nan", "nan"))]
+    record = trace_cases()[0].files["t.jsonl"][1][0]
+    bundled = {**record, "model": {**record["model"], "name": "gpt", "path": "gpt", "args": {"size": "tiny"}}}
+    cases.append(Case("calibrate/one_run", ("calibrate", "{d}/t.jsonl", "--cluster", "cpu", "-o", "{d}/out.json"),
+                      {"t.jsonl": ("<records>", [bundled] * 3)}))
+    cases.append(Case("calibrate/no_model_args", ("calibrate", "{d}/t.jsonl", "--cluster", "cpu", "-o",
+                                                  "{d}/out.json"),
+                      {"t.jsonl": ("<records>", [{**bundled, "model": {**bundled["model"], "args": None}}] * 3)}))
+    return cases
+
+
 def all_cases() -> list[Case]:
     return cluster_cases() + plan_cases() + flag_cases() + output_cases() + model_cases() + trace_cases() \
-        + policy_cases() + workload_spec_cases() + table_cases()
+        + policy_cases() + workload_spec_cases() + table_cases() + first_hour_cases()
 
 
 # -- running ------------------------------------------------------------------------------------------------
