@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import atexit
 import functools
+import multiprocessing.process
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+import autopar.profile as profile_package
 
 ZOO = Path(__file__).resolve().parent.parent / "autopar" / "zoo"
 VTRAIN = Path(__file__).resolve().parent.parent / "data" / "vtrain"  # copied from vTrain (MIT), see SOURCE.md
@@ -50,6 +54,98 @@ def pytest_sessionfinish(session, exitstatus):
         print(f"\ntests wrote under HOME: {', '.join(written[:10])}; point them at a scratch folder "
               f"(tests/conftest.py)")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# -- the quick tier (`python -m pytest -m "not slow"`) launches no process ---------------------------------
+
+class LaunchedProcess(BaseException):  # not an Exception: a CLI's `except Exception` cannot turn it into exit 2
+    """A test not marked slow started a process."""
+
+
+LAUNCHERS = {  # module -> attribute: every way a test starts a process (torchrun and the CLI go through subprocess;
+    # torch.multiprocessing.spawn, Pool and ProcessPoolExecutor through BaseProcess.start)
+    subprocess.Popen: ("_execute_child",),
+    multiprocessing.process.BaseProcess: ("start",),
+    os: ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Training a policy is slow too: `-m "not slow"` leaves out both markers."""
+    for item in items:
+        if item.get_closest_marker("trains") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test not marked slow (its fixtures included) that starts a process fails, naming the marker, in every
+    run: the full suite catches a forgotten marker, and the quick tier really launches nothing."""
+    if item.get_closest_marker("slow"):
+        return (yield)
+    launched = item.stash.setdefault(LAUNCHED, [])
+    saved = [(owner, name, getattr(owner, name)) for owner, names in LAUNCHERS.items() for name in names
+             if hasattr(owner, name)]
+
+    def refuse(what):
+        def launch(*args, **kwargs):
+            launched.append(what)
+            raise LaunchedProcess(f"{item.nodeid} starts a process ({what}) and is not marked slow: add "
+                                  f"@pytest.mark.slow (or trains, for a policy's training) so the quick tier "
+                                  f"(-m \"not slow\") leaves it out")
+        return launch
+
+    for owner, name, _ in saved:
+        setattr(owner, name, refuse(f"{getattr(owner, '__name__', owner)}.{name}"))
+    saved.append((profile_package, "profile_isolated", profile_package.profile_isolated))
+    profile_package.profile_isolated = functools.partial(profile_zoo_here, profile_package.profile_isolated)
+    try:
+        return (yield)
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+LAUNCHED = pytest.StashKey[list]()
+
+
+def profile_zoo_here(isolated, path, model_args, dtype, timeout):
+    """The CLI profiles a model.py in a child process (autopar/profile/isolated.py), which guards against
+    model files that exit or hang; the zoo's models are the project's own code, so a test not marked slow
+    profiles them in this process, into the same cache. Any other file still goes to the child (and the
+    test must be marked slow); the child itself is tested by the slow tests that run the CLI as a process."""
+    named = ZOO / f"{path}.py"  # a zoo model by name, as `autopar search gpt`
+    if not (Path(path).resolve().parent == ZOO or (not Path(path).exists() and named.is_file())):
+        return isolated(path, model_args, dtype, timeout)
+    from autopar.profile.profiler import profile_model as measure
+
+    return measure(path, model_args, dtype=dtype)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A launch the code under test caught (`except BaseException`) still fails the test."""
+    report = yield
+    launched = item.stash.get(LAUNCHED, [])
+    if launched and report.passed:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} starts a process ({launched[0]}) and is not marked slow: add "
+                           f"@pytest.mark.slow so the quick tier (-m \"not slow\") leaves it out")
+    launched.clear()  # reported in the phase that launched, not again in the next
+    return report
+
+
+def collected(request, test: str, *args: str) -> list:
+    """The parameters (`args` of `test`, in the requesting module) of the cases this run collected, after -k and
+    -m deselection: a module's process job then runs only those. One value per case for one arg, else tuples."""
+    items = [item for item in request.session.items if item.module is request.module and item.originalname == test]
+    values = [tuple(item.callspec.params[a] for a in args) for item in items]
+    return [v[0] for v in values] if len(args) == 1 else values
+
+
+def is_collected(request, test: str) -> bool:
+    """Whether this run collected `test` (unparametrised) of the requesting module."""
+    return any(item.module is request.module and item.originalname == test for item in request.session.items)
 
 
 @functools.lru_cache(maxsize=None)

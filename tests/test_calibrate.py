@@ -266,6 +266,7 @@ def test_cli_too_few_rows_says_how_many(trace_file, tmp_path, capsys):
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["few.jsonl"]
 
 
+@pytest.mark.slow
 def test_folds_fitted_side_by_side_give_the_serial_result(trace_file):
     """--jobs runs the folds' fits and the final one in worker processes: the same figures and
     coefficients as one after another (the fits are deterministic; only where they run differs)."""
@@ -318,6 +319,7 @@ def test_cli_allreduce_only(tmp_path, capsys):
 
 
 # -- the vTrain figures (acceptance 1 and 2) ----------------------------------------------------------------
+@pytest.mark.slow
 def test_vtrain_single_node_cv_and_multi_node_transfer(tmp_path):
     """The full protocol of `autopar calibrate vtrain_single.jsonl --allreduce ... --folds 5
     --evaluate vtrain_multi.jsonl`: 5-fold CV by (hidden, layers) on 1,440 single-node runs

@@ -103,7 +103,9 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[" ".join(a[:2]) + " " + m for a, m in BAD_INPUTS])
+@pytest.mark.parametrize("argv, message", [  # a model file of its own is profiled in a child process: slow
+    pytest.param(a, m, id=" ".join(a[:2]) + " " + m, marks=[pytest.mark.slow] * a[1].startswith("{d}/"))
+    for a, m in BAD_INPUTS])
 def test_bad_input_is_one_line_and_exit_2(capsys, bad_files, argv, message):
     code, out, err = run_cli(capsys, *[a.format(d=bad_files) for a in argv])
     assert code == 2
@@ -111,6 +113,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, bad_files, argv, message):
     assert err.count("\n") == 1 and err.startswith("autopar: error: ")
 
 
+@pytest.mark.slow
 def test_bad_input_in_a_real_process_has_no_traceback(bad_files):
     proc = subprocess.run([sys.executable, "-m", "autopar", "search", str(bad_files / "raises.py")],
                           capture_output=True, text=True, timeout=120)

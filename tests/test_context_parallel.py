@@ -187,6 +187,7 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'models'}", "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow
 def test_cp2_dp2_and_cp2_tp2_match_one_process_on_4_gloo_ranks(tmp_path):
     """GPT (learned positions, written-out attention) and Llama (rotary positions, SDPA, GQA), fp32,
     plain SGD: each cp rank's load-balanced tokens, global positions and all-gathered K/V must give
@@ -208,6 +209,7 @@ def test_cp2_dp2_and_cp2_tp2_match_one_process_on_4_gloo_ranks(tmp_path):
         assert max_relative_difference(got[name], reference) <= 1e-5, (name, got[name], reference)
 
 
+@pytest.mark.slow
 def test_autopar_run_checks_parity_of_a_cp_plan(tmp_path):
     Plan(dp=2, cp=2, micro_batch_size=4, num_micro_batches=2, precision="fp32").save(tmp_path / "p.json")
     ran = subprocess.run([sys.executable, "-m", "autopar", "run", "p.json", "llama", "--model-arg", "size=tiny",

@@ -3,8 +3,8 @@ a single-process run of the same model, data and seed (relative 1e-5): the accep
 the bundled tiny GPT, plus other knobs and the Llama and ViT layouts; and a DCP checkpoint
 saved under one plan resumes under another with the losses of an uninterrupted run.
 
-One 4-rank job (torch.multiprocessing) runs every case in turn and writes the losses to JSON;
-the tests compare them with the plain single-process loop.
+One 4-rank job (torch.multiprocessing) runs every collected case in turn (`-k` picks some) and
+writes the losses to JSON; the tests compare them with the plain single-process loop.
 """
 
 import json
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import collected, free_port, is_collected
 
 from autopar.executor import weights
 from autopar.executor.mesh import release_meshes
@@ -98,7 +98,7 @@ class Zoo:
         return reference_losses(self.build, optimizer, self.file.loss_fn, [self.batch] * steps)
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, out: str, names: list, migrations: list) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -106,9 +106,12 @@ def _worker(rank: int, port: int, out: str) -> None:
     build_whole = weights.build_full_model
     weights.build_full_model = lambda *a, **kw: whole.append(1) or build_whole(*a, **kw)
     zoo = {name: Zoo(name) for name in MODEL_ARGS}
-    results = {name: zoo[model].train(zoo[model].apply(plan, sgd), STEPS) for name, (model, plan) in CASES.items()}
+    results = {}
+    for name in names:
+        model, plan = CASES[name]
+        results[name] = zoo[model].train(zoo[model].apply(plan, sgd), STEPS)
     gpt = zoo["gpt"]
-    for i, (before, after) in enumerate(MIGRATIONS):
+    for i, (before, after) in enumerate(migrations):
         par = gpt.apply(CASES[before][1], adamw)
         first = gpt.train(par, 2)
         save_checkpoint(par, f"{out}.ckpt{i}", step=2)
@@ -126,9 +129,14 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def losses(tmp_path_factory):
+def losses(request, tmp_path_factory):
+    """The losses of the collected cases and migrations (one case at least where the whole-model test runs)."""
     out = str(tmp_path_factory.mktemp("parity") / "losses.json")
-    mp.spawn(_worker, args=(free_port(), out), nprocs=WORLD)
+    names = collected(request, "test_plan_losses_equal_single_process", "name")
+    migrations = collected(request, "test_checkpoint_resumes_under_another_plan", "before", "after")
+    if not names and not migrations and is_collected(request, "test_only_rank_0_ever_holds_the_whole_model"):
+        names = list(CASES)[:1]
+    mp.spawn(_worker, args=(free_port(), out, names, migrations), nprocs=WORLD)
     with open(out) as f:
         return json.load(f)
 
@@ -143,20 +151,23 @@ def test_reference_learns(reference):
     assert reference["gpt"][-1] < reference["gpt"][0] - 0.1  # the comparison is not of flat curves
 
 
+@pytest.mark.slow
 def test_only_rank_0_ever_holds_the_whole_model(losses):
     """The other ranks lay the plan out on a meta-device skeleton and receive their shards from
     rank 0 (the parity tests show: with the same weights)."""
-    applies = len(CASES) + 2 * len(MIGRATIONS)
-    assert losses["whole models built"] == [applies, 0, 0, 0]
+    applies = sum(name in losses for name in CASES) + 2 * sum(f"{b} -> {a}" in losses for b, a in MIGRATIONS)
+    assert applies and losses["whole models built"] == [applies, 0, 0, 0]
 
 
 @pytest.mark.parametrize("name", CASES)
+@pytest.mark.slow
 def test_plan_losses_equal_single_process(losses, reference, name):
     expected = reference[CASES[name][0]]
     assert max_relative_difference(losses[name], expected) < 1e-5, (losses[name], expected)
 
 
 @pytest.mark.parametrize("before,after", MIGRATIONS)
+@pytest.mark.slow
 def test_checkpoint_resumes_under_another_plan(losses, reference, before, after):
     *curve, step = losses[f"{before} -> {after}"]
     assert step == 2

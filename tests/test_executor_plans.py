@@ -9,8 +9,8 @@ Each case trains 3 steps; its losses must match the single-process reference in 
 precision within that precision's stated tolerance (`parity.TOLERANCES`). Plans outside the
 space that the executor cannot run are refused by `support.refusal` before any process starts.
 
-One 4-rank job (torch.multiprocessing, gloo pinned so a GPU machine runs it too) runs every case
-in turn, as tests/test_executor_parity.py does.
+One 4-rank job (torch.multiprocessing, gloo pinned so a GPU machine runs it too) runs every collected
+case in turn (`-k` picks some), as tests/test_executor_parity.py does.
 """
 
 import itertools
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
-from conftest import free_port, workload
+from conftest import collected, free_port, workload
 
 from autopar.errors import PlanError
 from autopar.executor.mesh import release_meshes
@@ -111,8 +111,8 @@ def sgd(params):
     return torch.optim.SGD(params, lr=2.0)  # plain SGD: wrong gradient scaling shows in the losses
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    """Run every case; each rank appends its results as JSON lines. A failing case ends the job at
+def _worker(rank: int, port: int, out: str, names: list) -> None:
+    """Run the named cases; each rank appends its results as JSON lines. A failing case ends the job at
     once (its peers may wait on it in a collective): the cases after it are reported as not run."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -120,7 +120,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     torch.manual_seed(1000)
     batch = GPT.example_batch(GLOBAL_BATCH, device="cpu", **ARGS)
     with open(f"{out}.rank{rank}", "a") as f:
-        for name, plan in CASES.items():
+        for name in names:
+            plan = CASES[name]
             try:
                 par = apply(plan, lambda: GPT.build(**ARGS), sgd, GPT.loss_fn, tp_plan=GPT.tp_plan,
                             blocks=GPT.blocks, backend="gloo", timeout_s=60)
@@ -137,11 +138,13 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def losses(tmp_path_factory):
-    """{case: losses, or the error of the first rank that failed it}; cases never run are absent."""
+def losses(request, tmp_path_factory):
+    """{case: losses, or the error of the first rank that failed it} of the collected cases; cases never run
+    are absent."""
     out = str(tmp_path_factory.mktemp("plans") / "losses")
+    names = collected(request, "test_every_plan_runs_with_parity_in_its_precision", "name")
     try:
-        mp.spawn(_worker, args=(free_port(), out), nprocs=WORLD)
+        mp.spawn(_worker, args=(free_port(), out, names), nprocs=WORLD)
     except ProcessException:
         pass  # the failed case's error is in the rank files
     results = {}
@@ -172,6 +175,7 @@ def test_the_space_holds_nothing_the_executor_refuses():
 
 
 @pytest.mark.parametrize("name", CASES)
+@pytest.mark.slow
 def test_every_plan_runs_with_parity_in_its_precision(losses, reference, name):
     plan, got = CASES[name], losses.get(name, "not run: an earlier case failed and ended the job")
     assert not isinstance(got, str), got

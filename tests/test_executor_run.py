@@ -62,6 +62,7 @@ def only_record(path):
     return records[0]
 
 
+@pytest.mark.slow
 def test_a_searched_plan_runs_on_4_ranks_and_writes_a_trace(tmp_path):
     found = autopar("search", "gpt", *TINY, "--cluster", "cpu", "--global-batch", 16, "-o", "plan.json",
                     cwd=tmp_path)
@@ -82,6 +83,7 @@ def test_a_searched_plan_runs_on_4_ranks_and_writes_a_trace(tmp_path):
     assert record.predicted["iteration_time_s"] > 0 and record.predicted["peak_memory_gb"] > 0
 
 
+@pytest.mark.slow
 def test_single_rank_run_checks_parity(tmp_path):
     save_plan(tmp_path / "p.json", micro_batch_size=2, num_micro_batches=2, recompute="full", recompute_blocks=2)
     ran = autopar("run", "p.json", "gpt", *TINY, "--steps", 2, "--warmup", 1, "--check-parity",
@@ -92,6 +94,7 @@ def test_single_rank_run_checks_parity(tmp_path):
     assert measured["parity_tolerance"] == 1e-5 and measured["parity_reference"] in ("cpu fp32", "cuda fp32")
 
 
+@pytest.mark.slow
 def test_a_plan_for_another_world_size_is_refused_before_launch(tmp_path):
     save_plan(tmp_path / "p.json", dp=2)
     ran = autopar("run", "p.json", "gpt", *TINY, *ranks(4), "--trace", "t.jsonl", cwd=tmp_path, timeout=60)
@@ -101,6 +104,7 @@ def test_a_plan_for_another_world_size_is_refused_before_launch(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine_match_one_process(tmp_path):
     """Every single-node plan matches the single-process losses (test_executor_parity); two
     launchers on this machine, dp across the "nodes", must match them too."""
@@ -148,6 +152,7 @@ def test_a_rank_that_lost_its_peer_is_not_named_even_when_it_ended_first(tmp_pat
     ("os.kill(os.getpid(), 9)", "rank 1 failed: killed by SIGKILL"),  # e.g. the OOM killer
     ("os._exit(9)", "rank 1 failed: exited with code 9 without raising (os._exit or sys.exit)"),
 ])
+@pytest.mark.slow
 def test_a_failing_rank_fails_the_job_quickly_and_is_named(tmp_path, action, shown):
     """Rank 0 fails too (its peer is gone); the message must name the cause, not the echo."""
     model = faulty_model(tmp_path, action)
@@ -162,6 +167,7 @@ def test_a_failing_rank_fails_the_job_quickly_and_is_named(tmp_path, action, sho
     assert record.outcome == "rank_failed" and record.error == shown
 
 
+@pytest.mark.slow
 def test_a_rank_that_hangs_in_a_collective_times_out(tmp_path):
     model = faulty_model(tmp_path, "time.sleep(3600)")  # rank 0 waits for it in the all-reduce
     save_plan(tmp_path / "p.json", dp=2)
@@ -192,6 +198,7 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.slow
 def test_kill_9_of_the_launcher_leaves_whole_lines_and_no_workers(tmp_path):
     save_plan(tmp_path / "p.json", dp=2)
     trace = tmp_path / "t.jsonl"
@@ -216,6 +223,7 @@ def test_kill_9_of_the_launcher_leaves_whole_lines_and_no_workers(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.slow
 def test_a_stopped_rank_is_named_through_its_heartbeat_and_killed(tmp_path):
     """SIGSTOP: the rank's peers wait in a collective, torchrun sees nothing fail; the heartbeat
     goes stale, the launcher kills the stopped rank, and the record names it."""
@@ -232,6 +240,7 @@ def test_a_stopped_rank_is_named_through_its_heartbeat_and_killed(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.slow
 def test_sigint_to_the_launcher_is_interrupted_130_and_ends_the_workers(tmp_path):
     save_plan(tmp_path / "p.json", dp=2)
     launcher = subprocess.Popen([sys.executable, "-m", "autopar", "run", "p.json", "gpt", *TINY, *map(str, ranks(2)),
@@ -250,6 +259,7 @@ def test_sigint_to_the_launcher_is_interrupted_130_and_ends_the_workers(tmp_path
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA out-of-memory needs a GPU")
+@pytest.mark.slow
 def test_cuda_oom_is_an_outcome_not_a_crash(tmp_path):
     model = faulty_model(tmp_path, "pass").read_text().replace(
         "return super().forward(tokens)", "return super().forward(tokens) + torch.empty(1 << 50, device='cuda')")
@@ -260,6 +270,7 @@ def test_cuda_oom_is_an_outcome_not_a_crash(tmp_path):
     assert only_record(tmp_path / "t.jsonl").outcome == "oom"
 
 
+@pytest.mark.slow
 def test_measured_reward_runs_in_process_and_is_cached_by_workload_and_plan(tmp_path, monkeypatch):
     """The reward calls the executor's launcher in this process (no `python -m autopar run` child:
     only torchrun's workers are started), and caches by workload and plan."""
@@ -305,6 +316,7 @@ def test_measured_reward_runs_in_process_and_is_cached_by_workload_and_plan(tmp_
     assert refused["reward"] == reward.failure_reward and refused["record"] is None and len(launches) == 2
 
 
+@pytest.mark.slow
 def test_the_example_trains_saves_and_resumes_under_another_plan(tmp_path):
     example = ROOT / "experiments" / "train_with_plan.py"
     save_plan(tmp_path / "dp2.json", dp=2, micro_batch_size=8)

@@ -117,6 +117,7 @@ def one_rank_world():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.slow
 def test_compiled_blocks_train_as_the_eager_model_on_cpu(one_rank_world, precision):
     """torch.compile of each block (in place, names kept) on gloo: the same losses as one eager process."""
     p = Plan(dp=1, tp=1, pp=1, micro_batch_size=2, num_micro_batches=2, precision=precision, compile=True)

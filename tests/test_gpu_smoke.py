@@ -47,6 +47,7 @@ GPU_ONLY = {"vit fp32, TF32 on (cuDNN default): parity", "gpt bf16 selective rec
             "cuda oom and single-rank tests (pytest)"}
 
 
+@pytest.mark.slow
 def test_every_check_runs_and_passes_or_says_it_needs_a_gpu(smoke, capsys):
     """The whole script, as on a GPU machine: one JSON line per check, in order; here the
     CUDA-only checks say so, every other check passes (on NCCL with a GPU: all of them)."""

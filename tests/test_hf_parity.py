@@ -2,7 +2,8 @@
 families under dp, tp2 x dp2, pp2 x dp2 and ZeRO-3 match one process within 1e-5; a
 torchtitan-style tp_plan of ParallelStyle objects trains like the string form with sequence
 parallelism; bf16 ZeRO-2/3 trains the BatchNorm ResNet; and the plans the planners propose for
-zoo models and an HF model (drawn from the plan space) run. One 4-rank job runs every case; the tests read its results."""
+zoo models and an HF model (drawn from the plan space) run. One 4-rank job runs every collected case (`-k` picks
+some); the tests read its results."""
 
 import json
 import math
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import collected, free_port, is_collected
 
 pytest.importorskip("transformers")
 
@@ -115,7 +116,7 @@ def proposed(refs):
 
 
 @pytest.fixture(scope="module")
-def job(refs, proposed, tmp_path_factory):
+def job(request, refs, proposed, tmp_path_factory):
     cases = {f"{family} {name}": (refs[family], {}, plan.to_dict(), STEPS)
              for family in PARITY_FAMILIES for name, plan in HF_PLANS.items()}
     titan = str(TESTS / "torchtitan_llama.py")
@@ -125,6 +126,14 @@ def job(refs, proposed, tmp_path_factory):
                   for name, plan in BF16_BATCHNORM.items()})
     cases.update({f"proposed {name}": (model, args, plan.to_dict(), 1)
                   for name, (model, args, plan) in proposed.items()})
+    wanted = {f"{family} {plan}" for family, plan in collected(request, "test_hf_family_matches_one_process",
+                                                                "family", "plan")}
+    wanted |= {f"resnet {name}" for name in collected(request, "test_bf16_fsdp_trains_batchnorm", "name")}
+    if is_collected(request, "test_torchtitan_style_tp_plan_trains_like_the_string_form"):
+        wanted |= {"llama strings sp", "llama torchtitan objects"}
+    if is_collected(request, "test_every_drawn_plan_of_the_space_runs"):
+        wanted |= {f"proposed {name}" for name in proposed}
+    cases = {name: case for name, case in cases.items() if name in wanted}
     out = str(tmp_path_factory.mktemp("hf-parity") / "losses.json")
     mp.spawn(_worker, args=(free_port(), out, cases), nprocs=WORLD)
     return json.loads(Path(out).read_text())
@@ -141,12 +150,14 @@ def references(refs):
 
 @pytest.mark.parametrize("family", PARITY_FAMILIES)
 @pytest.mark.parametrize("plan", HF_PLANS)
+@pytest.mark.slow
 def test_hf_family_matches_one_process(job, references, family, plan):
     losses = job[f"{family} {plan}"]
     assert max_relative_difference(losses, references[family]) < 1e-5, (losses, references[family])
     assert losses[-1] < losses[0]  # it learns: the comparison is not of flat curves
 
 
+@pytest.mark.slow
 def test_torchtitan_style_tp_plan_trains_like_the_string_form(job):
     reference = reference_losses(*_reference_args("llama", {"size": "tiny"}))
     assert max_relative_difference(job["llama torchtitan objects"], reference) < 1e-5
@@ -159,10 +170,12 @@ def _reference_args(model, args, steps=STEPS):
 
 
 @pytest.mark.parametrize("name", BF16_BATCHNORM)
+@pytest.mark.slow
 def test_bf16_fsdp_trains_batchnorm(job, name):
     assert all(math.isfinite(x) for x in job[f"resnet {name}"])
 
 
+@pytest.mark.slow
 def test_every_drawn_plan_of_the_space_runs(job, proposed):
     assert len(proposed) >= 12 and any(p.tp > 1 for *_, p in proposed.values())
     assert any(p.pp > 1 for *_, p in proposed.values())
@@ -177,6 +190,7 @@ def test_every_drawn_plan_of_the_space_runs(job, proposed):
         assert plan.precision == "fp32" and max_relative_difference(job[f"proposed {name}"], first) < bound, name
 
 
+@pytest.mark.slow
 def test_autopar_run_checks_parity_of_an_hf_model_through_torchrun(refs, tmp_path):
     import subprocess
     import sys

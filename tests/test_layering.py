@@ -162,6 +162,7 @@ def test_imports_inside_functions_are_only_heavy_ones_and_say_so():
     assert len(inner) <= MAX_FUNCTION_LEVEL
 
 
+@pytest.mark.slow
 def test_the_plan_contract_and_the_command_line_load_without_torch():
     """The layering's point in practice: reading a plan, or `autopar --help`, imports neither torch
     nor the planners' optional packages."""

@@ -121,6 +121,7 @@ def test_train_measured_writes_a_policy(tmp_path):
 
 @pytest.mark.parametrize("extra,message", [(["--budget", "0"], "--budget"), (["--restrict", "zeros=1"], "unknown knob"),
                                            ([], "needs a MODEL")])
+@pytest.mark.slow
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, extra, message):
     argv = [sys.executable, "-m", "autopar", "train", "measured", *(["gpt"] if extra else []), *extra,
             "-o", str(tmp_path / "p.zip")]

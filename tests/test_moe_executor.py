@@ -62,6 +62,7 @@ def test_the_routing_of_the_parity_runs_is_uneven():
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
 def test_expert_parallel_matches_one_process(case, tmp_path):
     plan = CASES[case]
     plan.save(tmp_path / "p.json")

@@ -100,6 +100,7 @@ def complete_trials(db: Path) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_killed_study_resumes_without_losing_a_trial(tmp_path):
     db, trials = tmp_path / "study.db", 30
     url = f"sqlite:///{db}"
@@ -133,6 +134,7 @@ def test_killed_study_resumes_without_losing_a_trial(tmp_path):
     assert optuna.trial.TrialState.RUNNING not in states  # the killed trial was failed (and retried)
 
 
+@pytest.mark.slow
 def test_two_processes_on_one_study_complete_exactly_the_budget(tmp_path):
     db, trials = tmp_path / "study.db", 40
     url = f"sqlite:///{db}"

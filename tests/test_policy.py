@@ -53,6 +53,7 @@ def monkeypatch_module():
         yield mp
 
 
+@pytest.mark.trains
 def test_smoke_training_writes_a_policy_with_metadata(trained, pool_file):
     meta = json.loads(trained.with_suffix(".json").read_text())
     assert meta["env_id"] == "autopar/ParallelPlan-v0" and meta["timesteps"] == 384
@@ -64,6 +65,7 @@ def test_smoke_training_writes_a_policy_with_metadata(trained, pool_file):
         ["step_128.zip", "step_256.zip", "step_384.zip"]
 
 
+@pytest.mark.trains
 def test_numpy_actor_matches_the_torch_policy(trained, pool_file):
     import torch
     from sb3_contrib import MaskablePPO
@@ -85,6 +87,7 @@ def test_numpy_actor_matches_the_torch_policy(trained, pool_file):
     np.testing.assert_allclose(load_policy(trained).probabilities(obs, masks), expected, atol=1e-5)
 
 
+@pytest.mark.trains
 def test_resume_after_a_kill_continues_from_the_last_checkpoint(pool_file, tmp_path, capsys):
     out = tmp_path / "r.zip"
     base = ["train", "cost", "--workloads", str(pool_file), "-o", str(out), "--n-steps", "128",
@@ -129,6 +132,7 @@ def test_unusable_policy_files_are_one_line_errors(kind, message, tmp_path, caps
     assert message in err and "\n" not in err
 
 
+@pytest.mark.trains
 def test_resume_never_unpickles_a_checkpoint(trained, pool_file, tmp_path):
     """A checkpoint whose SB3 `data` entry carries a pickle that would run code: --resume reads only
     the weights (weights_only tensors), so the code does not run and training continues."""
@@ -179,6 +183,7 @@ def test_the_shipped_policy_matches_this_space_and_cost_model():
     assert changed == [], f"the shipped policy is stale ({', '.join(changed)} changed); retrain: {RETRAIN_COMMAND}"
 
 
+@pytest.mark.trains
 def test_a_policy_trained_on_an_older_cost_model_is_used_with_one_line_said(trained, tmp_path, capsys):
     older = tmp_path / "older.zip"
     with zipfile.ZipFile(trained) as src, zipfile.ZipFile(older, "w") as dst:
@@ -226,6 +231,7 @@ def test_the_cost_fingerprint_follows_the_predictions_not_the_source(monkeypatch
     assert fingerprint.cost_fingerprint() != before
 
 
+@pytest.mark.trains
 def test_ppo_that_leaves_the_training_plans_worse_keeps_the_imitated_weights(tmp_path, monkeypatch):
     """PPO after imitation is held to the imitated policy on the training workloads: a PPO that wrecks
     the weights (an entropy bonus that flattens every choice) leaves the greedy plans worse, so the

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from autopar.plan import Plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +33,7 @@ def readme_example() -> str:
     return blocks[0]
 
 
+@pytest.mark.slow
 def test_readme_apply_example_trains_and_resumes_across_world_sizes(tmp_path):
     (tmp_path / "train.py").write_text(readme_example())
     (tmp_path / "in_group.py").write_text(IN_GROUP)

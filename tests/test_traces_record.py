@@ -86,6 +86,7 @@ def _append_many(path, n):
         append_record(path, make_record(losses=list(range(2000)), median_step_s=0.1, peak_memory_bytes=[1]))
 
 
+@pytest.mark.slow
 def test_concurrent_appends_never_interleave(tmp_path):
     path = tmp_path / "t.jsonl"
     ctx = multiprocessing.get_context("fork")
