@@ -18,6 +18,8 @@ import builtins
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from conftest import profile
 
 from autopar import capability
@@ -25,7 +27,10 @@ from autopar.cli import main
 from autopar.cluster import load_cluster
 from autopar.errors import PlanError
 from autopar.explain import _excluded
+from autopar.executor.train_step import apply
+from autopar.export import export_plan
 from autopar.knobs import depends_of, knob
+from autopar.modelfile import load_model_file
 from autopar.plan import Plan
 from autopar.search.space import plan_of, walk
 from autopar.workload import Workload
@@ -161,6 +166,15 @@ def test_the_space_holds_only_what_the_runtime_runs(runtime):
     assert on == ({False} if runtime == "torch" else {False, True})
 
 
+def test_the_executor_asks_the_same_rule_before_any_process_group():
+    """`apply` lays the model out on the meta device and asks capability before init_process_group."""
+    moe = load_model_file("moe")
+    with pytest.raises(PlanError, match="sequence parallelism with an MoE model"):
+        apply(SP_PLAN, lambda: moe.build(size="tiny"), lambda params: torch.optim.SGD(params, lr=0.1), moe.loss_fn,
+              tp_plan=moe.tp_plan, blocks=moe.blocks, backend="gloo")
+    assert not dist.is_initialized()
+
+
 def test_the_why_rows_come_from_the_runtimes_rules():
     torch_rows = [r.text for r in _excluded(_moe_workload())]
     assert any(text.startswith("sequence parallel on not considered: sequence parallelism with an MoE") for text in
@@ -186,3 +200,4 @@ def test_estimate_and_run_agree_on_sequence_parallelism_with_moe(capsys, tmp_pat
     assert "sequence parallelism with an MoE model" in _one_line(capsys)
     assert list(tmp_path.iterdir()) == [path]  # nothing launched, nothing written
     assert main(["estimate", *SP_ON_MOE, "--runtime", "megatron", "--json"]) == 0
+    assert "--sequence-parallel" in export_plan(SP_PLAN, "megatron").text  # export targets Megatron-Core: accepted

@@ -10,6 +10,8 @@ tensor cores, bf16 reductions).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from autopar.capability.core import Device, Layout, Rule, Target, allowed, check, declare_rule, refusal
 
 FP8_RECIPES = ("tensorwise", "rowwise", "mxfp8")  # torchao's recipes (autopar.knobs names the knob's values)
@@ -219,8 +221,11 @@ def excluded(target: Target) -> list[tuple[str, str, str]]:
         return []  # Megatron-Core lays the model out itself
     out = [(k, *EXCLUDED_ROWS[k][:1], f"{EXCLUDED_ROWS[k][1]} not considered: {why}")
            for k, why in layout.limits.items() if k in EXCLUDED_ROWS]
-    if layout.moe and "sp" not in layout.limits:
-        out.append(("moe_sp", "sequence_parallel", f"sequence parallel on not considered: {MOE_SP}"))
+    # sequence parallelism refused at every tp by the model's other facts (an MoE model): the rule at a tp
+    # whatever the sequence length
+    on = refusal("sequence_parallel", replace(target, layout=replace(layout, seq_len=None)), True, {"tp": 2})
+    if on and "sp" not in layout.limits:
+        out.append(("sp", "sequence_parallel", f"sequence parallel on not considered: {on}"))
     return out
 
 
