@@ -20,12 +20,15 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 POLL_S = 1.0
 
 
-def die_with_parent(parent_pid: int, signum: int = signal.SIGKILL, poll_s: float = POLL_S) -> None:
-    """Deliver `signum` to this process when `parent_pid`, its parent, is gone."""
+def die_with_parent(parent_pid: int, signum: int = signal.SIGKILL, poll_s: float | None = POLL_S) -> None:
+    """Deliver `signum` to this process when `parent_pid`, its parent, is gone (poll_s None: no
+    polling thread, the kernel's signal alone)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum))
     if os.getppid() != parent_pid:  # the parent died before the kernel could be told
         os.kill(os.getpid(), signum)
+        return
+    if poll_s is None:
         return
 
     def watch() -> None:

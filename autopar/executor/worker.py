@@ -44,8 +44,10 @@ LAUNCHER_PID = "AUTOPAR_LAUNCHER_PID"  # set by `launch` for its workers
 
 def _die_with_launcher() -> None:
     """An orphaned rank must not keep training (and holding a GPU) once its launcher is killed
-    (`lifeline`: SIGTERM when the launcher is gone, or gone already)."""
-    die_with_parent(int(os.environ.get(LAUNCHER_PID, os.getppid())), signal.SIGTERM)
+    (`lifeline`: SIGTERM when the launcher is gone, or gone already). No polling thread: a thread
+    started before torch loads aborts the rank when memory runs out ("cannot allocate memory for
+    thread-local data", exit 127) before the rank can report its out-of-memory error."""
+    die_with_parent(int(os.environ.get(LAUNCHER_PID, os.getppid())), signal.SIGTERM, poll_s=None)
 
 
 def failure_note(result_path, rank) -> str:
