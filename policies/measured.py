@@ -37,7 +37,7 @@ from autopar.policies.imitation import imitate, plan_demonstrations
 from autopar.policies.load import check_signature, default_policy_path, read_meta
 from autopar.policies.train import TrainConfig, train
 from autopar.profile import profile_model
-from autopar.profile.cache import cache_dir
+from autopar.traces.measured_cache import default_cache
 from autopar.traces.reward import MeasuredReward
 from autopar.workload import Workload
 
@@ -185,10 +185,6 @@ def finetune(model, space: RestrictedSpace, backend, cfg: MeasuredConfig, say=la
             "runs_now": log.runs, "from_cache": log.used - log.runs, "rounds": log.rounds,
             "space": {"plans": len(space.prefixes), "varying": space.varying(), "fixed": space.fixed()},
             "measurements": [entry(p) for p in log.order]}
-
-
-def default_cache() -> str:
-    return str(cache_dir() / "measured-rewards.json")
 
 
 def train_measured(model: str, model_args: dict, *, cluster: str, gpus_per_node: int | None, global_batch: int,

@@ -21,6 +21,7 @@ from autopar.executor.options import RunOptions, add_run_flags
 from autopar.plan import ALIASES
 from autopar.policies.files import sidecar_path
 from autopar.policies.traces import REPLAY, TraceTrainConfig, cluster_path, train_on_traces
+from autopar.traces.measured_cache import default_cache, read_cache
 from autopar.policies.train import TrainConfig, train
 
 DEFAULT_TIMESTEPS = 100_000
@@ -218,12 +219,11 @@ def run_traces(args) -> int:
 
 
 def run_measured(args) -> int:
-    from autopar.policies.measured import default_cache, train_measured  # pulls torch: imported on first use
-    from autopar.traces.reward import read_cache  # pulls torch: imported on first use
-
     sidecar_path(args.output)
     args.cache = args.cache or default_cache()
-    read_cache(check_output(args.cache, "--cache"))  # a corrupt cache or a folder: one line before any work
+    read_cache(check_output(args.cache, "--cache"))  # a corrupt cache or a folder: one line before torch loads
+    from autopar.policies.measured import train_measured  # pulls torch: imported on first use
+
     if not args.model:
         raise AutoparError("autopar train measured needs a MODEL (a model.py or zoo name)")
     if args.budget < 1:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import os
 import tempfile
 from pathlib import Path
 
@@ -24,23 +22,10 @@ from autopar.errors import AutoparError, PlanError
 from autopar.executor.options import RunOptions
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
-from autopar.schema import Anything, Map, Num, Obj, Opt, check, loads, read_file
+from autopar.traces.measured_cache import read_cache
 from autopar.traces.run_plan import run_plan
 
 FAILURE_REWARD = -1000.0  # far below any real -step_time: an infeasible plan
-CACHE_SCHEMA = Map(Obj({"reward": Num(-math.inf), "record": Opt(Anything())}, required=("reward", "record")))
-
-
-def read_cache(path) -> dict:
-    """The measurements cached at `path` ({} before the first); a cache autopar cannot use (not
-    JSON, not a mapping of measurements, a folder, a FIFO) is one line, before any run."""
-    if not os.path.lexists(path):
-        return {}
-    try:
-        return check(loads(read_file(path, "measurement cache", AutoparError), str(path), AutoparError),
-                     CACHE_SCHEMA, f"measurement cache {path}", AutoparError)
-    except AutoparError as e:
-        raise AutoparError(f"{e}; move it away (its plans are measured again) or name another cache file") from None
 
 
 class MeasuredReward:
