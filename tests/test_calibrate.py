@@ -215,6 +215,7 @@ def trace_file(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_cli_calibrate_writes_a_cluster_every_flag_accepts(trace_file, tmp_path, capsys):
     out = tmp_path / "fitted.json"
     assert main(["calibrate", str(trace_file), "--cluster", "dgx-a100-80g", "--holdout", "0.3",

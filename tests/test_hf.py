@@ -111,6 +111,7 @@ def test_a_style_autopar_cannot_apply_is_refused_with_its_reason(refs):
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.slow
 def test_search_and_estimate_every_family(refs, family, capsys, tmp_path):
     common = [refs[family], "--cluster", "cpu", "--nodes", "1", "--gpus-per-node", "4", "--precision", "fp32"]
     assert main(["search", *common, "--global-batch", "8", "-o", str(tmp_path / "p.json"), "--json"]) == 0
@@ -129,6 +130,7 @@ def test_gemma_softcapped_attention_is_said_and_priced_as_eager(refs):
     assert all(b.attn_core_bytes < g.attn_core_bytes for b, g in zip(llama.layers, gemma.layers))
 
 
+@pytest.mark.slow
 def test_llama3_8b_config_plans_like_the_bundled_llama(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
     results = []
@@ -147,6 +149,7 @@ def test_llama3_8b_config_plans_like_the_bundled_llama(tmp_path, capsys):
     ("{not json", "not a readable JSON config"),
     ('{"model_type": "t5"}', "model_type 't5' is not supported"),
 ])
+@pytest.mark.slow
 def test_bad_hf_references_are_one_line_errors(tmp_path, capsys, content, message):
     if content is not None:
         (tmp_path / "config.json").write_text(content)

@@ -107,6 +107,7 @@ def test_the_restrict_help_shows_the_default_restriction(capsys):
         assert f"{knob}={','.join(values)}" in text
 
 
+@pytest.mark.slow
 def test_train_measured_writes_a_policy(tmp_path):
     out = tmp_path / "policy.zip"
     meta = train_measured("gpt", ARGS, cluster="cpu", gpus_per_node=4, global_batch=8,

@@ -54,6 +54,7 @@ def _search(model, capsys, *extra):
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_torchtitan_style_objects_plan_like_the_string_form(capsys):
     strings, objects = _search("llama", capsys), _search(TITAN, capsys)
     assert objects["plan"] == strings["plan"] and objects["plan"]["sequence_parallel"]
@@ -79,6 +80,7 @@ def test_a_plan_mixes_no_forms_and_names_torch_styles_in_its_errors():
     assert len(resolved) == 4 and all(isinstance(s, ColwiseParallel) for s in resolved.values())
 
 
+@pytest.mark.slow
 def test_the_space_leaves_out_what_the_layout_cannot_run_and_the_why_table_says_so(tmp_path, capsys):
     (tmp_path / "net.py").write_text(UNCUTTABLE)
     profile = profile_model(tmp_path / "net.py", {}, dtype="fp32", cache=False)
@@ -98,6 +100,7 @@ def _search_small(model, capsys, method="exhaustive"):
 
 
 @pytest.mark.parametrize("method", ["rules", "exhaustive", "random"])
+@pytest.mark.slow
 def test_no_planner_proposes_what_the_layout_cannot_run(tmp_path, capsys, method):
     (tmp_path / "net.py").write_text(UNCUTTABLE)
     plan = _search_small(tmp_path / "net.py", capsys, method)["plan"]

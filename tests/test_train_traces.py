@@ -7,6 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
 
 from autopar.cli import main
 from conftest import VTRAIN
@@ -40,6 +41,7 @@ def _vtrain_subset(tmp_path: Path, picks: dict, per_pick: int = 6) -> Path:
     return traces
 
 
+@pytest.mark.slow
 def test_train_on_vtrain_rows(tmp_path, capsys):
     # three shapes: one at 4 GPUs and batch 8, one at 2 GPUs and batch 16, one at 4 GPUs and batch 8
     traces = _vtrain_subset(tmp_path, {(1024, 12): (4, 8), (1024, 16): (2, 16), (2048, 12): (4, 8)})
