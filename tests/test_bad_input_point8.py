@@ -250,7 +250,7 @@ def test_a_rank_fault_prints_one_line_naming_the_rank_and_its_log_folder(tmp_pat
     (tmp_path / "p.json").write_text(json.dumps({**PLAN, "micro_batch_size": 1, "num_micro_batches": 1}))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "autopar", "run", "p.json", "faulty.py", *TINY, "--nproc-per-node",
-                           "2", "--steps", "5", "--warmup", "1", "--timeout", "240"], cwd=tmp_path, env=env,
+                           "2", "--backend", "gloo", "--steps", "5", "--warmup", "1", "--timeout", "240"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=400, check=False)
     err = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("autopar: profiling")]
     assert done.returncode == 1 and len(err) == 1, err  # a slow machine may add the profiler's wait notice

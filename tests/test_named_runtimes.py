@@ -98,9 +98,10 @@ def test_run_takes_seq_len(monkeypatch, tmp_path, capsys):
     plan = tmp_path / "plan.json"
     plan.write_text(Plan(dp=2, micro_batch_size=1, num_micro_batches=2).to_json())
     with pytest.raises(SystemExit):
-        main(["run", str(plan), "gpt", "--model-arg", "size=tiny", "--seq-len", "64", "--nproc-per-node", "2"])
+        main(["run", str(plan), "gpt", "--model-arg", "size=tiny", "--seq-len", "64", "--nproc-per-node", "2",
+              "--backend", "gloo"])
     assert seen == {"size": "tiny", "seq_len": 64}
-    assert main(["run", str(plan), "gpt", "--seq-len", "0", "--nproc-per-node", "2"]) == 2
+    assert main(["run", str(plan), "gpt", "--seq-len", "0", "--nproc-per-node", "2", "--backend", "gloo"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--seq-len must be positive, got 0" in err
 

@@ -111,6 +111,7 @@ def test_no_planner_proposes_what_the_layout_cannot_run(tmp_path, capsys, method
     (dict(dp=2, pp=2, num_micro_batches=2), "pp=2 but the forward uses embed.weight at more than one place"),
     (dict(dp=2, tp=2, sequence_parallel=True), "gathers the sequence into the module that computes the forward's"),
 ])
+@pytest.mark.slow  # profiles net.py in its child process
 def test_autopar_run_refuses_before_launch_in_one_line(tmp_path, capsys, plan, message):
     (tmp_path / "net.py").write_text(UNCUTTABLE)
     Plan(**{"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 2, "num_micro_batches": 1, "precision": "fp32",

@@ -196,7 +196,8 @@ def _measure(mf: ModelFile, model_args: dict, dtype: str, digest: str) -> ModelP
         with narrow, fused_norms(model), CudaKernels():
             model(*inputs)
 
-    check_tp_shards(mf, model, tp_plan, forward)  # a tp_plan the forward cannot run on its shards is refused
+    heads = {v for m in model.modules() for a in HEAD_ATTRS if isinstance(v := getattr(m, a, None), int) and v > 0}
+    check_tp_shards(mf, model, tp_plan, forward, heads)  # a tp_plan the forward cannot run on its shards is refused
     return profile
 
 

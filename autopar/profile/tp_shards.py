@@ -6,7 +6,8 @@ from the config, as a fused q/k/v projection split with ``split([q, kv, kv])`` d
 every rank at the first step (``split_with_sizes expects split_sizes to sum exactly to ...``),
 although the whole model profiles fine. The shapes are known at planning time: the profiler runs the
 forward once more (no backward, the representative blocks only) with each such output cut to its
-shard at the smallest degree its features allow, and a failure is the model file's error, in one line
+shard at the smallest degree the planner could choose (one dividing the sharded features and the
+attention's head counts, as the tp axis asks), and a failure is the model file's error, in one line
 naming the linear whose shard broke which op, and the fix. Row-wise linears take either their whole
 input or its shard, so only code between the two can fail; collectives and replicated styles keep
 their shapes. A fused projection laid out per head and split after a view (`autopar/zoo/gpt.py`,
@@ -89,13 +90,14 @@ class _ShardBroken(Exception):
         self.name, self.op, self.cause = name, op, cause
 
 
-def check_tp_shards(mf: ModelFile, model: nn.Module, tp_plan: dict, run_forward) -> None:
+def check_tp_shards(mf: ModelFile, model: nn.Module, tp_plan: dict, run_forward, heads=()) -> None:
     """Raise ModelFileError when the forward fails with the tp_plan's column-wise outputs cut to a
-    rank's shard. ``run_forward()`` runs the model's forward on meta (the profiler narrows the blocks)."""
+    rank's shard. ``run_forward()`` runs the model's forward on meta (the profiler narrows the blocks);
+    ``heads``: the attention's head counts, which every tp degree divides (65 heads never run at tp=2)."""
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name in tp_plan}
     keep = {name: m for name, m in linears.items() if _keeps_shard(tp_plan[name])}
     take = [m for name, m in linears.items() if _takes_shard(tp_plan[name])]
-    degree = smallest_degree([m.out_features for m in keep.values()]) if keep else None
+    degree = smallest_degree([*(m.out_features for m in keep.values()), *heads]) if keep else None
     if degree is None:
         return
     lineage = _Lineage()
