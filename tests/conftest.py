@@ -31,6 +31,9 @@ SCRATCH_ENV = {  # variable -> scratch subfolder; subprocesses (torchrun, the CL
     "AUTOPAR_CACHE_DIR": "autopar",  # profiles, oracle and measured-reward caches (else ~/.cache/autopar)
     "MPLCONFIGDIR": "matplotlib",  # matplotlib's config and font cache (else ~/.config, ~/.cache/matplotlib)
     "HOME": "home",  # anything else that writes under ~ lands here, and the session fails (below)
+    # torch.compile's cache (else /tmp/torchinductor_$USER, shared by every run on the machine: a compile
+    # killed mid-write there left a truncated .so that failed the next run's compile test)
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
 }
 SCRATCH: Path | None = None
 
