@@ -93,8 +93,9 @@ EAGER_PERMUTE_PASSES = 10.0
 def dispatch_as_run(k: dict[str, np.ndarray], workload) -> dict[str, np.ndarray]:
     """The per-kind figures with the eager permutation passes taken out of the elementwise traffic where
     the runtime's dispatcher replaces them by fused kernels (the `deepep` switch, priced per plan by
-    `fused_permute`); as profiled otherwise."""
-    if "deepep" not in workload.switches:
+    `fused_permute`; Megatron-Core's alltoall dispatcher with permute fusion, `alltoall_permute`); as
+    profiled otherwise (eager torch)."""
+    if "deepep" not in workload.switches and not is_megatron(workload.runtime):
         return k
     routed = np.array([float(getattr(b, "dispatch_bytes", 0.0)) for b in workload.profile.blocks])
     return {**k, "io_bytes": np.maximum(k["io_bytes"] - EAGER_PERMUTE_PASSES * routed, 0.0)}
@@ -108,6 +109,32 @@ def fused_permute(token_bytes, top_k: int, ranks, hbm_bytes_per_s: float):
     local expert (top_k copies in all), the unpermute reads those copies and writes the tokens back.
     The backward runs the same two kernels the other way round: the same bytes."""
     return 2.0 * token_bytes * (top_k + ranks) / hbm_bytes_per_s
+
+
+def alltoall_permute(token_bytes, top_k: int, ep, hbm_bytes_per_s: float):
+    """Seconds of Megatron-Core's alltoall dispatcher's permutations (`MoEAlltoAllTokenDispatcher`,
+    `moe_permute_fusion`, as Megatron-Bridge's Qwen3 and GPT-OSS providers set it) for one MoE layer's
+    forward on the busiest rank: TE's fused permute on the sending rank reads the rank's tokens and
+    writes top_k copies in expert order, and under ep > 1 `sort_chunks_by_idxs` reorders the received
+    copies from (source rank, expert) to (expert, source rank), a read and a write of the top_k copies;
+    the combine runs both the other way. Backward: the same bytes."""
+    sort = np.where(np.asarray(ep) > 1, 2.0 * top_k, 0.0)
+    return 2.0 * token_bytes * (1.0 + top_k + sort) / hbm_bytes_per_s
+
+
+def per_expert_loop(workload) -> bool:
+    """Whether the runtime runs a layer's experts as one GEMM launch per local expert: Megatron-Core's
+    `TEGroupedMLP` (Transformer Engine's `GroupedLinear`, whose grouped GEMM is a loop of cuBLAS calls
+    over the local experts, `general_grouped_gemm`) does; autopar's executor (`torch._grouped_mm`) and
+    NeMo AutoModel's DeepEP experts (`grouped_gemm.ops.gmm`, one CUTLASS grouped kernel) launch one
+    kernel for all local experts."""
+    return is_megatron(workload.runtime)
+
+
+def launch_flops(flops, local, loop: bool):
+    """FLOPs one GEMM launch computes, the size curve's argument (`gemm_half_flops`): the rank's
+    whole grouped GEMM, or under a per-expert loop one expert's share."""
+    return flops / local if loop else flops
 
 
 def distinct(top_k: int, bins):
@@ -251,6 +278,8 @@ def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict
     # are one GEMM of 2 x ffn). torchao's float8 conversion, which autopar's executor applies, swaps
     # nn.Linear modules only: the zoo's stacked experts stay bf16 under the torch runtime.
     te_fp8 = ((np.asarray(g.precision) == fp8.FP8) & is_megatron(workload.runtime))[:, None].astype(float)
+    loop = per_expert_loop(workload)
+    plain = not deepep and is_megatron(workload.runtime)  # Megatron-Core's alltoall dispatcher
     out = {name: zeros.copy() for name in ("expert_f", "expert_b", "a2a_f", "a2a_b", "expert_params")}
     for j, kind in enumerate(kinds):
         if kind is None:
@@ -259,8 +288,9 @@ def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict
         per_expert = tokens * kind.top_k * skew / local  # tokens of the busiest rank's experts
         flops = kind.flops * tokens / profile.seq_len * skew
         shape = grouped_efficiency(per_expert, kind.ffn, kind.hidden, local, cluster.gpu.sms)
-        rate = peak * np.maximum(c.gemm_efficiency * shape * flops / (flops + c.gemm_half_flops), 1e-9)
-        gemm = flops / rate * np.where(te_fp8, fp8.fp8_time_factor(flops, c, cluster.gpu), 1.0)
+        size = launch_flops(flops, local, loop)  # what one launch computes: the size curve's argument
+        rate = peak * np.maximum(c.gemm_efficiency * shape * size / (size + c.gemm_half_flops), 1e-9)
+        gemm = flops / rate * np.where(te_fp8, fp8.fp8_time_factor(size, c, cluster.gpu), 1.0)
         rows = tokens * kind.top_k * skew  # the routed copies the busiest rank's experts take
         cast = te_fp8 * fp8.TE_CAST_BYTES * rows / hbm  # seconds per element of a cast tensor's row
         out["expert_f"][:, j] = (gemm + cast * (kind.hidden + kind.ffn))[:, 0]
@@ -274,6 +304,10 @@ def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict
             on_node = token_bytes * ranks * (ep - 1) / ep  # every remote copy crosses NVLink once
             off_node = token_bytes * node_copies * (nodes - 1) / nodes
             permute = fused_permute(token_bytes, kind.top_k, ranks, hbm)
+            out["expert_f"][:, j] += permute[:, 0]
+            out["expert_b"][:, j] += permute[:, 0]
+        elif plain:  # TE's fused permute on the sending rank and the expert-order sort after the all-to-all
+            permute = alltoall_permute(token_bytes, kind.top_k, ep, hbm)
             out["expert_f"][:, j] += permute[:, 0]
             out["expert_b"][:, j] += permute[:, 0]
         one = all_to_all_time(token_bytes * kind.top_k, ep, per_node, col(links["intra_bw"]), col(links["inter_bw"]),

@@ -110,9 +110,89 @@ def moe_plan(row: MoeRow, workload: Workload) -> Plan:
                 layer_split=balanced_split(layers, row.pp * row.vp))
 
 
-def predicted_tokens_per_s(row: MoeRow):
-    """(plan, estimate, tokens/s per GPU) the cost model gives the row."""
-    w = moe_workload(row)
-    plan = moe_plan(row, w)
-    est = estimate(w, plan)
+def predicted_tokens_per_s(row, coeffs=None):
+    """(plan, estimate, tokens/s per GPU) the cost model gives the row (an AutoModel or a Megatron-Bridge
+    one), under the H100's coefficients or `coeffs`."""
+    w = moe_workload(row) if isinstance(row, MoeRow) else bridge_workload(row)
+    plan = moe_plan(row, w) if isinstance(row, MoeRow) else bridge_plan(row, w)
+    est = estimate(w, plan, coeffs)
     return plan, est, w.global_batch * w.profile.seq_len / est.iteration_time_s / row.gpus
+
+
+# -- Megatron-Bridge 25.11, DGX-H100 (data/published/megatron_bridge_25.11_h100.SOURCE.md) -----------------
+BRIDGE_TABLE = "megatron_bridge_25.11_h100.csv"
+BRIDGE_SHAPES = {"GPT OSS 120B": {"size": "gpt-oss-120b"}, "Qwen3_30B_a3B": {"size": "qwen3-30b-a3b"}}
+# Megatron-Bridge's recipes: TE fused attention, the distributed optimizer's two overlaps; the H100 MoE
+# configs run Megatron-Core's alltoall dispatcher (no DeepEP), the Qwen3 one with the 1F1B A2A overlap
+BRIDGE_SWITCHES = ("flash_attn", "overlap_grad_reduce", "overlap_param_gather")
+BRIDGE_EXTRA = {"Qwen3_30B_a3B": ("moe_a2a_overlap",)}  # QWEN3_30B_A3B_..._H100_FP8_CS: moe_a2a_overlap=True
+BRIDGE_PRECISION = {"BF16": "bf16", "FP8-CS": "fp8"}  # FP8-CS: TE's current (per-tensor) scaling
+
+
+@dataclass(frozen=True)
+class BridgeRow:
+    """One MoE row of Megatron-Bridge 25.11's DGX-H100 table: Megatron-Core with TE, no recompute (the
+    perf scripts clear it; GPT-OSS's recompute modules are inactive without selective granularity),
+    the table's degrees, global and micro-batch."""
+
+    model: str
+    gpus: int
+    precision: str
+    global_batch: int
+    micro_batch: int
+    tp: int
+    pp: int
+    vp: int
+    ep: int
+    tokens_per_s_per_gpu: float
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} on {self.gpus} GPUs ({self.precision})"
+
+    @property
+    def switches(self) -> tuple[str, ...]:
+        """Megatron-Core's switches the row's config turns on (overlap_p2p_comm: pp > 1 with vp > 1)."""
+        p2p = ("overlap_p2p_comm",) if self.pp > 1 and self.vp > 1 else ()
+        return (*BRIDGE_SWITCHES, *BRIDGE_EXTRA.get(self.model, ()), *p2p)
+
+
+def _bridge_row(r: dict[str, str]) -> BridgeRow:
+    vp = int(r["vp"]) if r["vp"].isdigit() else 1
+    return BridgeRow(r["model"], int(r["gpus"]), r["precision"], int(r["global_batch"]), int(r["micro_batch"]),
+                     int(r["tp"]), int(r["pp"]), vp, int(r["ep"]), float(r["tokens_per_s_per_gpu"]))
+
+
+BRIDGE_ROWS = tuple(_bridge_row(r) for r in read_table(BRIDGE_TABLE) if int(r["ep"]) > 1)
+
+
+def bridge_workload(row: BridgeRow) -> Workload:
+    """The row's model on dgx-h100 nodes under runtime megatron with the config's switches. The router's
+    forced balance (random logits, a uniform choice per token) is the zoo's learned gate at imbalance 1."""
+    profile = profile_model(zoo_path("moe"), BRIDGE_SHAPES[row.model], dtype="bf16")
+    return Workload(profile, load_cluster("dgx-h100", nodes=max(1, row.gpus // 8)), row.global_batch,
+                    runtime="megatron", switches=row.switches, fp8=BRIDGE_PRECISION[row.precision] == "fp8")
+
+
+def bridge_plan(row: BridgeRow, workload: Workload) -> Plan:
+    """The row's plan: its degrees and micro-batch, the distributed optimizer (ZeRO-1), bf16 gradient
+    reduction, no recompute, interleaved 1F1B with its virtual stages under pp, FP8 per-tensor scaling."""
+    layers = workload.profile.num_layers
+    precision = BRIDGE_PRECISION[row.precision]
+    return Plan(dp=row.dp, tp=row.tp, pp=row.pp, ep=row.ep, micro_batch_size=row.micro_batch,
+                num_micro_batches=row.global_batch // (row.dp * row.micro_batch), zero=1, recompute="none",
+                precision=precision, **({"fp8_recipe": "tensorwise"} if precision == "fp8" else {}),
+                schedule="interleaved" if row.vp > 1 else "1f1b", virtual_stages=row.vp,
+                grad_comm_dtype="bf16", layer_split=balanced_split(layers, row.pp * row.vp))
+
+
+def framework(row) -> str:
+    """Which published table a row is from."""
+    return "AutoModel" if isinstance(row, MoeRow) else "Megatron-Bridge"
+
+
+ROWS = (*MOE_ROWS, *BRIDGE_ROWS)  # every MoE row autopar prices, both frameworks
