@@ -27,6 +27,7 @@ import numpy as np
 from rich.progress import track
 
 from autopar.cluster import GPUS, PRESETS, load_cluster
+from autopar.cluster.presets import PUBLISHED_RUN_PRESETS
 from autopar.envs.knobs import PlanSpace
 from autopar.envs.rewards import OracleCache
 from autopar.errors import AutoparError
@@ -50,9 +51,11 @@ TRAIN_CLUSTERS = ("dgx-v100", "dgx-a100-40g", "dgx-a100-80g", "dgx-h100", "dgx-b
 
 
 def _heldout_clusters() -> tuple[str, ...]:
-    """Every GPU preset whose GPU no training preset has (the CPU preset is no GPU)."""
+    """Every GPU preset whose GPU no training preset has (the CPU preset is no GPU; nor are the presets
+    of published runs' machines, PUBLISHED_RUN_PRESETS, planning targets)."""
     trained = {PRESETS[c]["gpu"] for c in TRAIN_CLUSTERS}
-    return tuple(name for name, p in PRESETS.items() if p["gpu"] not in trained and p["node"]["intra"] != "shm")
+    return tuple(name for name, p in PRESETS.items() if p["gpu"] not in trained and p["node"]["intra"] != "shm"
+                 and name not in PUBLISHED_RUN_PRESETS)
 
 
 HELDOUT_CLUSTERS = _heldout_clusters()

@@ -44,10 +44,17 @@ def _spec(name: str, half: float, fp32: float, memory_gib: float, hbm_gb_s: floa
     return GPUSpec(name, flops, memory_gib * GIB, hbm_gb_s * 1e9, sms)
 
 
+def _by_power(watts: float, low_watts: float, high_watts: float, low: float, high: float) -> float:
+    """A rate at a power limit between two datasheet parts of one die (`low` at `low_watts`, `high` at
+    `high_watts`), linear in the limit: what a power-capped part sustains is set by its clock, which the
+    limit sets; no published figure gives the curve between, so it is drawn straight."""
+    return low + (high - low) * (watts - low_watts) / (high_watts - low_watts)
+
+
 # V100 has no bf16 tensor cores: bf16 matmuls run at the fp32 rate at best. SM counts from the
 # architecture whitepapers (A100 108, H100 SXM5 132, B200 148 per GPU: 2 dies x 74).
 # Memory (GiB) as CUDA reports it, from published device queries and torch OOM messages
-# (docs/hardware.md "GPU memory" lists each source); H200 and GB200 are estimates, said there.
+# (docs/hardware.md "GPU memory" lists each source); GB200 and the 96 GB H100 are estimates, said there.
 GPUS: dict[str, GPUSpec] = {
     "v100-32g": _spec("V100-SXM2-32GB", 125e12, 15.7e12, 31.74, 900, bf16=15.7e12, sms=80),
     "a100-40g": _spec("A100-SXM4-40GB", 312e12, 19.5e12, 42_298_834_944 / GIB, 1555, sms=108),
@@ -55,11 +62,24 @@ GPUS: dict[str, GPUSpec] = {
     # fp8: dense, half the datasheets' "with sparsity" figures (H100/H200 SXM 3,958 TFLOP/s; B200 9 PFLOP/s;
     # GB200 NVL72 720 PFLOP/s over 72 GPUs); A100, V100 and the CPU have no fp8 tensor cores (absent)
     "h100": _spec("H100-SXM5-80GB", 989e12, 67e12, 79.11, 3350, sms=132, fp8=1979e12),
-    "h200": _spec("H200-SXM5-141GB", 989e12, 67e12, 139.86, 4800, sms=132, fp8=1979e12),
+    "h200": _spec("H200-SXM5-141GB", 989e12, 67e12, 139.80, 4800, sms=132, fp8=1979e12),
+    # Meta's Grand Teton H100 (torchtitan's published H100 runs): the SXM part with 96 GB of HBM2e at
+    # 2.4 TB/s and a 500 W power limit. Its rates lie between the H100 NVL's (400 W) and the H100 SXM's
+    # (700 W) datasheets, as torchtitan's benchmark says; taken linearly in the power limit
+    # (docs/hardware.md). Memory as CUDA reports a 96 GB Hopper (an estimate, docs/hardware.md).
+    "h100-gt": _spec("H100-SXM-96GB-HBM2e-500W", *(_by_power(500, 400, 700, nvl, sxm) for nvl, sxm in
+                                                  ((835e12, 989e12), (60e12, 67e12))),
+                     95.08, 2400, sms=132, fp8=_by_power(500, 400, 700, 1670e12, 1979e12)),
     # Blackwell (docs/hardware.md): B200 as in DGX B200 (64 TB/s HBM3e over 8 GPUs; 2.25 PFLOP/s
     # dense bf16, 75 TFLOP/s fp32); GB200 as in GB200 NVL72 (576 TB/s HBM3e, 180 PFLOP/s dense bf16,
     # 5,760 TFLOP/s fp32 over 72 GPUs)
     "b200": _spec("B200", 2250e12, 75e12, 178.35, 8000, sms=148, fp8=4500e12, mxfp8=True),
+    # B200 at a 750 W power limit (torchao's "power limited B200" MXFP8 rows): between the HGX B100's
+    # (700 W) and the HGX B200's (1000 W) datasheet tensor rates, the same die, HBM3e at 8 TB/s in both;
+    # fp32 (not on the B100's datasheet) at the bf16 rate's share of the B200's
+    "b200-750w": _spec("B200-750W", _by_power(750, 700, 1000, 1750e12, 2250e12),
+                       75e12 * _by_power(750, 700, 1000, 1750e12, 2250e12) / 2250e12, 178.35, 8000, sms=148,
+                       fp8=_by_power(750, 700, 1000, 3500e12, 4500e12), mxfp8=True),
     "gb200": _spec("GB200", 2500e12, 80e12, 184.3, 8000, sms=148, fp8=5000e12, mxfp8=True),
     "l40s": _spec("L40S", 362e12, 91.6e12, 44.42, 864, sms=142),
     # GeForce: 165 TFLOP/s is the fp32-accumulate rate (330 with fp16 accumulation).

@@ -78,8 +78,15 @@ PRESETS: dict[str, dict] = {
                  "coefficients": {"link_efficiency": {"nvlink": DGX_H100_NVLINK_EFFICIENCY}}},
     "dgx-h200": {**_dgx("h200", 8, nvlink=450e9, pcie=64e9, upi=32e9, ib=50e9),
                  "coefficients": {"link_efficiency": {"nvlink": DGX_H100_NVLINK_EFFICIENCY}}},
+    # Meta's Grand Teton, where torchtitan's H100 rows ran (docs/hardware.md): 8 H100 (96 GB HBM2e, 500 W)
+    # per host on NVLink 4 through NVSwitch, 400 Gb/s of RDMA per GPU (RoCE or IB: NCCL drives both with
+    # its IB verbs transport), 2 CPU sockets with PCIe Gen5; NVLink at the DGX H100's measured efficiency
+    "grand-teton-h100": {**_dgx("h100-gt", 8, nvlink=450e9, pcie=64e9, upi=32e9, ib=50e9),
+                         "coefficients": {"link_efficiency": {"nvlink": DGX_H100_NVLINK_EFFICIENCY}}},
     # DGX B200: 2 Xeon sockets, 8 B200 on NVLink5 switches, 8 x 400 Gb/s ConnectX-7 (one per GPU).
     "dgx-b200": _dgx("b200", 8, nvlink=900e9, pcie=64e9, upi=32e9, ib=50e9),
+    # the same node with its B200s capped at 750 W (torchao's power-limited MXFP8 rows, docs/hardware.md)
+    "dgx-b200-750w": _dgx("b200-750w", 8, nvlink=900e9, pcie=64e9, upi=32e9, ib=50e9),
     # GB200 NVL72: one NVLink domain of 72 GPUs (18 compute trays of 2 Grace + 4 B200 joined by 9 NVLink
     # switch trays). Each GPU has its own 400 Gb/s NIC on a PCIe Gen5 path; the Grace CPUs talk to their
     # GPUs over NVLink-C2C, which no collective here uses, so the domain is drawn with one host socket.
@@ -104,6 +111,12 @@ PRESETS: dict[str, dict] = {
             "coefficients": {"gemm_efficiency": 1.0, "gemm_half_flops": 1e6, "host_overlap": 1.0,
                              "compile_elementwise": 1.0, "compile_host": 1.0}},
 }
+
+
+# Presets that describe the machines of one set of published runs, for checking the cost model against
+# them: not planning targets of their own, so the policy's held-out set (autopar/envs/workloads.py),
+# drawn from the registry, leaves them out and stays the set the README's planner table was measured on.
+PUBLISHED_RUN_PRESETS = ("grand-teton-h100", "dgx-b200-750w")
 
 
 def preset_names() -> list[str]:

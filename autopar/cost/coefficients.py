@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from autopar.cluster.gpus import GPUS
 from autopar.errors import ClusterError
 from autopar.schema import Map, Num, Obj, check, dataclass_schema
 
@@ -205,6 +206,10 @@ GPU_CALIBRATION: dict[str, GpuCalibration] = {
     "H100-SXM5-80GB": derive("A100", _A100, 312e12, 989e12, 792.1 / 989),
     "H200-SXM5-141GB": derive("A100", _A100, 312e12, 989e12, 794.5 / 989),
     "B200": derive("A100", _A100, 312e12, 2250e12, 1745.0 / 2250),
+    # power-limited parts (autopar/cluster/gpus.py): no MAMF was published at their limits, so each keeps
+    # its full-power part's ceiling as a fraction of its own (power-scaled) peak
+    "H100-SXM-96GB-HBM2e-500W": derive("A100", _A100, 312e12, GPUS["h100-gt"].peak_flops["bf16"], 792.1 / 989),
+    "B200-750W": derive("A100", _A100, 312e12, GPUS["b200-750w"].peak_flops["bf16"], 1745.0 / 2250),
     "GB200": derive("A100", _A100, 312e12, 2500e12, 1745.0 / 2250),
 }
 UNCALIBRATED = GpuCalibration()
