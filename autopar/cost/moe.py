@@ -137,6 +137,16 @@ def launch_flops(flops, local, loop: bool):
     return flops / local if loop else flops
 
 
+def expert_gemm_efficiency(per_expert, kind: MoeKind, local, sms: int, c, loop: bool):
+    """Fraction of the bf16 peak the rank's expert GEMMs reach: the GPU's GEMM efficiency, the tile/wave
+    shape of the grouped problem (`grouped_efficiency`) and the size curve (`gemm_half_flops`) at the
+    FLOPs one launch computes (`launch_flops`: all local experts, or one under a per-expert loop)."""
+    flops = 2.0 * 3.0 * per_expert * local * kind.ffn * kind.hidden  # forward, the three SwiGLU GEMMs
+    size = launch_flops(flops, local, loop)
+    shape = grouped_efficiency(per_expert, kind.ffn, kind.hidden, local, sms)
+    return np.maximum(c.gemm_efficiency * shape * size / (size + c.gemm_half_flops), 1e-9)
+
+
 def distinct(top_k: int, bins):
     """Expected distinct bins (ranks, nodes) a token's top_k experts fall in, drawn uniformly over
     `bins` bins: bins x (1 - (1 - 1/bins)^top_k)."""
@@ -287,9 +297,8 @@ def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict
         local = kind.experts / ep  # experts per rank
         per_expert = tokens * kind.top_k * skew / local  # tokens of the busiest rank's experts
         flops = kind.flops * tokens / profile.seq_len * skew
-        shape = grouped_efficiency(per_expert, kind.ffn, kind.hidden, local, cluster.gpu.sms)
         size = launch_flops(flops, local, loop)  # what one launch computes: the size curve's argument
-        rate = peak * np.maximum(c.gemm_efficiency * shape * size / (size + c.gemm_half_flops), 1e-9)
+        rate = peak * expert_gemm_efficiency(per_expert, kind, local, cluster.gpu.sms, c, loop)
         gemm = flops / rate * np.where(te_fp8, fp8.fp8_time_factor(size, c, cluster.gpu), 1.0)
         rows = tokens * kind.top_k * skew  # the routed copies the busiest rank's experts take
         cast = te_fp8 * fp8.TE_CAST_BYTES * rows / hbm  # seconds per element of a cast tensor's row

@@ -1,0 +1,126 @@
+"""Fine-grained mixture-of-experts as the runtimes run it (issue 40, point 3; docs/moe-cost.md): expert GEMMs
+by their shapes and launches, the dispatchers' permutations and bytes, the all-to-all by EP span, and the
+published MoE rows of both frameworks (AutoModel, Megatron-Bridge 25.11) pinned to today's figures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from autopar.cluster import load_cluster
+from autopar.cost import estimate
+from autopar.cost import moe as moe_cost
+from autopar.cost.coefficients import Coefficients
+from autopar.cost.moe import (
+    MoeKind,
+    alltoall_permute,
+    expert_gemm_efficiency,
+    fused_permute,
+    grouped_efficiency,
+    launch_flops,
+)
+from autopar.plan import Plan
+from autopar.profile import profile_model
+from autopar.workload import Workload
+from autopar.zoo import path as zoo_path
+
+SMS = 132  # H100 SXM
+
+
+def test_expert_gemm_efficiency_falls_with_expert_ffn_under_a_per_expert_loop():
+    """Same tokens per expert (4096) and hidden (2048), 16 local experts: under Megatron-Core's per-expert
+    loop each launch is one expert's GEMMs, so Qwen3's ffn 768 runs well below GPT-OSS's ffn 2880 on the
+    size curve; one grouped kernel for all 16 barely feels it. Few tokens per expert waste most of a
+    128-row tile whatever the launch."""
+    c = Coefficients.for_cluster(load_cluster("dgx-h100"), "megatron")
+    tokens, local = np.array([4096.0]), np.array([16.0])
+
+    def eff(ffn, loop, rows=tokens):
+        return expert_gemm_efficiency(rows, MoeKind(128, 8, 2048, ffn, 0.0, 0.0), local, SMS, c, loop)[0]
+
+    assert eff(768, True) < 0.75 * eff(2880, True)
+    assert eff(768, True) < 0.6 * eff(768, False)
+    assert eff(768, False) > 0.85 * eff(2880, False)
+    assert grouped_efficiency(np.array([40.0]), 768, 2048, local, SMS)[0] < 0.5 * grouped_efficiency(
+        tokens, 768, 2048, local, SMS)[0]
+
+
+def test_per_expert_loop_prices_each_launch_on_the_size_curve():
+    """Megatron-Core's TE GroupedLinear loops one GEMM per local expert: the size curve sees one expert's
+    FLOPs; a single grouped kernel (autopar's torch._grouped_mm, AutoModel's grouped_gemm) sees them all."""
+    flops, local = np.array([6.4e11]), np.array([16.0])
+    assert launch_flops(flops, local, True)[0] == pytest.approx(4e10)
+    assert launch_flops(flops, local, False)[0] == pytest.approx(6.4e11)
+
+
+def test_alltoall_dispatcher_permutes_more_bytes_than_deepep_and_sorts_only_across_ranks():
+    """The plain dispatcher permutes top_k copies on the sender and sorts them by expert after the exchange
+    (2 x (1 + k + 2k) token bytes a forward); DeepEP's fused permute touches k + ranks copies; ep 1 skips
+    the sort."""
+    tb, hbm = 1e8, 2e12
+    assert alltoall_permute(tb, 8, 8, hbm) == pytest.approx(2 * tb * (1 + 8 + 16) / hbm)
+    assert alltoall_permute(tb, 8, 1, hbm) == pytest.approx(2 * tb * 9 / hbm)
+    assert fused_permute(tb, 8, 1.0, hbm) < alltoall_permute(tb, 8, 8, hbm)
+
+
+@pytest.fixture(scope="module")
+def qwen_layers():
+    """Qwen3-30B-A3B's shape with 4 layers (the experts' shapes as published, a quick profile)."""
+    return profile_model(zoo_path("moe"), {"size": "qwen3-30b-a3b", "layers": 4}, dtype="bf16")
+
+
+def _terms(profile, nodes, ep, runtime="torch", switches=()):
+    w = Workload(profile, load_cluster("dgx-h100", nodes=nodes), 8 * nodes * 2, runtime=runtime, switches=switches)
+    plan = Plan(dp=8 * nodes, ep=ep, micro_batch_size=2, num_micro_batches=1, zero=2)
+    return w, plan, estimate(w, plan)
+
+
+def test_all_to_all_grows_when_the_ep_group_spans_nodes(qwen_layers):
+    """Same tokens per rank: ep 8 inside one DGX rides NVLink; ep 16 over two nodes sends half its bytes
+    through one 400 Gb/s NIC per GPU, several times slower."""
+    _, _, inside = _terms(qwen_layers, 2, 8)
+    _, _, across = _terms(qwen_layers, 2, 16)
+    assert across.breakdown["ep_comm"] > 3 * inside.breakdown["ep_comm"] > 0
+
+
+def test_deepep_sends_fewer_bytes_than_the_plain_dispatcher_with_the_balanced_gate():
+    """Under the balanced gate a token's 8 consecutive experts sit on one rank at ep 8: DeepEP sends it
+    once, the plain all-to-all 8 times."""
+    profile = profile_model(zoo_path("moe"), {"size": "qwen3-30b-a3b", "layers": 2, "gate": "balanced"}, dtype="bf16")
+    _, _, plain = _terms(profile, 1, 8)
+    _, _, deepep = _terms(profile, 1, 8, switches=("deepep",))
+    assert deepep.breakdown["ep_comm"] < plain.breakdown["ep_comm"] / 4
+
+
+def test_megatron_runs_small_experts_slower_than_one_grouped_kernel(qwen_layers, monkeypatch):
+    """Under runtime megatron the per-expert loop puts each of the 16 local experts (ffn 768) on the
+    size curve alone: the step is slower than the same plan priced as one grouped launch."""
+    w = Workload(qwen_layers, load_cluster("dgx-h100", nodes=1), 64, runtime="megatron", switches=("flash_attn",))
+    plan = Plan(dp=8, ep=8, micro_batch_size=2, num_micro_batches=4, zero=1)
+    loop = estimate(w, plan).iteration_time_s
+    monkeypatch.setattr(moe_cost, "per_expert_loop", lambda workload: False)
+    grouped = estimate(w, plan).iteration_time_s
+    assert loop > 1.1 * grouped
+
+
+# -- the published rows, pinned (issue 40 acceptance 4: no figure moves by more than a point) ------------
+PINNED = {  # tokens/s per GPU error of each row, today
+    "DeepSeek-V3-671B on 256 GPUs": 0.066,
+    "Qwen3-30B-A3B on 8 GPUs": -0.163,
+    "GPT-OSS-20B on 8 GPUs": 0.141,
+    "GPT-OSS-120B on 64 GPUs": 0.061,
+    "GPT OSS 120B on 64 GPUs (BF16)": 0.050,
+    "Qwen3_30B_a3B on 16 GPUs (FP8-CS)": 0.694,
+}
+
+
+def test_published_moe_rows_of_both_frameworks_hold_their_figures():
+    """Every MoE row of both frameworks within one point of its pinned error; the Megatron-Bridge Qwen3 row
+    (+91% before the per-expert loop and the alltoall dispatcher's permutes) is what docs/moe-cost.md says
+    is not yet explained."""
+    from autopar.search.published_moe import ROWS, predicted_tokens_per_s
+
+    errors = {row.label: predicted_tokens_per_s(row)[2] / row.tokens_per_s_per_gpu - 1 for row in ROWS}
+    assert set(errors) == set(PINNED)
+    for label, err in errors.items():
+        assert err == pytest.approx(PINNED[label], abs=0.01), (label, err)
