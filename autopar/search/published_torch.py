@@ -1,0 +1,139 @@
+"""Published PyTorch-native training throughput the torch runtime is checked against
+(`data/published/torch_native_shared.csv`, its SOURCE.md says where each row comes from).
+
+torchtitan's Llama 3.1 tables on Meta's Grand Teton H100s and torchao's float8 / MXFP8 Llama 3 8B
+rows: FSDP2 (ZeRO-3), DTensor tensor parallelism with sequence parallel norms, torch.compile of
+each block, torchao's float8 recipes. autopar prices a row as its own executor would run that
+setup: runtime ``torch``, the row's degrees, local batch as one micro-batch (torchtitan accumulates
+no gradients in these runs), the row's recompute, compile and precision, on the preset of the row's
+GPU (`PRESETS_BY_GPU`). Nothing is fitted to these rows (the torch-runtime fit, issue 40 point 2,
+is to fit to them alone); a row whose setup autopar cannot express is left out with the reason
+(`expressible`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cluster import load_cluster
+from autopar.cost import estimate
+from autopar.plan import Plan, balanced_split
+from autopar.profile import profile_model
+from autopar.search.published import ZOO_LLAMA, read_table
+from autopar.workload import Workload
+
+TABLE = "torch_native_shared.csv"
+# the zoo shape of each model (Llama 3.1 has Llama 3's architecture; only its context length differs)
+ZOO_SIZES = {"Llama3-8B": "llama3-8b", "Llama3.1-8B": "llama3-8b", "Llama3-70B": "llama3-70b",
+             "Llama3.1-70B": "llama3-70b", "Llama3.1-405B": "llama3-405b"}
+# the preset of the row's GPU: Grand Teton for torchtitan's H100s; torchao's float8 README names no part,
+# so its H100 is the datasheet SXM part; its B200s were power-limited (the 750 W of docs/hardware.md)
+PRESETS_BY_GPU = {"GT-H100": "grand-teton-h100", "H100": "dgx-h100", "B200(power-limited)": "dgx-b200-750w"}
+# precision column -> (plan precision, fp8 recipe): torchao's recipes; FSDP2's float8 all-gather of
+# tensorwise weights is what the cost model prices for tensorwise under ZeRO-3 (docs/hardware.md)
+PRECISIONS = {"bf16": ("bf16", "none"), "float8-tensorwise": ("fp8", "tensorwise"),
+              "float8-tensorwise+fp8-allgather": ("fp8", "tensorwise"), "float8-rowwise": ("fp8", "rowwise"),
+              "mxfp8_cublas": ("fp8", "mxfp8")}
+SCHEDULES = {"-": "1f1b", "1F1B": "1f1b"}
+
+
+def _number(text: str) -> int | None:
+    """A CSV cell as an int; `*` (a default or derived value) is dropped, `?` (not published) is None."""
+    text = text.rstrip("*")
+    return None if text in ("?", "") else int(text)
+
+
+@dataclass(frozen=True)
+class TorchNativeRow:
+    line: int  # the CSV's line (the header is line 1)
+    source: str
+    model: str
+    gpus: int
+    gpu: str
+    precision: str
+    seq_len: int
+    local_batch: int
+    global_batch: int | None
+    dp_shard: int
+    dp_replicate: int
+    tp: int
+    pp: int
+    pp_schedule: str
+    cp: int
+    ac: str
+    compile: bool
+    async_tp: bool
+    tokens_per_s_per_gpu: float
+
+    @property
+    def dp(self) -> int:
+        return self.dp_shard * self.dp_replicate
+
+    @property
+    def label(self) -> str:
+        parts = [self.model, f"{self.gpus} {self.gpu}", self.precision, f"fsdp{self.dp_shard}"]
+        parts += [f"tp{self.tp}"] if self.tp > 1 else []
+        parts += [f"pp{self.pp} {self.pp_schedule}"] if self.pp > 1 else []
+        parts += ["compile"] if self.compile else []
+        parts += ["async-tp"] if self.async_tp else []
+        return f"{self.source} " + ", ".join(parts)
+
+
+def _row(line: int, r: dict[str, str]) -> TorchNativeRow:
+    return TorchNativeRow(line, r["source"], r["model"], int(r["gpus"]), r["gpu"], r["precision"],
+                          _number(r["seq_len"]), _number(r["local_batch"]), _number(r["global_batch"]),
+                          int(r["dp_shard"]), int(r["dp_replicate"]), int(r["tp"]), int(r["pp"]), r["pp_schedule"],
+                          int(r["cp"]), r["ac"], r["compile"] == "on", r["async_tp"] == "on", float(r["value"]))
+
+
+ROWS = tuple(_row(i, r) for i, r in enumerate(read_table(TABLE), start=2))
+
+
+def expressible(row: TorchNativeRow) -> str | None:
+    """None when autopar's plan space and the torch runtime hold the row's setup, else why not."""
+    if row.async_tp:
+        return "async TP is not a switch of the torch runtime yet (issue 40 point 2)"
+    if row.model not in ZOO_SIZES:
+        return f"{row.model} is not a zoo shape"
+    if row.gpu not in PRESETS_BY_GPU:
+        return f"no preset for the GPU {row.gpu!r}"
+    if row.precision not in PRECISIONS:
+        return f"precision {row.precision!r} is not one autopar prices"
+    if row.dp_replicate > 1:
+        return "HSDP (replicated FSDP groups) is not a plan autopar makes"
+    if row.pp > 1 and row.pp_schedule not in SCHEDULES:
+        return f"pipeline schedule {row.pp_schedule}: its virtual stages are not published"
+    if row.dp * row.tp * row.pp * row.cp != row.gpus:
+        return f"fsdp x tp x pp x cp = {row.dp * row.tp * row.pp * row.cp}, not the row's {row.gpus} GPUs"
+    return None
+
+
+def torch_workload(row: TorchNativeRow) -> Workload:
+    """The row's model on its GPU's preset under runtime torch; the run fitted, so the budget is the
+    GPU's whole memory (no search headroom)."""
+    profile = profile_model(ZOO_LLAMA, {"size": ZOO_SIZES[row.model], "seq_len": row.seq_len}, dtype="bf16")
+    preset = load_cluster(PRESETS_BY_GPU[row.gpu])
+    cluster = preset.with_nodes(max(1, row.gpus // preset.gpus_per_node), min(row.gpus, preset.gpus_per_node))
+    return Workload(profile, cluster, row.global_batch or row.local_batch * row.dp, runtime="torch",
+                    fp8=PRECISIONS[row.precision][0] == "fp8", memory_headroom=0.0)
+
+
+def torch_plan(row: TorchNativeRow, workload: Workload) -> Plan:
+    """FSDP2 over the shard degree (ZeRO-3), the local batch as one micro-batch, sequence-parallel
+    norms under tp (torchtitan's TP plan), the row's recompute, compile and precision."""
+    layers = workload.profile.num_layers
+    precision, recipe = PRECISIONS[row.precision]
+    full = row.ac.startswith("full")
+    return Plan(dp=row.dp, tp=row.tp, pp=row.pp, micro_batch_size=row.local_batch,
+                num_micro_batches=workload.global_batch // (row.dp * row.local_batch), zero=3 if row.dp > 1 else 0,
+                recompute="full" if full else "selective", recompute_blocks=-(-layers // row.pp) if full else 0,
+                precision=precision, fp8_recipe=recipe, compile=row.compile, sequence_parallel=row.tp > 1,
+                schedule=SCHEDULES.get(row.pp_schedule, "1f1b"), layer_split=balanced_split(layers, row.pp))
+
+
+def predicted_tokens_per_s(row: TorchNativeRow):
+    """(plan, estimate, tokens/s per GPU) the cost model gives an expressible row."""
+    w = torch_workload(row)
+    plan = torch_plan(row, w)
+    est = estimate(w, plan)
+    return plan, est, w.global_batch * w.profile.seq_len / est.iteration_time_s / row.gpus
