@@ -356,7 +356,7 @@ def markdown(entries: list[Entry], files: list[str]) -> str:
         fitted = e.fitted + (f" ({e.note})" if e.note else "")
         cells = (f"`{e.file}`", e.row, e.plan, e.metric, _fig(e.published), _fig(e.predicted), err, fitted)
         out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    out += ["", "| file | rows priced | left out | median abs. error | max abs. error |", "|---|---|---|---|---|"]
+    out += ["", "| file | figures priced | left out | median abs. error | max abs. error |", "|---|---|---|---|---|"]
     for file in files:
         priced, left, med, worst = summary(entries, file)
         out.append(f"| `{file}` | {priced} | {left} | {_pct(med)} | {_pct(worst)} |")
