@@ -161,7 +161,7 @@ def moe(name: str) -> list[Entry]:
                                     + ("" if raw["model"] in published_moe.ZOO_SHAPES else
                                        f"; {raw['model']} is not a zoo shape")))
             continue
-        row = next(read)
+        row = _same(next(read), raw)
         why = published_moe.expressible(row)
         if why:
             out.append(Entry(name, label, "-", "tokens/s per GPU", pub, CHECK, reason=why))
@@ -169,6 +169,15 @@ def moe(name: str) -> list[Entry]:
         plan, _, tokens = published_moe.predicted_tokens_per_s(row)
         out.append(Entry(name, label, plan.describe(), "tokens/s per GPU", pub, CHECK, tokens))
     return out
+
+
+def _same(row, raw: dict[str, str]):
+    """`row` (published_moe's reading of the file, in order) if it is the CSV row `raw`: the report's
+    filter must stay published_moe's."""
+    if (row.model, row.gpus) != (raw["model"], int(raw["gpus"])):
+        raise AssertionError(f"published_moe read {row.model} on {row.gpus} GPUs where the CSV has {raw['model']} "
+                             f"on {raw['gpus']}: update the report's row filter to published_moe's")
+    return row
 
 
 def bridge(name: str) -> list[Entry]:
@@ -183,7 +192,7 @@ def bridge(name: str) -> list[Entry]:
             out.append(Entry(name, label, "-", "tokens/s per GPU", pub, fit,
                              reason="a dense Megatron-Core row: no reader prices it yet (issue 40, acceptance 3)"))
             continue
-        plan, _, tokens = published_moe.predicted_tokens_per_s(next(read))
+        plan, _, tokens = published_moe.predicted_tokens_per_s(_same(next(read), raw))
         out.append(Entry(name, label, plan.describe(), "tokens/s per GPU", pub, fit, tokens))
     return out
 

@@ -8,7 +8,12 @@ setup: runtime ``torch``, the row's degrees, local batch as one micro-batch (tor
 no gradients in these runs), the row's recompute, compile and precision, on the preset of the row's
 GPU (`PRESETS_BY_GPU`). Nothing is fitted to these rows (the torch-runtime fit, issue 40 point 2,
 is to fit to them alone); a row whose setup autopar cannot express is left out with the reason
-(`expressible`).
+(`expressible`, and `autopar.capability` when the plan is checked: compile beside tp or pp).
+
+Where the runs and autopar's knobs differ, knowingly: torchtitan's per-op selective checkpointing is
+priced as autopar's `selective` recompute (the attention core recomputed), and every tensorwise float8
+row under FSDP2 gets torchao's float8 all-gather (the cost model prices it for tensorwise under ZeRO-3),
+where torchtitan's Table 1, 3 and 4 runs do not say whether they enabled it.
 """
 
 from __future__ import annotations
