@@ -125,26 +125,27 @@ def alltoall_permute(token_bytes, top_k: int, ep, hbm_bytes_per_s: float):
 def per_expert_loop(workload) -> bool:
     """Whether the runtime runs a layer's experts as one GEMM launch per local expert: Megatron-Core's
     `TEGroupedMLP` (Transformer Engine's `GroupedLinear`, whose grouped GEMM is a loop of cuBLAS calls
-    over the local experts, `general_grouped_gemm`) does; autopar's executor (`torch._grouped_mm`) and
-    NeMo AutoModel's DeepEP experts (`grouped_gemm.ops.gmm`, one CUTLASS grouped kernel) launch one
-    kernel for all local experts."""
+    over the local experts spread over `TE_STREAMS` streams, `general_grouped_gemm`) does; autopar's
+    executor (`torch._grouped_mm`) and NeMo AutoModel's DeepEP experts (`grouped_gemm.ops.gmm`) run the
+    local experts as one grouped problem."""
     return is_megatron(workload.runtime)
 
 
-def launch_flops(flops, local, loop: bool):
-    """FLOPs one GEMM launch computes, the size curve's argument (`gemm_half_flops`): the rank's
-    whole grouped GEMM, or under a per-expert loop one expert's share."""
-    return flops / local if loop else flops
+# Transformer Engine's multi-stream cuBLAS grouped GEMM (TE PR #853, "Grouped GEMM via multi-stream
+# cuBLAS"): the per-expert GEMMs go round-robin over 4 compute streams, so at most 4 experts' tiles share
+# the GPU's waves at a time.
+TE_STREAMS = 4
 
 
 def expert_gemm_efficiency(per_expert, kind: MoeKind, local, sms: int, c, loop: bool):
-    """Fraction of the bf16 peak the rank's expert GEMMs reach: the GPU's GEMM efficiency, the tile/wave
-    shape of the grouped problem (`grouped_efficiency`) and the size curve (`gemm_half_flops`) at the
-    FLOPs one launch computes (`launch_flops`: all local experts, or one under a per-expert loop)."""
+    """Fraction of the bf16 peak the rank's expert GEMMs reach: the GPU's GEMM efficiency, the size curve
+    (`gemm_half_flops`) at the rank's expert FLOPs, and the tile/wave shape (`grouped_efficiency`) as the
+    runtime launches the experts: one grouped problem whose tiles share the waves, or under a per-expert
+    loop at most `TE_STREAMS` experts' tiles at a time (a 4096 x 1536 expert GEMM fills 192 tiles, two
+    waves of 132 SMs at 73%)."""
     flops = 2.0 * 3.0 * per_expert * local * kind.ffn * kind.hidden  # forward, the three SwiGLU GEMMs
-    size = launch_flops(flops, local, loop)
-    shape = grouped_efficiency(per_expert, kind.ffn, kind.hidden, local, sms)
-    return np.maximum(c.gemm_efficiency * shape * size / (size + c.gemm_half_flops), 1e-9)
+    shape = grouped_efficiency(per_expert, kind.ffn, kind.hidden, local, sms, TE_STREAMS if loop else None)
+    return np.maximum(c.gemm_efficiency * shape * flops / (flops + c.gemm_half_flops), 1e-9)
 
 
 def distinct(top_k: int, bins):
@@ -183,10 +184,12 @@ def destinations(kind: MoeKind, ep, per_node, profile) -> tuple[np.ndarray, np.n
 
 
 # -- the grouped GEMM -------------------------------------------------------------------------------
-def grouped_efficiency(m: np.ndarray, n: float, k: float, groups: np.ndarray, sms: int) -> np.ndarray:
+def grouped_efficiency(m: np.ndarray, n: float, k: float, groups: np.ndarray, sms: int,
+                       concurrent: int | None = None) -> np.ndarray:
     """Useful fraction of the tile-waves of a grouped GEMM of `groups` problems, each m x n (x k):
     each problem pays whole tiles (tile quantisation, per expert: few tokens per expert waste most of
-    a 128-row tile), the tiles of all problems share the waves (wave quantisation, per launch).
+    a 128-row tile), the tiles of all problems share the waves (wave quantisation, per launch), or of
+    `concurrent` problems at a time where the runtime launches them apart (a per-expert loop).
     Forward (m x n), activation gradient (m x k) and weight gradient (n x k, reducing over m) are
     weighted by their equal FLOPs (harmonic mean, as `cost/gemm.py` does for a layer)."""
     m = np.maximum(np.asarray(m, dtype=float), 1.0)
@@ -194,14 +197,19 @@ def grouped_efficiency(m: np.ndarray, n: float, k: float, groups: np.ndarray, sm
     if not sms:
         return np.ones(np.broadcast(m, groups).shape)
 
-    def one(rows, cols):
-        best = np.zeros(np.broadcast(rows, cols, groups).shape)
-        for tm, tn in TILES:
-            tiles = groups * np.ceil(rows / tm) * np.ceil(cols / tn)
-            best = np.maximum(best, groups * rows * cols / (tm * tn) / (np.ceil(tiles / sms) * sms))
-        return best
-
+    share = groups if concurrent is None else np.minimum(groups, concurrent)  # problems sharing the waves
+    one = lambda rows, cols: wave_efficiency(rows, cols, share, sms)  # noqa: E731
     return 3.0 / (1.0 / one(m, n) + 1.0 / one(m, k) + 1.0 / one(n, k))
+
+
+def wave_efficiency(rows, cols, share, sms: int) -> np.ndarray:
+    """Useful fraction of the tile-waves of `share` rows x cols outputs launched together, best tile."""
+    share = np.asarray(share, dtype=float)
+    best = np.zeros(np.broadcast(rows, cols, share).shape)
+    for tm, tn in TILES:
+        tiles = share * np.ceil(rows / tm) * np.ceil(cols / tn)
+        best = np.maximum(best, share * rows * cols / (tm * tn) / (np.ceil(tiles / sms) * sms))
+    return best
 
 
 # -- the all-to-all ---------------------------------------------------------------------------------
@@ -297,9 +305,8 @@ def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict
         local = kind.experts / ep  # experts per rank
         per_expert = tokens * kind.top_k * skew / local  # tokens of the busiest rank's experts
         flops = kind.flops * tokens / profile.seq_len * skew
-        size = launch_flops(flops, local, loop)  # what one launch computes: the size curve's argument
         rate = peak * expert_gemm_efficiency(per_expert, kind, local, cluster.gpu.sms, c, loop)
-        gemm = flops / rate * np.where(te_fp8, fp8.fp8_time_factor(size, c, cluster.gpu), 1.0)
+        gemm = flops / rate * np.where(te_fp8, fp8.fp8_time_factor(flops, c, cluster.gpu), 1.0)
         rows = tokens * kind.top_k * skew  # the routed copies the busiest rank's experts take
         cast = te_fp8 * fp8.TE_CAST_BYTES * rows / hbm  # seconds per element of a cast tensor's row
         out["expert_f"][:, j] = (gemm + cast * (kind.hidden + kind.ffn))[:, 0]
