@@ -6,11 +6,14 @@ What the core model (`cost/model.py`) gets from here, per plan and block kind:
 - The routed experts are taken out of the profile's layer figures (the profiler counts them
   force-balanced: every expert sees tokens x top_k / experts) and priced here on the slowest
   expert-parallel rank: tokens per local expert = tokens x top_k x ep / experts x imbalance, the
-  three SwiGLU GEMMs (forward M x N x K = tokens x ffn x hidden, and the two backward GEMMs) as one
-  grouped GEMM, its tile quantisation per expert and its wave quantisation over all local experts
-  (`grouped_efficiency`, the tile/wave model of `cost/gemm.py`). The permutation of the routed
-  tokens stays in the layer's elementwise traffic as profiled, unless DeepEP's dispatcher replaces it
-  by Transformer Engine's fused permute (`dispatch_as_run`, `fused_permute`).
+  three SwiGLU GEMMs (forward M x N x K = tokens x ffn x hidden, and the two backward GEMMs) as the
+  runtime launches them: one grouped GEMM, its tile quantisation per expert and its wave quantisation
+  over all local experts, or Megatron-Core's per-expert loop, whose waves 4 experts share at a time
+  (`expert_gemm_efficiency`, `per_expert_loop`; the tile/wave model of `cost/gemm.py`). The
+  permutation of the routed tokens stays in the layer's elementwise traffic as profiled (eager torch),
+  unless DeepEP's dispatcher replaces it by Transformer Engine's fused permute (`fused_permute`) or
+  Megatron-Core's alltoall dispatcher by its fused permute and expert sort (`alltoall_permute`;
+  `dispatch_as_run` takes the eager passes out).
 - Dispatch and combine: one all-to-all each per MoE layer in forward, and again in backward (the
   backward of a dispatch is a combine and the reverse), of tokens x top_k x hidden 16-bit values
   per rank (`all_to_all_time`); under DeepEP one copy per destination rank and node (`destinations`:
@@ -132,8 +135,9 @@ def per_expert_loop(workload) -> bool:
 
 
 # Transformer Engine's multi-stream cuBLAS grouped GEMM (TE PR #853, "Grouped GEMM via multi-stream
-# cuBLAS"): the per-expert GEMMs go round-robin over 4 compute streams, so at most 4 experts' tiles share
-# the GPU's waves at a time.
+# cuBLAS"): the per-expert GEMMs go round-robin over its compute streams (4:
+# transformer_engine/common/util/multi_stream.cpp, get_num_compute_streams), so at most 4 experts' tiles
+# share the GPU's waves at a time.
 TE_STREAMS = 4
 
 
