@@ -23,7 +23,15 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from autopar.search.published_moe import ALL_ROWS, MOE_ROWS, ROWS, expressible, framework, predicted_tokens_per_s
+from autopar.search.published_moe import (
+    ALL_ROWS,
+    MOE_ROWS,
+    ROWS,
+    expressible,
+    framework,
+    predicted_tokens_per_s,
+    settings,
+)
 
 SHOWN = ("compute", "recompute", "ep_comm", "pp_bubble", "pp_p2p", "dp_comm")
 FIT = "not fitted (H100 coefficients)"
@@ -43,6 +51,8 @@ def main() -> None:
                       f"{tokens:,.0f}", f"{err:+.1%}", FIT, *(f"{share[p]:.0%}" for p in SHOWN))
     console = Console(width=240)
     console.print(table)
+    for row in ROWS:
+        console.print(f"{row.label}: {settings(row)}")
     errs = np.abs(errors)
     console.print(f"median |error| {np.median(errs):.1%}, max {errs.max():.1%} over {len(errs)} rows, none fitted "
                   "(issue 40 asks <= 10% and <= 20%, leave-one-row-out)")

@@ -124,3 +124,20 @@ def test_published_moe_rows_of_both_frameworks_hold_their_figures():
     assert set(errors) == set(PINNED)
     for label, err in errors.items():
         assert err == pytest.approx(PINNED[label], abs=0.01), (label, err)
+
+
+def test_megatron_bridge_rows_carry_their_configs_settings():
+    """The two MoE rows of Megatron-Bridge 25.11's H100 table, with what their scripts set: the alltoall
+    dispatcher (no deepep on H100), Qwen3's 1F1B A2A overlap and overlapped p2p (pp 2, vp 24), FP8 current
+    scaling for Qwen3 only, the table's micro-batch (8 and 32 micro-batches a step)."""
+    from autopar.search.published_moe import BRIDGE_PRECISION, BRIDGE_ROWS, settings
+
+    rows = {row.model: row for row in BRIDGE_ROWS}
+    assert set(rows) == {"GPT OSS 120B", "Qwen3_30B_a3B"}
+    qwen, oss = rows["Qwen3_30B_a3B"], rows["GPT OSS 120B"]
+    assert {"moe_a2a_overlap", "overlap_p2p_comm"} <= set(qwen.switches) and "deepep" not in qwen.switches
+    assert not {"moe_a2a_overlap", "overlap_p2p_comm", "deepep"} & set(oss.switches)
+    assert (BRIDGE_PRECISION[qwen.precision], BRIDGE_PRECISION[oss.precision]) == ("fp8", "bf16")
+    assert (qwen.pp, qwen.vp, qwen.ep, qwen.dp, qwen.global_batch // (qwen.dp * qwen.micro_batch)) == (2, 24, 8, 8, 32)
+    assert (oss.pp, oss.vp, oss.ep, oss.dp, oss.global_batch // (oss.dp * oss.micro_batch)) == (4, 1, 8, 16, 8)
+    assert "alltoall dispatcher" in settings(qwen)

@@ -195,4 +195,13 @@ def framework(row) -> str:
     return "AutoModel" if isinstance(row, MoeRow) else "Megatron-Bridge"
 
 
+def settings(row) -> str:
+    """The runtime settings a row is priced with, beside its plan: runtime, dispatcher, switches, batch."""
+    if isinstance(row, MoeRow):
+        return (f"torch (FSDP2{', reshard' if row.reshard else ''}) + DeepEP, balanced gate, "
+                f"{'full recompute' if row.recompute else 'no recompute'}, global batch {row.global_batch}")
+    return (f"megatron, {row.precision}, alltoall dispatcher, {', '.join(row.switches)}, no recompute, "
+            f"global batch {row.global_batch}")
+
+
 ROWS = (*MOE_ROWS, *BRIDGE_ROWS)  # every MoE row autopar prices, both frameworks
