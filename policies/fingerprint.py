@@ -13,6 +13,7 @@ the test suite fails until the shipped policy is retrained (`RETRAIN_COMMAND`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -60,10 +61,17 @@ def fingerprint() -> dict[str, str]:
     return {"space": space_signature(), "cost": cost_fingerprint()}
 
 
+@functools.cache
+def _this_process() -> dict[str, str]:
+    """The fingerprint once per process: neither the space nor the cost model changes while it runs, and
+    a planner is built again for every re-plan of an elastic job (about a second each otherwise)."""
+    return fingerprint()
+
+
 def stale(meta: dict) -> list[str]:
     """The parts of the fingerprint that changed since the policy was trained."""
     recorded = meta.get("fingerprint") or {}
-    return [part for part, value in fingerprint().items() if recorded.get(part) != value]
+    return [part for part, value in _this_process().items() if recorded.get(part) != value]
 
 
 def stale_note(meta: dict, path) -> str | None:

@@ -189,6 +189,13 @@ class PlanArrays:
             values["layer_split"] = split
         return Plan(**values)
 
+    def recomputes_every_block(self) -> np.ndarray:
+        """Per plan, whether its recompute count covers every block of its busiest stage (full
+        recompute as Megatron's `--recompute-granularity full --recompute-method uniform` runs it):
+        one maximum per split, not per plan (a space holds millions of plans and a few hundred splits)."""
+        most = np.array([e["layers"].max() for e in self.splits.entries]) if self.splits.entries else np.zeros(0)
+        return self.recompute_blocks == most[self.split] if len(self) else np.zeros(0, dtype=bool)
+
     def take(self, index: np.ndarray) -> PlanArrays:
         """A subset (by boolean mask or indices) sharing the split table."""
         return PlanArrays({k: v[index] for k, v in self.columns.items()}, self.splits)

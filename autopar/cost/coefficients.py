@@ -18,6 +18,7 @@ run reaches. They come in three layers, later ones winning:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field, fields
 
 from autopar.cluster.gpus import GPUS
@@ -121,6 +122,7 @@ LINK_EFFICIENCY_KEYS = ("nvlink", "pcie", "upi", "ib", "ethernet", "shm", "none"
 COLLECTIVES = ("reduce_scatter", "all_gather", "broadcast")
 
 
+@functools.cache  # every estimate reads its cluster's coefficients through it: derive the schema once
 def coefficients_schema() -> Obj:
     """The `coefficients` of a cluster JSON, derived from the dataclass's fields."""
     return dataclass_schema(Coefficients, {

@@ -122,7 +122,7 @@ def megatron_candidates(row: MegatronRow, model=ZOO_GPT):
 
     w = _workload(row.size, row.gpus, row.global_batch, model, row.switches)
     s = enumerate_plans(w)
-    full_all = s.recompute_blocks == np.array([s.splits.entries[i]["layers"].max() for i in s.split])
+    full_all = s.recomputes_every_block()
     chunks = row.layers_per_virtual_stage and w.profile.num_layers // (row.pp * row.layers_per_virtual_stage)
     sched = ((s.schedule == INTERLEAVED) & (s.virtual_stages == chunks) if chunks
              else (s.schedule != GPIPE) & (s.virtual_stages == 1))
@@ -138,7 +138,7 @@ def korthikanti_candidates(row: KorthikantiRow, selective: bool, model=ZOO_GPT):
 
     w = _workload(row.size, row.gpus, row.global_batch, model)
     s = enumerate_plans(w)
-    full_all = s.recompute_blocks == np.array([s.splits.entries[i]["layers"].max() for i in s.split])
+    full_all = s.recomputes_every_block()
     sp = s.sequence_parallel
     mode = (s.recompute == SELECTIVE) & sp if selective else (s.recompute == FULL) & full_all & ~sp
     sched = (s.schedule == INTERLEAVED) if row.interleaved else (s.schedule == ONE_F_ONE_B)

@@ -83,7 +83,7 @@ def walk(workload, pick: dict[str, Pick] | None = None) -> Walk:
     w = Walk({}, {}, 1)
     for k in knobs():
         deps = depends_of(k)
-        if deps:
+        if deps and w.size > 1:
             key = np.zeros(w.size, dtype=np.int64)
             for d in deps:
                 key = key * (len(w.values[d]) + 1) + w.codes[d]
@@ -105,10 +105,13 @@ def walk(workload, pick: dict[str, Pick] | None = None) -> Walk:
             raise AutoparError(f"the plan space of {workload.describe()} has more than {MAX_PLANS:,} plans; "
                                f"autopar enumerates at most {MAX_PLANS:,}: use --method rl, optuna or "
                                f"random, which sample it, or fewer GPUs or a smaller global batch")
-        starts = np.repeat(np.cumsum(counts) - counts, counts)
-        within = np.arange(total) - starts
-        column = flat[np.repeat(offsets[inverse.reshape(-1)], counts) + within]
-        w.codes = {name: np.repeat(col, counts) for name, col in w.codes.items()}
+        if total == w.size and (counts == 1).all():  # one choice per row (a held or narrowed knob): no rows added
+            column = flat[offsets[inverse.reshape(-1)]]
+        else:
+            starts = np.repeat(np.cumsum(counts) - counts, counts)
+            within = np.arange(total) - starts
+            column = flat[np.repeat(offsets[inverse.reshape(-1)], counts) + within]
+            w.codes = {name: np.repeat(col, counts) for name, col in w.codes.items()}
         w.codes[k.name] = column
         w.values[k.name] = list(known)
         w.size = total

@@ -41,7 +41,7 @@ def choose_plans(workload, k: int, seed: int = 0, backend: str = "gloo") -> list
 
     res = evaluate(workload, space)
     full = RECOMPUTE_MODES.index("full")
-    all_blocks = space.recompute_blocks == np.array([space.splits.entries[i]["layers"].max() for i in space.split])
+    all_blocks = space.recomputes_every_block()
     keep = (res["fits"] & ~space.offload_optimizer & (space.virtual_stages == 1)
             & ((space.recompute != full) | all_blocks)
             & (space.bucket_mb == 25.0))
