@@ -38,14 +38,23 @@ SCRATCH_ENV = {  # variable -> scratch subfolder; subprocesses (torchrun, the CL
 SCRATCH: Path | None = None
 
 
+SHARED_SCRATCH = "AUTOPAR_TEST_SCRATCH"  # the controller's scratch, inherited by pytest-xdist's workers
+
+
 def pytest_configure(config):
     """Tests never read or write the user's home (set before collection, since test modules build
-    workloads at import, and before anything imports matplotlib)."""
+    workloads at import, and before anything imports matplotlib). Under pytest-xdist (`-n 2`, as
+    .ci/run runs) the workers use the controller's folder: one profile cache for the session, one
+    HOME for the check below, removed once by the controller."""
     global SCRATCH
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(SHARED_SCRATCH):
+        SCRATCH = Path(os.environ[SHARED_SCRATCH])
+        return
     SCRATCH = Path(tempfile.mkdtemp(prefix="autopar-test-"))
     for variable, folder in SCRATCH_ENV.items():
         (SCRATCH / folder).mkdir()
         os.environ[variable] = str(SCRATCH / folder)
+    os.environ[SHARED_SCRATCH] = str(SCRATCH)
     atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
 
 
