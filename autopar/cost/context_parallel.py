@@ -98,8 +98,11 @@ def kv_exchange(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
     method = method or method_of(workload)
     if method not in (*ROTATE_METHODS, RING):
         raise ValueError(f"unknown K/V exchange {method!r}; use one of {', '.join((*ROTATE_METHODS, RING))}")
+    cp = sequence_share(pa)
+    if not (cp > 1).any():  # no plan splits the sequence (most evaluations): nothing is exchanged
+        return {key: np.zeros(len(pa)) for key in ("exposed", "traffic", "buffer")}
     profile, cluster = workload.profile, workload.cluster
-    cp, tp, pp = sequence_share(pa), np.asarray(pa.tp, float), np.asarray(pa.pp, float)
+    tp, pp = np.asarray(pa.tp, float), np.asarray(pa.pp, float)
     kv_per_token, attn_flops = _attention(workload)
     samples = np.asarray(pa.micro_batch_size, float) / cp  # a rank's share of a micro-batch
     nbytes = np.where(pa.precision == FP32, 4.0, 2.0)

@@ -35,6 +35,8 @@ pipeline ranks per plan (see SplitTable). Everything is seconds and bytes.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from autopar import axes
@@ -141,6 +143,18 @@ def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.divide(a, b, out=np.zeros_like(a), where=b > 0)
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _group_links(cluster, degrees: tuple[tuple[str, int], ...], order: int) -> tuple:
+    """The tp ring, the gradient ring (dp x cp), the pipeline neighbours' link and the ends' ring (None
+    without pp) of one layout: a calibration evaluates the same few layouts thousands of times."""
+    dims = axes.ParallelDims(dict(degrees), mesh_order_of(order))
+    sizes, strides, pp = dims.degrees, dims.strides(), dims.degrees["pp"]
+    return (cluster.ring(sizes["tp"], strides["tp"]),
+            cluster.ring(*dims.gradient_group()),  # dp (x cp): the gradient group
+            cluster.p2p(strides["pp"]) if pp > 1 else None,
+            cluster.ring(2, (pp - 1) * strides["pp"]) if pp > 1 else None)  # the ends
+
+
 def _links(cluster, pa: PlanArrays, coeffs: Coefficients) -> dict[str, np.ndarray]:
     """Effective bandwidth (bytes/s, efficiency applied) and latency of the tp, dp and pp groups,
     derived from the cluster graph once per distinct (degrees, mesh order)."""
@@ -148,12 +162,8 @@ def _links(cluster, pa: PlanArrays, coeffs: Coefficients) -> dict[str, np.ndarra
     first, inverse = unique_rows([getattr(pa, a) for a in names] + [pa.mesh_order])
     table = np.zeros((len(first), 8))
     for row, i in enumerate(first):
-        dims = axes.ParallelDims({a: int(getattr(pa, a)[i]) for a in names}, mesh_order_of(pa.mesh_order[i]))
-        sizes, strides, pp = dims.degrees, dims.strides(), dims.degrees["pp"]
-        for col, link in enumerate((cluster.ring(sizes["tp"], strides["tp"]),
-                                    cluster.ring(*dims.gradient_group()),  # dp (x cp): the gradient group
-                                    cluster.p2p(strides["pp"]) if pp > 1 else None,
-                                    cluster.ring(2, (pp - 1) * strides["pp"]) if pp > 1 else None)):  # the ends
+        degrees = tuple((a, int(getattr(pa, a)[i])) for a in names)
+        for col, link in enumerate(_group_links(cluster, degrees, int(pa.mesh_order[i]))):
             if link is None:
                 table[row, 2 * col:2 * col + 2] = (np.inf, 0.0)
             else:
