@@ -24,7 +24,6 @@ Imports transformers only when an ``hf:`` reference is loaded: it is an optional
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -33,14 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.errors import ModelFileError
+from autopar.hf_ref import PREFIX, config_file, is_reference, source_digest  # noqa: F401 (autopar.hf's names too)
 from autopar.zoo import moe as zoo_moe
 from autopar.zoo import next_token_batch
 
-PREFIX = "hf:"
 MOE_FAMILIES = ("mixtral", "qwen3_moe")  # sparse MoE blocks replaced by autopar.zoo.moe.MoE
 ROTARY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", *MOE_FAMILIES)
 FAMILIES = (*ROTARY_FAMILIES, "gpt2")
-ADAPTER_VERSION = "3"  # part of the profile cache key: bump when the built model changes (3: MoE families)
 
 #: transformers' tensor-parallel style names that mean one of autopar's styles (modelfile.TP_STYLES)
 HF_STYLES = {
@@ -61,21 +59,6 @@ REFUSED_STYLES = {
     "mla_kv_a_proj": "multi-head latent attention's compressed kv projection has no torch ParallelStyle",
     "isolated": "isolated (per-rank) modules have no torch ParallelStyle",
 }
-
-
-def is_reference(ref) -> bool:
-    return isinstance(ref, str) and ref.startswith(PREFIX)
-
-
-def config_file(ref: str) -> Path:
-    """The config.json an ``hf:`` reference names (the file, or ``config.json`` in a directory)."""
-    path = Path(ref[len(PREFIX):]).expanduser().resolve()
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ModelFileError(f"{path}: no such transformers config; give hf:PATH with PATH a config.json or a "
-                             "local model directory holding one")
-    return path
 
 
 def _read_config(path: Path) -> tuple[dict, bytes]:
@@ -107,9 +90,8 @@ def load(ref: str) -> tuple[Path, HFSource, str, str]:
     path, the model source, its digest and its name."""
     path = config_file(ref)
     config, raw = _read_config(path)
-    version = _transformers().__version__
-    digest = hashlib.sha256(raw + f"|transformers {version}|adapter {ADAPTER_VERSION}".encode()).hexdigest()
-    return path, HFSource(config), digest, f"hf-{config['model_type']}"
+    _transformers()  # installed, or one line saying how
+    return path, HFSource(config), source_digest(raw), f"hf-{config['model_type']}"
 
 
 # -- the model -------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "autopar.knobs", "autopar.plan", "autopar.replan", "autopar.runtime", "autopar.workload",
                   "autopar.cluster")),
     # the model.py contract: loading a model file, the zoo, transformers configs (torch)
-    ("model", ("autopar.modelfile", "autopar.hf", "autopar.zoo", "autopar.layout")),
+    ("model", ("autopar.modelfile", "autopar.hf", "autopar.hf_ref", "autopar.zoo", "autopar.layout")),
     # applies a plan with torch.distributed; knows no planner and no command line
     ("executor", ("autopar.executor",)),
     # measures a model once (asks the executor what it cannot run for that model)

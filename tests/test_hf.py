@@ -185,3 +185,24 @@ def test_tied_word_embeddings_are_one_weight_in_the_profile(refs, family, tied):
     vocab, hidden = p.dims["vocab"], p.dims["hidden"]
     assert (p.tied_params, p.tied_tp_params) == ((vocab * hidden,) * 2 if tied else (0, 0))
     assert p.head.params < vocab * hidden if tied else p.head.params >= vocab * hidden
+
+
+def test_a_profiled_config_is_found_in_the_cache_from_its_bytes(tmp_path):
+    """`autopar search hf:...` then `autopar estimate hf:...`: the second finds the first's profile from the
+    config's bytes (no transformers import, no profiling); an edited config or another dtype is a miss."""
+    from autopar.profile import cache
+
+    config = {**CONFIGS["llama"], "vocab_size": CONFIGS["llama"]["vocab_size"] + 8}  # in no other test's cache
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "config.json").write_text(json.dumps(config))
+    ref = f"hf:{tmp_path / 'a'}"
+    assert cache.lookup(ref, {}, "fp32") is None
+    measured = profile_model(ref, {}, dtype="fp32")
+    hit = cache.lookup(ref, {}, "fp32")
+    assert hit is not None and hit.digest == measured.digest and hit.params == measured.params
+    assert cache.lookup(f"hf:{tmp_path / 'a' / 'config.json'}", {}, "fp32").digest == measured.digest
+    assert cache.lookup(ref, {}, "bf16") is None
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    assert cache.lookup(f"hf:{tmp_path / 'b'}", {}, "fp32") is None
+    assert cache.lookup(f"hf:{tmp_path / 'missing'}", {}, "fp32") is None  # the loader says what is wrong

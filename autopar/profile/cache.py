@@ -12,7 +12,9 @@ import json
 import os
 from pathlib import Path
 
+from autopar import hf_ref
 from autopar.atomic import write_text_atomic
+from autopar.errors import ModelFileError
 from autopar.profile.model_profile import ModelProfile
 
 PROFILER_VERSION = "autopar-profiler-14"  # 5: mixture-of-experts fields; 6: tied embeddings; 7: gathers;
@@ -41,7 +43,15 @@ def profile_digest(path: Path, source_digest: str, model_args: dict, dtype: str)
 
 def lookup(path, model_args: dict | None, dtype: str) -> ModelProfile | None:
     """The cached profile of a model file found from its bytes alone, without importing the
-    model (nor torch): a warm `autopar search` starts in a fraction of a second."""
+    model (nor torch): a warm `autopar search` starts in a fraction of a second. An ``hf:`` reference
+    is found from its config's bytes and the installed transformers' version."""
+    if hf_ref.is_reference(path):
+        try:
+            config = hf_ref.config_file(path)
+            source = config.read_bytes()
+        except (ModelFileError, OSError):
+            return None  # the loader reports the problem
+        return load(profile_digest(config, hf_ref.source_digest(source), dict(model_args or {}), dtype))
     path = Path(path)
     if not path.exists() and (ZOO / f"{path}.py").is_file():
         path = ZOO / f"{path}.py"
