@@ -147,6 +147,15 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+def error_lines(err: str) -> list[str]:
+    """stderr's lines but the profiler's wait notice (`autopar.profile.isolated.PROGRESS`), which a model file
+    profiled in a child prints after 5 s: on a loaded machine (the suite on both cores) even a failing
+    profile can take that long, and the notice is part of autopar's output, not of the error."""
+    from autopar.profile.isolated import PROGRESS
+
+    return [line for line in err.splitlines() if line.strip() and not line.startswith(PROGRESS)]
+
+
 def collected(request, test: str, *args: str) -> list:
     """The parameters (`args` of `test`, in the requesting module) of the cases this run collected, after -k and
     -m deselection: a module's process job then runs only those. One value per case for one arg, else tuples."""

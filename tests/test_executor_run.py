@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import error_lines, free_port
 from test_traces_record import make_record
 
 from autopar.executor.options import RunOptions
@@ -102,7 +102,7 @@ def test_a_plan_for_another_world_size_is_refused_before_launch(tmp_path):
     ran = autopar("run", "p.json", "gpt", *TINY, *ranks(4), "--trace", "t.jsonl", cwd=tmp_path, timeout=60)
     assert ran.returncode == 2
     assert "needs dp x tp x pp x cp = 2 x 1 x 1 x 1 = 2 ranks but --nnodes 1 x --nproc-per-node 4 = 4" in ran.stderr
-    assert len(ran.stderr.strip().splitlines()) == 1 and not (tmp_path / "t.jsonl").exists()
+    assert len(error_lines(ran.stderr)) == 1 and not (tmp_path / "t.jsonl").exists()
 
 
 
@@ -165,7 +165,7 @@ def test_a_failing_rank_fails_the_job_quickly_and_is_named(tmp_path, action, sho
     ran = autopar("run", "p.json", model, *TINY, *ranks(2), "--trace", "t.jsonl", cwd=tmp_path)
     assert time.monotonic() - started < 120
     assert ran.returncode != 0
-    err = [line for line in ran.stderr.splitlines() if line.strip() and not line.startswith("autopar: profiling")]
+    err = error_lines(ran.stderr)
     assert len(err) == 1 and "Traceback" not in ran.stderr, err
     assert err[0].startswith(f"autopar: run failed (rank_failed): {shown}; every rank's ")
     assert shown in ran.stdout.replace("\n", " ")

@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from conftest import error_lines  # noqa: E402
 from hf_configs import CONFIGS, write_configs  # noqa: E402
 
 from autopar.cli import main  # noqa: E402
@@ -155,8 +156,8 @@ def test_bad_hf_references_are_one_line_errors(tmp_path, capsys, content, messag
         (tmp_path / "config.json").write_text(content)
     ref = "hf:" + str(tmp_path / ("config.json" if content is not None else "missing"))
     assert main(["search", ref, "--global-batch", "8"]) == 2
-    err = capsys.readouterr().err
-    assert message in err and len(err.strip().splitlines()) == 1
+    err = error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and message in err[0], err
     with pytest.raises(ModelFileError):
         load_model_file(ref)
 

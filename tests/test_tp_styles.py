@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from conftest import error_lines
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from autopar.capability import check_plan
@@ -119,7 +120,7 @@ def test_autopar_run_refuses_before_launch_in_one_line(tmp_path, capsys, plan, m
     code = main(["run", str(tmp_path / "p.json"), str(tmp_path / "net.py"), "--nproc-per-node", "4",
                  "--backend", "gloo", "--cluster", "cpu", "--trace", str(tmp_path / "t.jsonl")])
     err = capsys.readouterr().err
-    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and message in err and len(error_lines(err)) == 1, err
     assert not (tmp_path / "t.jsonl").exists()
 
 
