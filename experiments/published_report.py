@@ -37,7 +37,7 @@ from pathlib import Path
 from autopar.cluster import load_cluster
 from autopar.cost import Coefficients
 from autopar.errors import AutoparError
-from autopar.search import published, published_moe, published_torch
+from autopar.search import published, published_megatron, published_moe, published_torch
 from autopar.search.published_context_parallel import LLAMA3_CP_TABLE4, context_parallel_rows
 from autopar.traces.vtrain import import_vtrain, read_vtrain_csv
 
@@ -180,17 +180,25 @@ def _same(row, raw: dict[str, str]):
     return row
 
 
+DENSE_CHECK = ("independent check of the shipped H100 fp8 speedup (experiments/fit_megatron_dense.py fits it "
+               "without each family: acceptance 3)")
+
+
 def bridge(name: str) -> list[Entry]:
     """Megatron-Bridge 25.11's DGX-H100 rows: the MoE ones as published_moe.py prices them."""
-    read = iter(published_moe.BRIDGE_ROWS)
+    read, dense = iter(published_moe.BRIDGE_ROWS), iter(published_megatron.BRIDGE_DENSE)
     fit = "independent check (issue 40 is to fit the MoE costs to these, leave-one-row-out)"
     out = []
     for line, raw in enumerate(published.read_table(name), start=2):
         label = f"{line}: {raw['model']}, {raw['gpus']} GPUs, {raw['precision']}"
         pub = float(raw["tokens_per_s_per_gpu"])
-        if int(raw["ep"]) <= 1:  # what published_moe.BRIDGE_ROWS reads
-            out.append(Entry(name, label, "-", "tokens/s per GPU", pub, fit,
-                             reason="a dense Megatron-Core row: no reader prices it yet (issue 40, acceptance 3)"))
+        if int(raw["ep"]) <= 1:  # a dense row: published_megatron.BRIDGE_DENSE, in order
+            row = next(dense)
+            if (row.model, row.gpus) != (raw["model"], int(raw["gpus"])):
+                raise AssertionError(f"published_megatron read {row.model} where the CSV has {raw['model']}")
+            plan, est = published.best(*published_megatron.candidates(row))
+            out.append(Entry(name, label, plan.describe(), "tokens/s per GPU", pub, DENSE_CHECK,
+                             est.tokens_per_s / row.gpus))
             continue
         plan, _, tokens = published_moe.predicted_tokens_per_s(_same(next(read), raw))
         out.append(Entry(name, label, plan.describe(), "tokens/s per GPU", pub, fit, tokens))

@@ -28,7 +28,7 @@ from autopar.calibrate.dataset import Dataset, build_dataset, check_sources, loa
 from autopar.calibrate.fit import FitResult, default_parameters, fit_all, needed_rows, onto, with_values
 from autopar.calibrate.folds import group_holdout, group_kfold
 from autopar.cluster import Cluster, load_cluster
-from autopar.cost.coefficients import Coefficients
+from autopar.cost.coefficients import HOST_COEFFICIENTS, Coefficients
 from autopar.errors import AutoparError
 
 COLLECTIVE_PARAMS = ("latency_scale", "collective_latency_s")
@@ -127,6 +127,8 @@ def calibrate(traces, cluster, *, folds: int | None = None, holdout: float | Non
     # as many coefficients as the smallest fit (a training fold, or all rows) supports
     smallest = min([len(train) for train, _ in splits] + [len(ds)])
     names = list(params) if params else default_parameters(ds, start, fixed, rows=smallest)
+    if HOST_COEFFICIENTS & set(names):  # a fitted host time replaces the default launch cost, as read back
+        start = dataclasses.replace(start, launch_s=0.0)
     if smallest < needed_rows(len(names)):
         where = "" if smallest == len(ds) else f" ({smallest} in the smallest training fold)"
         raise AutoparError(f"too few measured rows to calibrate: {len(ds)} usable row(s) (outcome ok){where}, but "

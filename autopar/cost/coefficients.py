@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass, field, fields
 
-from autopar.cluster.gpus import GPUS
+from autopar.cluster.gpus import GPUS, match_gpu
 from autopar.errors import ClusterError
 from autopar.schema import Map, Num, Obj, check, dataclass_schema
 
@@ -57,6 +57,8 @@ class Coefficients:
     # (sharding propagation and redistribution run in Python for every op of a tensor-parallel block)
     selective_host_s: float = 0.0  # extra host seconds per block per micro-batch under selective recompute:
     # PyTorch's selective checkpoint caches every kept op's output and replays the block in Python
+    launch_s: float = 0.0  # host seconds per kernel launch, times a layer's launches (cost/launches.py
+    # `layer_launches`) on top of block_host_s; `for_cluster` sets it from the GPU's generation (LAUNCH_S)
     # torch.compile of each block: factors on a compiled block's elementwise HBM traffic (Inductor fuses
     # pointwise chains) and on its host launch time (cost/precision.py says where 0.5 comes from); 1 and 1:
     # compile gains nothing on this device (the cpu preset)
@@ -69,7 +71,7 @@ class Coefficients:
     @property
     def host(self) -> bool:
         """Whether the host's launch time is modelled at all."""
-        return self.block_host_s > 0 or self.tp_host_s > 0 or self.selective_host_s > 0
+        return self.block_host_s > 0 or self.tp_host_s > 0 or self.selective_host_s > 0 or self.launch_s > 0
 
     def link(self, kind: str) -> float:
         return self.link_efficiency.get(kind, 1.0)
@@ -91,6 +93,8 @@ class Coefficients:
         fitted = dict(cal.fitted)
         if cal.regime and runtime not in cal.regime["runtime"]:
             fitted["elementwise_traffic"] = EAGER_ELEMENTWISE_TRAFFIC
+        if not HOST_COEFFICIENTS & set(cluster.coefficients):  # a calibrated host time replaces the default
+            fitted["launch_s"] = launch_s(cluster.gpu.name)
         return cls.from_dict({**fitted, **cluster.coefficients})
 
     @classmethod
@@ -117,6 +121,7 @@ COEFFICIENT_RANGES = {
     "hbm_efficiency": Num(0.0, 1.0, open_lo=True),
     "compile_elementwise": Num(0.3, 1.0),  # compiled kernels move at most the eager traffic
     "compile_host": Num(0.2, 1.0),
+    "launch_s": Num(0.0, 1e-3),  # a kernel launch takes microseconds, never a millisecond
 }
 LINK_EFFICIENCY_KEYS = ("nvlink", "pcie", "upi", "ib", "ethernet", "shm", "none")
 COLLECTIVES = ("reduce_scatter", "all_gather", "broadcast")
@@ -220,3 +225,26 @@ UNCALIBRATED = GpuCalibration()
 def gpu_calibration(gpu_name: str) -> GpuCalibration:
     """The calibration of a GPU by its spec name; UNCALIBRATED for GPUs without public measurements."""
     return GPU_CALIBRATION.get(gpu_name, UNCALIBRATED)
+
+# Host time per kernel launch without calibration, by the GPU's generation (docs/hardware.md "Host time";
+# docs/references.md §14). It is the host's cost (Python, the dispatcher, the driver's cudaLaunchKernel)
+# of one operator that runs one kernel, measured on each generation's servers; Megatron-Core's layer
+# goes through the same Python-to-C++ path per kernel, so both runtimes take it (they differ in how
+# many kernels a layer launches, `cost/launches.py`). A GPU without a measured generation (V100, Ada's
+# L40S and RTX 4090, the cpu preset: ops there run inline, their time is in its rates) gets 0.
+LAUNCH_S = {
+    "ampere": 4.0e-6,  # A100: ~4 us per eager op on CUDA (pytorch/pytorch#82793, PyTorch 1.12)
+    "hopper": 9.4e-6,  # DGX H100: torch eager 0.616 ms of CPU time for 65 kernels (NVIDIA/Fuser#3507)
+    # GB200: Inductor's per-kernel launch path 6.8 us (meta-pytorch/tritonbench#1017), what torch.compile's
+    # costs per kernel on DGX H100 (NVIDIA/Fuser#3507): the host path costs the same, so eager as Hopper's
+    "blackwell": 9.4e-6,
+}
+GENERATION = {"a100-40g": "ampere", "a100-80g": "ampere", "h100": "hopper", "h200": "hopper", "h100-gt": "hopper",
+              "b200": "blackwell", "b200-750w": "blackwell", "gb200": "blackwell"}
+HOST_COEFFICIENTS = frozenset({"block_host_s", "tp_host_s", "selective_host_s", "launch_s"})
+
+
+def launch_s(gpu_name: str) -> float:
+    """The default host seconds per kernel launch on a GPU (by spec or device name), 0 where unmeasured."""
+    key = next((k for k, spec in GPUS.items() if spec.name == gpu_name), None) or match_gpu(gpu_name, 80e9)
+    return LAUNCH_S.get(GENERATION.get(key, ""), 0.0)

@@ -14,6 +14,13 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.cost import cross_entropy
+from autopar.runtime import is_megatron
+
+# Megatron's transformer layer issues 18 GPU operations in forward (two norms, five GEMMs and the QKV
+# bias add, the attention core's kernels, the bias-GeLU and bias-dropout-adds, the tensor-parallel
+# collectives: docs/references.md §5, Megatron's transformer.py); Megatron-Core's TE layer fuses the
+# same way whatever the model file's eager ops (RMSNorm, rotary, SwiGLU each one kernel there)
+MEGATRON_LAYER_LAUNCHES = 18.0
 
 
 def block_weights(k: dict[str, np.ndarray], workload) -> np.ndarray:
@@ -28,3 +35,18 @@ def block_weights(k: dict[str, np.ndarray], workload) -> np.ndarray:
     if per_layer <= 0:  # launches not counted
         return np.ones_like(launches)
     return launches / per_layer
+
+
+def layer_launches(k: dict[str, np.ndarray], workload) -> float:
+    """Kernels a layer launches per forward pass: Megatron's fused layer under a Megatron runtime, else
+    the profile's count-weighted mean over its layer kinds (0 for a profile that counted none). The
+    default launch cost (`Coefficients.launch_s`) is priced per these. 0 for a mixture-of-experts
+    model: the model file's eager expert loop is not how runtimes launch experts (one grouped GEMM, or
+    Megatron-Core's loop, whose launches cost/moe.py prices itself)."""
+    if workload.profile.is_moe:
+        return 0.0
+    if is_megatron(workload.runtime):
+        return MEGATRON_LAYER_LAUNCHES
+    counts = np.array([float(b.count) for b in workload.profile.layers])
+    launches = np.asarray(k["launches"], dtype=float)[1:-1]
+    return float(np.dot(counts, launches) / counts.sum()) if counts.sum() else 0.0

@@ -324,7 +324,8 @@ def _host_paced(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     gpu_mb = compute + tp_comm + ep_comm + recompute + p2p  # one micro-batch, forward + backward, on each rank
     host = c.host
     if host:  # the host launches every block's kernels (through DTensor under TP); the GPU hides what it can
-        per_pass = (c.block_host_s + np.where(t > 1, c.tp_host_s, 0.0)) * fp8.host_scale(g, c)
+        per_layer = c.block_host_s + c.launch_s * launches.layer_launches(k, workload)  # launch default + fitted
+        per_pass = (per_layer + np.where(t > 1, c.tp_host_s, 0.0)) * fp8.host_scale(g, c)
         # recompute replays the forward of its blocks (selective too: the checkpoint reruns every op,
         # returning the kept outputs of all but the attention core)
         replayed = np.where(mode == SELECTIVE, n_layers, ckpt_frac * n_layers)
