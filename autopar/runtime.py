@@ -51,6 +51,9 @@ MEGATRON_SWITCHES = {
               "per destination node (forwarded over NVLink to its experts there)",
     "moe_a2a_overlap": "--overlap-moe-expert-parallel-comm: the dispatch and combine all-to-alls of one micro-batch "
                        "run under another micro-batch's compute (1F1B A2A overlap)",
+    "moe_pad_to_capacity": "--moe-pad-expert-input-to-capacity: with a capacity factor, every expert receives and "
+                           "computes exactly its capacity (zero padding where fewer tokens chose it); a dropless "
+                           "model has no capacity to pad to",
     "megatron_softmax": "Megatron-LM's unfused attention (baddbmm, FusedScaleMaskSoftmax, dropout, bmm) under a "
                         "runtime other than megatron, whatever the model file writes: its traffic and saved bytes "
                         "from the score count, as runtime megatron prices it without flash_attn (the "
@@ -60,12 +63,21 @@ MEGATRON_SWITCHES = {
                               "runtime (the Megatron-DeepSpeed runs vTrain measured)",
     "overlap_p2p_comm": "--overlap-p2p-communication: the interleaved schedule's stage-to-stage sends and "
                         "receives under the next chunk's compute (one per micro-batch stays exposed)",
+    "async_tp": "torch's async tensor parallelism (torchtitan's --parallelism.enable_async_tensor_parallel, "
+                "torch._inductor's micro-pipelined all-gather-matmul and matmul-reduce-scatter on symmetric memory): "
+                "under sequence parallelism each pass's tensor-parallel collective runs in tp chunks under that "
+                "pass's GEMMs; torch runtime only",
+    "op_sac": "torchtitan's per-op selective activation checkpointing (--activation-checkpoint.mode selective "
+              "--selective-ac-option op): every second matmul of a block and its elementwise ops are recomputed, "
+              "attention's kernel is kept; it replaces the attention-core recompute of plan recompute 'selective'; "
+              "torch runtime only",
 }
 NEMO_SWITCHES = ("flash_attn", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")  # dense recipes'
 NAMED_RUNTIMES = {"megatron-core": NEMO_SWITCHES, "megatron-lm-2021": ()}  # name -> the switches it turns on
 MOE_SWITCHES = ("deepep", "moe_a2a_overlap")  # MoE only; allowed under the torch runtime too
 ANY_RUNTIME = (*MOE_SWITCHES, "megatron_softmax", "megatron_cross_entropy")  # switches that name kernels,
 # not Megatron-Core's scheduling
+TORCH_SWITCHES = ("async_tp", "op_sac")  # what torch runs and Megatron-Core does not (its own are the flags above)
 
 
 MEGATRON_VOCAB_MULTIPLE = 128  # --make-vocab-size-divisible-by's default
@@ -109,7 +121,11 @@ def check_runtime(runtime: str, switches) -> tuple[str, ...]:
     if unknown:
         raise AutoparError(f"unknown Megatron switch(es) {', '.join(unknown)}; use any of "
                            f"{', '.join(MEGATRON_SWITCHES)}")
-    megatron_only = [o for o in switches if o not in ANY_RUNTIME]  # DeepEP also serves torch (AutoModel)
+    torch_only = [o for o in switches if o in TORCH_SWITCHES]
+    if torch_only and runtime != "torch":
+        raise AutoparError(f"{', '.join(torch_only)}: torch switches need runtime 'torch' (Megatron-Core's "
+                           "counterpart of async_tp is tp_comm_overlap)")
+    megatron_only = [o for o in switches if o not in ANY_RUNTIME and o not in TORCH_SWITCHES]  # DeepEP: torch too
     if {"flash_attn", "megatron_softmax"} <= set(switches):
         raise AutoparError("flash_attn and megatron_softmax name two different attention kernels; give one")
     if megatron_only and not is_megatron(runtime):

@@ -35,7 +35,7 @@ from functools import cache
 from pathlib import Path
 
 from autopar.cluster import load_cluster
-from autopar.cost import Coefficients
+from autopar.cost import Coefficients, torch_runtime
 from autopar.errors import AutoparError
 from autopar.search import published, published_megatron, published_moe, published_torch
 from autopar.search.published_context_parallel import LLAMA3_CP_TABLE4, context_parallel_rows
@@ -149,6 +149,10 @@ def flash(name: str) -> list[Entry]:
 
 # --- NeMo AutoModel MoE (H100) -----------------------------------------------------------------------
 
+MOE_FIT = ("fitted: the MoE fixed costs problem_s, launch_s (autopar/cost/moe.py MoeFit, on all six MoE rows of "
+           "both frameworks; experiments/fit_moe.py holds each row out)")
+
+
 def moe(name: str) -> list[Entry]:
     read = iter(published_moe.ALL_ROWS)
     out = []
@@ -167,7 +171,7 @@ def moe(name: str) -> list[Entry]:
             out.append(Entry(name, label, "-", "tokens/s per GPU", pub, CHECK, reason=why))
             continue
         plan, _, tokens = published_moe.predicted_tokens_per_s(row)
-        out.append(Entry(name, label, plan.describe(), "tokens/s per GPU", pub, CHECK, tokens))
+        out.append(Entry(name, label, plan.describe(), "tokens/s per GPU", pub, MOE_FIT, tokens))
     return out
 
 
@@ -187,7 +191,6 @@ DENSE_CHECK = ("independent check of the shipped H100 fp8 speedup (experiments/f
 def bridge(name: str) -> list[Entry]:
     """Megatron-Bridge 25.11's DGX-H100 rows: the MoE ones as published_moe.py prices them."""
     read, dense = iter(published_moe.BRIDGE_ROWS), iter(published_megatron.BRIDGE_DENSE)
-    fit = "independent check (issue 40 is to fit the MoE costs to these, leave-one-row-out)"
     out = []
     for line, raw in enumerate(published.read_table(name), start=2):
         label = f"{line}: {raw['model']}, {raw['gpus']} GPUs, {raw['precision']}"
@@ -201,7 +204,7 @@ def bridge(name: str) -> list[Entry]:
                              est.tokens_per_s / row.gpus))
             continue
         plan, _, tokens = published_moe.predicted_tokens_per_s(_same(next(read), raw))
-        out.append(Entry(name, label, plan.describe(), "tokens/s per GPU", pub, fit, tokens))
+        out.append(Entry(name, label, plan.describe(), "tokens/s per GPU", pub, MOE_FIT, tokens))
     return out
 
 
@@ -222,13 +225,24 @@ def _torch_native(row: published_torch.TorchNativeRow) -> tuple[str, float | Non
                                          + ("" if est.fits else ", over the GPU's memory"))
 
 
+def _torch_fit(row: published_torch.TorchNativeRow) -> str:
+    """Which torch-runtime coefficients of its GPU type the row fitted (autopar/cost/torch_runtime.py)."""
+    if published_torch.expressible(row):
+        return CHECK
+    shipped = torch_runtime.fitted(published_torch.gpu_name(row))
+    names = [n for n in published_torch.features(row) if n in shipped]
+    return (f"fitted: torch runtime's {', '.join(names)} ({published_torch.PRESETS_BY_GPU[row.gpu]}); held out "
+            "in experiments/fit_torch_runtime.py")
+
+
 def torch_native(name: str) -> list[Entry]:
-    fit = "independent check (issue 40 point 2 is to fit the torch runtime to these)"
     out = []
     for row in published_torch.ROWS:
         plan, tokens, why, note = _torch_native(row)
-        out.append(Entry(name, f"{row.line}: {row.label}", plan, "tokens/s per GPU", row.tokens_per_s_per_gpu, fit,
-                         tokens, why, note))
+        if published_torch.compiled_beyond_executor(row) and not why:
+            note += "; compiled under tp/pp as torchtitan ran it (autopar's executor does not: priced, not runnable)"
+        out.append(Entry(name, f"{row.line}: {row.label}", plan, "tokens/s per GPU", row.tokens_per_s_per_gpu,
+                         _torch_fit(row), tokens, why, note))
     return out
 
 
@@ -253,7 +267,7 @@ def other_h100(name: str) -> list[Entry]:
         if twin is None:
             out.append(Entry(name, label, "-", "tokens/s per GPU", pub, CHECK,
                              reason="torchtitan Table 5 states Float8 + AsyncTP + compile for this run (the CSV says "
-                                    "bf16): the torch_native_shared.csv row, where async TP is left out"))
+                                    "bf16): the torch_native_shared.csv row of that run"))
             continue
         plan, tokens, why, note = _torch_native(twin)
         out.append(Entry(name, label, plan, "tokens/s per GPU", pub, CHECK, tokens, why,

@@ -22,6 +22,7 @@ import functools
 from dataclasses import asdict, dataclass, field, fields
 
 from autopar.cluster.gpus import GPUS, match_gpu
+from autopar.cost import torch_runtime
 from autopar.errors import ClusterError
 from autopar.schema import Map, Num, Obj, check, dataclass_schema
 
@@ -64,6 +65,11 @@ class Coefficients:
     # compile gains nothing on this device (the cpu preset)
     compile_elementwise: float = 0.5
     compile_host: float = 0.5
+    # fp8 over bf16 rate of a large GEMM; 0: the GPU type's (cost/precision.py, the NeMo fit); rowwise 0:
+    # the same as tensorwise. Set per GPU type for the torch runtime by cost/torch_runtime.py (torchao's kernels)
+    fp8_gemm_speedup: float = 0.0
+    fp8_rowwise_speedup: float = 0.0
+    async_tp_overlap: float = 1.0  # share of a pass's GEMM time under which torch's async TP hides its collectives
     # bandwidth of ZeRO's collectives relative to the all-reduce's (reduce_scatter, all_gather: FSDP;
     # broadcast: ZeroRedundancyOptimizer's shards), measured by `autopar profile-cluster`; 1 if absent
     collective_efficiency: dict = field(default_factory=dict)
@@ -93,6 +99,8 @@ class Coefficients:
         fitted = dict(cal.fitted)
         if cal.regime and runtime not in cal.regime["runtime"]:
             fitted["elementwise_traffic"] = EAGER_ELEMENTWISE_TRAFFIC
+        if runtime == "torch":  # the torch runtime's own fit to torch-native rows, where its GPU type has one
+            fitted.update(torch_runtime.fitted(cluster.gpu.name))
         if not HOST_COEFFICIENTS & set(cluster.coefficients):  # a calibrated host time replaces the default
             fitted["launch_s"] = launch_s(cluster.gpu.name)
         return cls.from_dict({**fitted, **cluster.coefficients})
@@ -121,6 +129,9 @@ COEFFICIENT_RANGES = {
     "hbm_efficiency": Num(0.0, 1.0, open_lo=True),
     "compile_elementwise": Num(0.3, 1.0),  # compiled kernels move at most the eager traffic
     "compile_host": Num(0.2, 1.0),
+    "fp8_gemm_speedup": Num(0.0, 2.0),  # 0: the GPU type's; else at most the fp8 peak's 2x
+    "fp8_rowwise_speedup": Num(0.0, 2.0),
+    "async_tp_overlap": Num(0.0, 1.0),
     "launch_s": Num(0.0, 1e-3),  # a kernel launch takes microseconds, never a millisecond
 }
 LINK_EFFICIENCY_KEYS = ("nvlink", "pcie", "upi", "ib", "ethernet", "shm", "none")
@@ -225,6 +236,7 @@ UNCALIBRATED = GpuCalibration()
 def gpu_calibration(gpu_name: str) -> GpuCalibration:
     """The calibration of a GPU by its spec name; UNCALIBRATED for GPUs without public measurements."""
     return GPU_CALIBRATION.get(gpu_name, UNCALIBRATED)
+
 
 # Host time per kernel launch without calibration, by the GPU's generation (docs/hardware.md "Host time";
 # docs/references.md §14). It is the host's cost (Python, the dispatcher, the driver's cudaLaunchKernel)

@@ -44,7 +44,7 @@ from autopar.cost.arrays import PlanArrays, mesh_order_of, unique_rows
 from autopar.cost.coefficients import Coefficients
 from autopar.cost.collectives import all_gather_time, all_reduce_time
 from autopar.cost import moe
-from autopar.cost import cross_entropy, launches, softmax_fallback, tensor_parallel, vocabulary
+from autopar.cost import cross_entropy, launches, op_sac, softmax_fallback, tensor_parallel, vocabulary
 from autopar.cost import precision as fp8
 from autopar.cost.fused import megatron_layer_io, megatron_layer_saved
 from autopar.cost.context_parallel import gradient_group_size, sequence_share
@@ -210,7 +210,10 @@ def _group(workload, g: PlanArrays, c: Coefficients) -> dict:
     profile, cluster = workload.profile, workload.cluster
     k = moe.dispatch_as_run(_attention_as_run(_kind_arrays(profile), workload, c), workload)
     k = cross_entropy.loss_as_run(k, workload)  # the loss priced from the logit count (head_times below)
-    tp_overlap = "tp_comm_overlap" in workload.switches
+    # (G, 1): TE userbuffers (Megatron's tp_comm_overlap), or torch's async TP, which micro-pipelines the
+    # sequence-parallel all-gathers and reduce-scatters only
+    tp_overlap = np.logical_or("tp_comm_overlap" in workload.switches,
+                               ("async_tp" in workload.switches) & np.asarray(g.sequence_parallel, dtype=bool))[:, None]
     col = _col
 
     t, m, v, pp = col(g.tp), col(g.num_micro_batches), col(g.virtual_stages), col(g.pp)
@@ -259,11 +262,11 @@ def _per_kind(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
         compute_f, compute_b = compute_f + loss_f, compute_b + loss_b
     routed = moe.pipeline_terms(workload, g, c, b, sp_div, col(PRECISION_BYTES[g.precision]), peak)
     compute_f, compute_b = compute_f + routed["expert_f"], compute_b + routed["expert_b"]
-    if tp_overlap:  # TE userbuffers: each pass's collective in t chunks under that pass's GEMMs
-        tp_f = np.maximum(tp_fwd - flops_f / rate, tp_fwd / t)
-        tp_b = np.maximum(tp_bwd - flops_b / rate, tp_bwd / t)
-    else:
-        tp_f, tp_b = tp_fwd, tp_bwd
+    # overlapped (TE userbuffers, async TP): each pass's collective in t chunks under that pass's GEMMs,
+    # under all of them for TE, under `async_tp_overlap` of them for async TP (fitted, cost/torch_runtime.py)
+    under = 1.0 if "tp_comm_overlap" in workload.switches else c.async_tp_overlap
+    tp_f = np.where(tp_overlap, np.maximum(tp_fwd - under * flops_f / rate, tp_fwd / t), tp_fwd)
+    tp_b = np.where(tp_overlap, np.maximum(tp_bwd - under * flops_b / rate, tp_bwd / t), tp_bwd)
     attn_io = b * act_scale * k["attn_core_io_bytes"] / t / hbm  # the core is split by heads
     selective_f = b * k["attn_core_flops"] / t / rate + attn_io
     # the loss's saved tensors apart: it reads the whole sequence's logits (cost/cross_entropy.py)
@@ -275,6 +278,9 @@ def _per_kind(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     act_full = (b * act_scale * (kept_tp / split + kept / sp_div + k["entry_saved_bytes"] / entry_div)
                 - scale["saved"] + cross_entropy.saved_as_run(k, workload, b, act_scale, split))
     act_sel = act_full - b * act_scale * k["attn_core_bytes"] / t
+    if op_sac.applies(workload):  # torchtitan's per-op checkpoint instead of the attention core's
+        selective_f = op_sac.recompute_time(workload, g, b, t, rate, scale["gemm"], flops_f, io_f, tp_f)
+        act_sel = op_sac.kept_bytes(workload, b, act_scale, t, sp_div, act_sel)
     act_ckpt = b * act_scale * k["out_bytes"] / sp_div
     return dict(base=base, scale=scale, tp_fwd=tp_fwd, tp_bwd=tp_bwd, compute_f=compute_f, compute_b=compute_b,
                 unfused=unfused, routed=routed, tp_f=tp_f, tp_b=tp_b, selective_f=selective_f, act_full=act_full,

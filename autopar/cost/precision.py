@@ -58,15 +58,18 @@ FP8_GEMM_SPEEDUP = {"H100-SXM5-80GB": 1.46, "H200-SXM5-141GB": 1.46}
 DEFAULT_FP8_GEMM_SPEEDUP = 1.46  # GPUs with an fp8 rate but no fit (B200, GB200, L40S): the H100 value
 
 
-def fp8_gemm_speedup(gpu) -> float:
-    return FP8_GEMM_SPEEDUP.get(gpu.name, DEFAULT_FP8_GEMM_SPEEDUP)
+def fp8_gemm_speedup(gpu, c=None) -> float:
+    """The large-GEMM fp8 speedup: the coefficients' own where set (the torch runtime's fit to torchao's
+    kernels, cost/torch_runtime.py), else the GPU type's (the NeMo fit above)."""
+    own = c.fp8_gemm_speedup if c is not None else 0.0
+    return own or FP8_GEMM_SPEEDUP.get(gpu.name, DEFAULT_FP8_GEMM_SPEEDUP)
 
 
-def fp8_time_factor(flops, c, gpu):
-    """fp8 over bf16 time of a GEMM of `flops` FLOPs: `fp8_gemm_speedup` for a large one, the size
-    curve's half point scaled by the fp8 peak's ratio to bf16's (small GEMMs gain little or lose)."""
+def fp8_time_factor(flops, c, gpu, speedup: float | None = None):
+    """fp8 over bf16 time of a GEMM of `flops` FLOPs: `fp8_gemm_speedup` (or `speedup`) for a large one,
+    the size curve's half point scaled by the fp8 peak's ratio to bf16's (small GEMMs gain little or lose)."""
     ratio = (gpu.peak_flops.get("fp8") or 2 * gpu.peak_flops["bf16"]) / gpu.peak_flops["bf16"]
-    return (flops + c.gemm_half_flops * ratio) / (fp8_gemm_speedup(gpu) * (flops + c.gemm_half_flops))
+    return (flops + c.gemm_half_flops * ratio) / ((speedup or fp8_gemm_speedup(gpu, c)) * (flops + c.gemm_half_flops))
 
 
 def _linears(profile) -> dict[str, np.ndarray]:
@@ -125,14 +128,19 @@ def compute_scale(workload, g, b: np.ndarray, sp_div: np.ndarray, flops_f: np.nd
     ones = np.ones_like(flops_f)
 
     share = np.minimum(np.divide(b * lin["flops"] / t, flops_f, out=np.zeros_like(flops_f), where=flops_f > 0), 1.0)
-    gemm = np.where(col(gains) > 0, 1 - share * (1 - fp8_time_factor(flops_f, c, gpu)), ones)
+    # torchao's rowwise recipe runs its own GEMM kernel (CUTLASS), at `fp8_rowwise_speedup` where fitted
+    recipe = np.asarray(g.fp8_recipe)
+    rowwise = col(recipe == RECIPE_CODES.index("rowwise")) > 0
+    factor = fp8_time_factor(flops_f, c, gpu)
+    if c.fp8_rowwise_speedup:
+        factor = np.where(rowwise, fp8_time_factor(flops_f, c, gpu, c.fp8_rowwise_speedup), factor)
+    gemm = np.where(col(gains) > 0, 1 - share * (1 - factor), ones)
 
     megatron = is_megatron(workload.runtime)
     inputs = b * (lin["inputs"] + lin["inputs_tp"] / t)
     outputs = b * (lin["outputs"] + lin["outputs_tp"] / t)
     weights = lin["weights"] / t * ones
     hbm = gpu.hbm_bytes_per_s * c.hbm_efficiency
-    recipe = np.asarray(g.fp8_recipe)
     per_element = np.array([0.0] + [CAST_BYTES[r] for r in FP8_RECIPES])[recipe][:, None]
     if megatron:  # inputs forward, output gradients backward; weights cast once per iteration (cached)
         cast_f, cast_b = TE_CAST_BYTES * inputs / hbm, TE_CAST_BYTES * outputs / hbm
