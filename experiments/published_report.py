@@ -149,8 +149,8 @@ def flash(name: str) -> list[Entry]:
 
 # --- NeMo AutoModel MoE (H100) -----------------------------------------------------------------------
 
-MOE_FIT = ("fitted: the MoE fixed costs problem_s, launch_s (autopar/cost/moe.py MoeFit, on all six MoE rows of "
-           "both frameworks; experiments/fit_moe.py holds each row out)")
+MOE_FIT = ("fitted: the grouped kernel's cost per expert problem (autopar/cost/moe.py MoeFit.problem_s, 0, on all "
+           "six MoE rows of both frameworks; experiments/fit_moe.py holds each row out)")
 
 
 def moe(name: str) -> list[Entry]:

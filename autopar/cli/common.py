@@ -49,7 +49,8 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
                              "(Megatron with only the --megatron switches given); it decides which overlaps run")
     parser.add_argument("--megatron", action="append", default=[], metavar="SWITCH",
                         help="a Megatron-Core switch that is on (flash_attn, tp_comm_overlap, overlap_grad_reduce, "
-                             "overlap_param_gather, overlap_p2p_comm; repeatable; needs a megatron runtime; deepep, "
+                             "overlap_param_gather, overlap_p2p_comm, moe_pad_to_capacity; repeatable; needs a "
+                             "megatron runtime; deepep, "
                              "moe_a2a_overlap, megatron_softmax (Megatron-LM's unfused attention) and "
                              "megatron_cross_entropy (its fp32 vocab-parallel loss) serve any runtime)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")

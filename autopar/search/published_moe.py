@@ -200,8 +200,8 @@ def settings(row) -> str:
     if isinstance(row, MoeRow):
         return (f"torch (FSDP2{', reshard' if row.reshard else ''}) + DeepEP, balanced gate, "
                 f"{'full recompute' if row.recompute else 'no recompute'}, global batch {row.global_batch}")
-    return (f"megatron, {row.precision}, alltoall dispatcher, {', '.join(row.switches)}, no recompute, "
-            f"global batch {row.global_batch}")
+    return (f"megatron, {row.precision}, alltoall dispatcher, TE's per-expert GEMM loop (host-paced after the "
+            f"dispatcher's sync), {', '.join(row.switches)}, no recompute, global batch {row.global_batch}")
 
 
 ROWS = (*MOE_ROWS, *BRIDGE_ROWS)  # every MoE row autopar prices, both frameworks
