@@ -97,8 +97,8 @@ def selective_note(workload, plan, est=None) -> str:
     saved is the cost model's answer (under Transformer Engine's fp8 the rerun drops the kernel's own
     saved output), so the line says what the plan's activations (`est`, when the caller has it) are
     against recompute none."""
-    if plan.recompute != "selective" or not attention_fused(workload):
-        return ""
+    if plan.recompute != "selective" or not attention_fused(workload) or "op_sac" in workload.switches:
+        return ""  # torchtitan's per-op checkpoint reruns matmuls, not the attention (cost/op_sac.py)
     none = estimate(workload, plan.with_(recompute="none")).memory["activations"]
     saved = none - (est or estimate(workload, plan)).memory["activations"]
     why = "the attention runs as a fused (flash) kernel, which keeps no seq x seq tensor to drop"

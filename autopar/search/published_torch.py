@@ -2,18 +2,19 @@
 (`data/published/torch_native_shared.csv`, its SOURCE.md says where each row comes from).
 
 torchtitan's Llama 3.1 tables on Meta's Grand Teton H100s and torchao's float8 / MXFP8 Llama 3 8B
-rows: FSDP2 (ZeRO-3), DTensor tensor parallelism with sequence parallel norms, torch.compile of
-each block, torchao's float8 recipes. autopar prices a row as its own executor would run that
-setup: runtime ``torch``, the row's degrees, local batch as one micro-batch (torchtitan accumulates
-no gradients in these runs), the row's recompute, compile and precision, on the preset of the row's
-GPU (`PRESETS_BY_GPU`). Nothing is fitted to these rows (the torch-runtime fit, issue 40 point 2,
-is to fit to them alone); a row whose setup autopar cannot express is left out with the reason
-(`expressible`, and `autopar.capability` when the plan is checked: compile beside tp or pp).
+rows: FSDP2 (ZeRO-3), DTensor tensor parallelism with sequence parallel norms, async TP, pipelining,
+torch.compile of each block, torchao's float8 recipes. autopar prices a row as that setup runs:
+runtime ``torch`` with the row's switches (`op_sac` for torchtitan's per-op selective checkpoint,
+`async_tp`), the row's degrees, the local batch as one micro-batch (as many as stages under pp,
+torchtitan's default), the row's recompute, compile and precision, on the preset of the row's GPU
+(`PRESETS_BY_GPU`). The torch runtime's coefficients are fitted to these rows alone
+(autopar/cost/torch_runtime.py, experiments/fit_torch_runtime.py); a row whose setup autopar cannot
+express is left out with the reason (`expressible`). A row compiled under tp or pp is priced as
+torchtitan ran it, though autopar's executor does not run it (`compiled_beyond_executor`).
 
-Where the runs and autopar's knobs differ, knowingly: torchtitan's per-op selective checkpointing is
-priced as autopar's `selective` recompute (the attention core recomputed), and every tensorwise float8
-row under FSDP2 gets torchao's float8 all-gather (the cost model prices it for tensorwise under ZeRO-3),
-where torchtitan's Table 1, 3 and 4 runs do not say whether they enabled it.
+Where the runs and autopar's knobs differ, knowingly: every tensorwise float8 row under FSDP2 gets
+torchao's float8 all-gather (the cost model prices it for tensorwise under ZeRO-3), where torchtitan's
+Table 1, 3 and 4 runs do not say whether they enabled it.
 """
 
 from __future__ import annotations
