@@ -487,6 +487,12 @@ def _compile_choices(w, d) -> list[bool]:
     return allowed("compile", Target.of(w), [False, True], d)
 
 
+def _cuda_graphs_choices(w, d) -> list[bool]:
+    """CUDA graphs where the runtime captures them (autopar.capability): Megatron-Core's own, or
+    torch.compile's mode="reduce-overhead" on the compiled blocks; CUDA only."""
+    return allowed("cuda_graphs", Target.of(w), [False, True], d)
+
+
 def _parse_order(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(","))
 
@@ -540,6 +546,12 @@ for _k in (
          text=_bool_text("torch.compile of each block"), short=lambda v: "compiled" if v else None,
          slots=(False, True), detail=True, parse=_parse_bool,
          flag_help="torch.compile each transformer block (fuses elementwise ops; fp8 pays off only compiled)"),
+    Knob("cuda_graphs", (Field("cuda_graphs", bool, False),), _cuda_graphs_choices, ("compile",), label="CUDA graphs",
+         text=_bool_text("CUDA graphs of the blocks"), short=lambda v: "graphs" if v else None,
+         slots=(False, True), detail=True, parse=_parse_bool,
+         flag_help="replay the blocks' kernels as CUDA graphs (no per-kernel launch): torch.compile "
+                   "mode='reduce-overhead' on the compiled blocks under torch, --enable-cuda-graph under megatron; "
+                   "CUDA only"),
     Knob("mesh_order", (Field("mesh_order", tuple, None),), _mesh_choices, (AXES_DEPEND,), label="mesh order",
          text=lambda o: "mesh (" + ", ".join(o) + ")", slot=lambda o, c: _axes.mesh_orders().index(o),
          short=lambda o: None if o == _axes.default_order() else "mesh=" + ",".join(o),

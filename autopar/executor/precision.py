@@ -72,10 +72,13 @@ def convert_fp8(blocks: list[nn.Module], plan: Plan) -> None:
 
 def compile_blocks(blocks: list[nn.Module], plan: Plan) -> None:
     """torch.compile each block in place (`Module.compile`: names, hooks and checkpoint wrappers
-    kept), per block as torchtitan does: one compiled graph reused by every block of a kind."""
+    kept), per block as torchtitan does: one compiled graph reused by every block of a kind. With
+    `cuda_graphs`, torch.compile's own mode="reduce-overhead" (Inductor's CUDA graph trees): each
+    block's kernels are captured once and replayed with one launch (CUDA only: autopar.capability)."""
     if plan.compile:
+        mode = {"mode": "reduce-overhead"} if plan.cuda_graphs else {}
         for block in blocks:
-            block.compile()
+            block.compile(**mode)
 
 
 def autocast(plan: Plan, device: torch.device):

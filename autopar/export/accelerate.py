@@ -81,6 +81,9 @@ UNEXPRESSED = {  # knob -> the line where the accelerate config cannot express i
                              if p.precision == "fp8" else None),
     "compile": lambda p: ("compile: accelerate's dynamo_config compiles the whole model; compile each block in the "
                           "script" if p.compile else None),
+    "cuda_graphs": lambda p: ("cuda_graphs: dynamo_config's dynamo_mode reduce-overhead compiles the whole model; "
+                              "compile each block with mode='reduce-overhead' in the script" if p.cuda_graphs
+                              else None),
     "grad_comm_dtype": lambda p: (f"grad_comm_dtype={p.grad_comm_dtype}: not an accelerate config key"
                                   if p.grad_comm_dtype != "fp32" and p.dp > 1 else None),
     "bucket_mb": lambda p: (f"bucket_mb={p.bucket_mb:g}: pass DistributedDataParallelKwargs(bucket_cap_mb=...) in the "

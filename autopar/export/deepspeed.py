@@ -47,6 +47,8 @@ UNEXPRESSED = {  # knob -> the line where the DeepSpeed config cannot express it
                              "the script (torchao convert_to_float8_training or Transformer Engine); exported as bf16"
                              if p.precision == "fp8" else None),
     "compile": lambda p: "compile: DeepSpeed's engine.compile() in the script" if p.compile else None,
+    "cuda_graphs": lambda p: ("cuda_graphs: not a DeepSpeed training config key; engine.compile(mode="
+                              "'reduce-overhead') in the script" if p.cuda_graphs else None),
     "pp": _pp,
     "schedule": lambda p: (f"schedule={p.schedule}: DeepSpeed's pipeline engine runs its own 1F1B-style schedule"
                            if p.pp > 1 and p.schedule != "1f1b" else None),

@@ -28,6 +28,7 @@ FLAGS = {
     "recompute_num_layers": "--recompute-num-layers",
     "fp8": "--fp8-format",
     "fp8_recipe": "--fp8-recipe",
+    "enable_cuda_graph": "--enable-cuda-graph",
 }
 # autopar's fp8 recipe -> Transformer Engine's as Megatron names it (rowwise has no TE counterpart)
 FP8_RECIPES = {"tensorwise": "tensorwise", "mxfp8": "mxfp8"}
@@ -59,6 +60,7 @@ def core_fields(plan: Plan) -> dict:
         "recompute_num_layers": max(blocks, 1) if plan.recompute == "full" else None,
         "fp8": "hybrid" if plan.precision == "fp8" else None,  # e4m3 forward, e5m2 gradients
         "fp8_recipe": FP8_RECIPES.get(plan.fp8_recipe) if plan.precision == "fp8" else None,
+        "enable_cuda_graph": plan.cuda_graphs,  # TransformerConfig: Megatron-Core's per-layer CUDA graphs
     }
 
 
@@ -76,7 +78,8 @@ def arguments(plan: Plan) -> list[str]:
 
 # what the arguments express (`core_fields`, the batch flags; dp is the world size over the other degrees)
 MAPS = ("precision", "tp", "pp", "cp", "dp", "ep", "micro_batch_size", "num_micro_batches", "zero", "recompute",
-        "bucket_mb", "schedule", "sequence_parallel", "grad_comm_dtype", "offload_optimizer", "fp8_recipe")
+        "bucket_mb", "schedule", "sequence_parallel", "grad_comm_dtype", "offload_optimizer", "fp8_recipe",
+        "cuda_graphs")
 
 
 def _recompute(plan: Plan) -> str | None:

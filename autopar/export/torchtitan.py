@@ -66,6 +66,8 @@ def _recompute(plan: Plan) -> str | None:
 
 UNEXPRESSED = {  # knob -> the line where torchtitan cannot express its value
     "zero": lambda p: "zero=1: torchtitan's FSDP2 also shards gradients (exported as ZeRO-2)" if p.zero == 1 else None,
+    "cuda_graphs": lambda p: ("cuda_graphs: torchtitan's --compile.enable has no mode; compile the blocks with "
+                              "mode='reduce-overhead' in the script" if p.cuda_graphs else None),
     "cp": lambda p: (f"cp={p.cp} with zero=0: torchtitan applies FSDP2 over dp_shard x cp whenever cp > 1 (the weights "
                      "are sharded over the cp ranks)" if p.cp > 1 and p.zero == 0 else None),
     "precision": lambda p: ("precision=fp16: torchtitan trains in bfloat16 or float32 (exported as bfloat16 defaults)"
