@@ -51,22 +51,27 @@ def errors(rs, speedup: float) -> dict:
     return {r: predicted[r] / r.tokens_per_s_per_gpu - 1 for r in rs}
 
 
-def fit(rs) -> float:
-    """The speedup minimising the median |error| over `rs` (then the max), on a grid over its range."""
+def grid(rs) -> dict:
+    """Every row's error at every speedup of the grid, priced once (each fold picks from it)."""
+    return {float(s): errors(rs, float(s)) for s in SPEEDUPS}
+
+
+def fit(rs, table: dict) -> float:
+    """The speedup minimising the median |error| over `rs` (then the max), on the grid over its range."""
     scores = []
-    for s in SPEEDUPS:
-        e = [abs(v) for v in errors(rs, float(s)).values()]
-        scores.append((statistics.median(e), max(e), float(s)))
+    for s, e in table.items():
+        e = [abs(e[r]) for r in rs]
+        scores.append((statistics.median(e), max(e), s))
     return min(scores)[2]
 
 
 def leave_one_family_out(rs) -> tuple[dict, dict]:
     """Per family: the speedup fitted on the other families; per row: its error under that fit."""
+    table = grid(rs)
     fitted, err = {}, {}
     for family in sorted({r.family for r in rs}):
-        held = [r for r in rs if r.family == family]
-        fitted[family] = fit([r for r in rs if r.family != family])
-        err.update(errors(held, fitted[family]))
+        fitted[family] = fit([r for r in rs if r.family != family], table)
+        err.update({r: table[fitted[family]][r] for r in rs if r.family == family})
     return fitted, err
 
 
