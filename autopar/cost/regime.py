@@ -18,6 +18,7 @@ from autopar.cost.coefficients import gpu_calibration
 from autopar.cost.estimate import estimate
 from autopar.cost.published_mfu import best_published
 from autopar.cost.vocabulary import vocabulary_note
+from autopar.cost import torch_runtime
 from autopar.runtime import megatron_attention
 
 _TRACE_FITTED = ("gemm_efficiency", "gemm_half_flops", "block_host_s")
@@ -50,7 +51,9 @@ def regime_note(workload, plan, est=None) -> str:
     if plan.recompute not in r["recompute"]:
         outside.append(f"recompute {plan.recompute}")
     if workload.runtime not in r["runtime"]:
-        outside.append(f"runtime {workload.runtime}")
+        torch_fit = torch_runtime.fitted(cluster.gpu.name) if workload.runtime == "torch" else {}
+        outside.append(f"runtime {workload.runtime}" + (f", its {', '.join(torch_fit)} fitted to torch-native rows"
+                                                        if torch_fit else ""))
     outside += [f"{axis} {getattr(plan, axis)} > {r[axis]}" for axis in ("tp", "pp", "dp")
                 if getattr(plan, axis) > r[axis]]
     if cal.derived_from:
