@@ -241,18 +241,40 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-_feasible_memo: dict[tuple, list[dict[str, int]]] = {}
+_feasible_memo: dict[tuple, list] = {}  # feasible assignments, and degree choices given others
 
 
 def feasible_degrees(workload, unchecked: tuple[str, ...] = ()) -> list[dict[str, int]]:
     """Every assignment of degrees the plan space offers: product = world size, each axis's rule
     and its `offered` narrowing (but those of `unchecked`). Memoised per workload: every step of the walker asks."""
-    key = (id(workload), workload.world_size, workload.global_batch, workload.profile.digest, tuple(AXES), unchecked)
+    return [dict(d) for d in _feasible_rows(workload, unchecked)]
+
+
+def _feasible_key(workload, unchecked: tuple[str, ...]) -> tuple:
+    return id(workload), workload.world_size, workload.global_batch, workload.profile.digest, tuple(AXES), unchecked
+
+
+def _feasible_rows(workload, unchecked: tuple[str, ...] = ()) -> list[dict[str, int]]:
+    """feasible_degrees' memo itself (not copies): for readers that do not keep what they read."""
+    key = _feasible_key(workload, unchecked)
     if key not in _feasible_memo:
         if len(_feasible_memo) > 1024:
             _feasible_memo.clear()
         _feasible_memo[key] = _feasible(workload, unchecked)
-    return [dict(d) for d in _feasible_memo[key]]
+    return _feasible_memo[key]
+
+
+def degree_choices(workload, name: str, given: tuple[tuple[str, int], ...]) -> list[int]:
+    """The degrees of axis `name` among the feasible assignments that have the `given` degrees of other
+    axes, ascending. Memoised with feasible_degrees: the walker asks it for every row of every walk."""
+    key = (_feasible_key(workload, ()), name, given)
+    if key not in _feasible_memo:
+        rows = _feasible_rows(workload)  # first: it may clear the memo
+        if len(_feasible_memo) > 4096:
+            _feasible_memo.clear()
+            rows = _feasible_rows(workload)
+        _feasible_memo[key] = sorted({d[name] for d in rows if all(d[a] == v for a, v in given)})
+    return _feasible_memo[key]
 
 
 def _searched(axis: Axis, workload, degree: int) -> bool:

@@ -246,8 +246,7 @@ def _axis_knob(axis: _axes.Axis) -> Knob:
     earlier = earlier[:earlier.index(axis.name)] if not axis.derived else earlier
 
     def choices(workload, decided) -> list[int]:
-        return sorted({d[axis.name] for d in _axes.feasible_degrees(workload)
-                       if all(d[a] == decided[a] for a in earlier)})
+        return list(_axes.degree_choices(workload, axis.name, tuple((a, decided[a]) for a in earlier)))
 
     return Knob(axis.name, (Field(axis.name, int, 1),), choices, depends=earlier, label=f"{axis.label} parallel",
                 text=lambda v: f"{axis.name}{v}", decision=not axis.derived, flag_help=axis.help,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.cost import evaluate
+from autopar.cost import PlanArrays, evaluate
 from autopar.envs.knobs import PlanSpace
 from autopar.search import space as walker
 
@@ -66,24 +66,31 @@ def refine(space: PlanSpace, prefix: tuple, budget: int = BUDGET, rounds: int = 
     seen = {} if seen is None else seen
     spent = 0
 
-    def fastest(plan: tuple, changed: tuple[int, ...]) -> tuple[tuple | None, float]:
+    def fastest_of(plan: tuple, round_moves, force: bool = False) -> list[tuple[tuple | None, float]]:
+        """The fastest neighbour of `plan` for each change of a round, the round's new neighbours
+        walked until the budget is spent and priced in one evaluation (which moves a round tries
+        depends on plan counts only, never on their times, so this is the one-by-one search's result)."""
         nonlocal spent
-        if (plan, changed) not in seen:
-            w, pa = neighbours(space, plan, changed)
-            spent += len(pa)
-            seen[plan, changed] = _fastest(space, w, pa)
-        return seen[plan, changed]
+        walks, tried = [], []
+        for changed in round_moves:
+            if spent >= budget and not force:
+                break
+            tried.append(changed)
+            if (plan, changed) not in seen:
+                w, pa = neighbours(space, plan, changed)
+                spent += len(pa)
+                walks.append(((plan, changed), (w, pa)))
+        for key, found in zip(dict(walks), _fastest_each(space, [wp for _, wp in walks])):
+            seen[key] = found
+        return [seen[plan, changed] for changed in tried]
 
-    best, best_time = prefix, fastest(prefix, ())[1]  # no change: the start itself
+    best, best_time = prefix, fastest_of(prefix, [()], force=True)[0][1]  # no change: the start itself
     width = 1
     for _ in range(rounds):
-        if not np.isfinite(best_time):
-            break  # the start does not fit: nothing to descend from
+        if not np.isfinite(best_time) or spent >= budget:
+            break  # the start does not fit (nothing to descend from), or the budget is spent
         moved = None
-        for changed in moves(len(space.names), width):
-            if spent >= budget:
-                break
-            found = fastest(best, changed)
+        for found in fastest_of(best, moves(len(space.names), width)):
             if found[1] < best_time * (1 - GAIN) and (moved is None or found[1] < moved[1]):
                 moved = found
         if moved is None:
@@ -95,13 +102,25 @@ def refine(space: PlanSpace, prefix: tuple, budget: int = BUDGET, rounds: int = 
     return Refined(best, best_time, spent)
 
 
-def _fastest(space: PlanSpace, w, pa) -> tuple[tuple | None, float]:
-    """The decision values and time of the fastest fitting plan of a walk (None, inf: none fits)."""
-    if not len(pa):
-        return None, np.inf
-    res = evaluate(space.workload, pa, space.coeffs)
-    fit = np.flatnonzero(res["fits"])
-    if not len(fit):
-        return None, np.inf
-    j = int(fit[np.argmin(res["iteration_time"][fit])])
-    return tuple(w.value(name, j) for name in space.names), float(res["iteration_time"][j])
+def _fastest_each(space: PlanSpace, walks: list) -> list[tuple[tuple | None, float]]:
+    """The decision values and time of the fastest fitting plan of each walk (None, inf: none fits),
+    all walks' plans priced by one call of the cost model (its fixed cost, a few milliseconds, is most
+    of a small walk's)."""
+    sizes = [len(pa) for _, pa in walks]
+    if not sum(sizes):
+        return [(None, np.inf)] * len(walks)
+    first = next(pa for _, pa in walks if len(pa))
+    joined = PlanArrays({k: np.concatenate([pa.columns[k] for _, pa in walks if len(pa)]) for k in first.columns},
+                        first.splits)
+    res = evaluate(space.workload, joined, space.coeffs)
+    out, start = [], 0
+    for (w, _), n in zip(walks, sizes):
+        fits, times = res["fits"][start:start + n], res["iteration_time"][start:start + n]
+        start += n
+        fit = np.flatnonzero(fits)
+        if not len(fit):
+            out.append((None, np.inf))
+            continue
+        j = int(fit[np.argmin(times[fit])])
+        out.append((tuple(w.value(name, j) for name in space.names), float(times[j])))
+    return out

@@ -138,6 +138,7 @@ def test_campaign_case_is_one_line_exit_2_and_touches_nothing(case, tmp_path, ca
 
 
 # -- resource bounds -----------------------------------------------------------------------------------------
+@settings(deadline=2000)  # ms: to sqrt(10^12) is ~0.2 s, 1.1x the default deadline on both loaded cores; to n, hours
 @given(n=st.integers(min_value=1, max_value=10**12))
 def test_divisors_are_exact_without_looping_to_n(n):
     from autopar.axes import divisors

@@ -121,7 +121,8 @@ def megatron_candidates(row: MegatronRow, model=ZOO_GPT):
     recompute, gradients all-reduced in 16 bits (Megatron-LM 2021 under --fp16)."""
 
     w = _workload(row.size, row.gpus, row.global_batch, model, row.switches)
-    s = enumerate_plans(w)
+    s = enumerate_plans(w, {"tp": row.tp, "pp": row.pp, "micro_batch_size": row.micro_batch, "zero": 0,
+                            "bucket_mb": 25.0})
     full_all = s.recomputes_every_block()
     chunks = row.layers_per_virtual_stage and w.profile.num_layers // (row.pp * row.layers_per_virtual_stage)
     sched = ((s.schedule == INTERLEAVED) & (s.virtual_stages == chunks) if chunks
@@ -137,7 +138,7 @@ def korthikanti_candidates(row: KorthikantiRow, selective: bool, model=ZOO_GPT):
     recompute, or selective recompute with sequence parallelism."""
 
     w = _workload(row.size, row.gpus, row.global_batch, model)
-    s = enumerate_plans(w)
+    s = enumerate_plans(w, {"tp": row.tp, "pp": row.pp, "micro_batch_size": row.micro_batch})
     full_all = s.recomputes_every_block()
     sp = s.sequence_parallel
     mode = (s.recompute == SELECTIVE) & sp if selective else (s.recompute == FULL) & full_all & ~sp

@@ -13,6 +13,7 @@ tensor parallelism), so the space holds no duplicate plans.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -137,9 +138,11 @@ def _parts(k: Knob, value) -> tuple:
     return (value,) if len(k.fields) == 1 else value
 
 
-def enumerate_plans(workload) -> PlanArrays:
-    """Every plan of the space (the exhaustive oracle's input)."""
-    return to_arrays(walk(workload), SplitTable(workload.profile))
+def enumerate_plans(workload, held: dict | None = None) -> PlanArrays:
+    """Every plan of the space (the exhaustive oracle's input), or those with the `held` knob values
+    (knob name -> value): the same plans, walked without building the rest."""
+    pick = {name: functools.partial(narrow, value) for name, value in (held or {}).items()}
+    return to_arrays(walk(workload, pick), SplitTable(workload.profile))
 
 
 def plan_of(workload, values: dict) -> Plan:
