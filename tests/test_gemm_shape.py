@@ -91,3 +91,20 @@ def test_a_head_dim_the_config_names_shapes_the_attentions_gemms(head_dim):
     shapes = layer_gemms(moe.dims, moe.seq_len, dense)
     assert shapes[:2] == [(moe.seq_len, (4 + 2 * 2) * head_dim, 64, True), (moe.seq_len, 64, 4 * head_dim, False)]
     assert sum(2 * m * n * k for m, n, k, _ in shapes) == dense.fwd_flops - dense.attn_flops
+
+
+def test_a_small_gemms_fixed_latency_is_not_scaled_by_its_idle_tiles():
+    """`gemm_half_flops` prices a GEMM's fixed latency (time = (flops + half) / rate) and the tile waves its
+    idle SMs: a one-tile GEMM leaves 131 of an H100's 132 SMs idle, which costs its FLOPs, not its latency
+    131 times over. A 4-layer GPT of hidden 64 on one H100 stays latency-bound at milliseconds a step (it was
+    priced at 10.7 s with micro-batches of 1 when the shape scaled the latency too)."""
+    from autopar.cluster import load_cluster
+    from autopar.cost import estimate
+    from autopar.plan import Plan
+    from autopar.workload import Workload
+
+    w = Workload(profile_model("gpt", {"size": "tiny"}, dtype="bf16"), load_cluster("dgx-h100", nodes=1,
+                                                                                       gpus_per_node=1), 8)
+    steps = {mb: estimate(w, Plan(dp=1, tp=1, pp=1, micro_batch_size=mb, num_micro_batches=8 // mb)).iteration_time_s
+             for mb in (1, 8)}
+    assert steps[1] < 0.05 and steps[8] < steps[1] < 10 * steps[8], steps

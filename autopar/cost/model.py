@@ -241,7 +241,7 @@ def _per_kind(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     flops_f = b * (k["tp_fwd_flops"] / split + (k["fwd_flops"] - k["tp_fwd_flops"]))
     flops_b = flops_f * _ratio(k["bwd_flops"], k["fwd_flops"])
     shape = kind_efficiency(profile, b[:, 0], g.tp, cluster.gpu.sms)  # tile and wave quantisation
-    eff = c.gemm_efficiency * shape * flops_f / (flops_f + c.gemm_half_flops)
+    eff = c.gemm_efficiency * shape * flops_f / (flops_f + c.gemm_half_flops * shape)
     rate = peak * np.maximum(eff, 1e-9)
     scale = fp8.compute_scale(workload, g, b, sp_div, flops_f, c)  # fp8's GEMMs and casts, compile's fusion
     shard = _ratio(k["saved_tp_bytes"], k["saved_bytes"])

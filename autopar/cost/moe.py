@@ -154,7 +154,7 @@ def expert_gemm_efficiency(per_expert, kind: MoeKind, local, sms: int, c, loop: 
     waves of 132 SMs at 73%)."""
     flops = 2.0 * 3.0 * per_expert * local * kind.ffn * kind.hidden  # forward, the three SwiGLU GEMMs
     shape = grouped_efficiency(per_expert, kind.ffn, kind.hidden, local, sms, TE_STREAMS if loop else None)
-    return np.maximum(c.gemm_efficiency * shape * flops / (flops + c.gemm_half_flops), 1e-9)
+    return np.maximum(c.gemm_efficiency * shape * flops / (flops + c.gemm_half_flops * shape), 1e-9)
 
 
 def distinct(top_k: int, bins):
