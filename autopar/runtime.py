@@ -27,7 +27,7 @@ RUNTIMES = {
     "torch": "autopar's executor: DDP / FSDP2 / ZeroRedundancyOptimizer, DTensor, torch.distributed.pipelining; "
              "attention as the model file writes it",
     "megatron": "Megatron-Core with Transformer Engine: fused attention, distributed optimizer, its pipeline "
-                "schedules, and only the overlaps named by --megatron switches (none: 2021 Megatron-LM)",
+                "schedules, and only the overlaps named by --switch (none: 2021 Megatron-LM)",
     "megatron-core": "Megatron-Core as NeMo's dense recipes run it: megatron with flash attention and the "
                      "tensor-parallel, gradient-reduce and parameter-gather overlaps on (NEMO_SWITCHES)",
     "megatron-lm-2021": "Megatron-LM as its 2021-22 papers ran it: megatron with no switch on (unfused "

@@ -159,6 +159,8 @@ def test_cli_runtime_flags(capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["runtime"] == "megatron" and d["workload"]["megatron_switches"] == ["tp_comm_overlap"]
     assert d["hidden"]["tp_comm"] > 0 and "recompute none" in d["calibration_note"]
+    assert main([*gpt, "--sequence-parallel", "--switch", "async_tp", "--json"]) == 0  # --megatron's new name
+    assert json.loads(capsys.readouterr().out)["workload"]["megatron_switches"] == ["async_tp"]
     for bad, message in ((["--runtime", "deepspeed"], "unknown runtime"),
                          (["--megatron", "flash_attn"], "need runtime")):
         assert main([*gpt, *bad]) == 2

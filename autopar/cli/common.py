@@ -46,13 +46,14 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
                         help="what runs the plan: autopar's torch executor (default); megatron-core (Megatron-Core "
                              "with Transformer Engine as NeMo runs it: flash attention and the tp, grad-reduce and "
                              "param-gather overlaps); megatron-lm-2021 (the papers' bare Megatron-LM); megatron "
-                             "(Megatron with only the --megatron switches given); it decides which overlaps run")
-    parser.add_argument("--megatron", action="append", default=[], metavar="SWITCH",
-                        help="a Megatron-Core switch that is on (flash_attn, tp_comm_overlap, overlap_grad_reduce, "
-                             "overlap_param_gather, overlap_p2p_comm, moe_pad_to_capacity; repeatable; needs a "
-                             "megatron runtime; deepep, "
-                             "moe_a2a_overlap, megatron_softmax (Megatron-LM's unfused attention) and "
-                             "megatron_cross_entropy (its fp32 vocab-parallel loss) serve any runtime)")
+                             "(Megatron with only the --switch switches given); it decides which overlaps run")
+    parser.add_argument("--switch", "--megatron", dest="megatron", action="append", default=[], metavar="SWITCH",
+                        help="a runtime switch that is on (repeatable): Megatron-Core's flash_attn, tp_comm_overlap, "
+                             "overlap_grad_reduce, overlap_param_gather, overlap_p2p_comm, moe_pad_to_capacity "
+                             "(a megatron runtime); torch's async_tp and op_sac (torchtitan's async TP and per-op "
+                             "selective checkpoint; runtime torch); deepep, moe_a2a_overlap, megatron_softmax "
+                             "(Megatron-LM's unfused attention) and megatron_cross_entropy (its fp32 vocab-parallel "
+                             "loss) under any runtime. --megatron is its older spelling")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     add_profile_timeout_flag(parser)
 
