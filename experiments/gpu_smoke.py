@@ -114,6 +114,14 @@ def with_tf32(name: str) -> dict:
     return out
 
 
+def cuda_graphs() -> dict:
+    """The cuda_graphs knob: torch.compile(mode="reduce-overhead") of each block, replayed as CUDA graphs,
+    with selective recompute (never run before a GPU was lent: docs/plan-space.md)."""
+    if not CUDA:
+        return {"skipped": "no GPU: CUDA graphs are refused elsewhere (autopar.capability)"}
+    return parity("gpt", "bf16", compile=True, cuda_graphs=True, recompute="selective")
+
+
 def recompute_memory() -> dict:
     """Peak step memory of a GPT with dropout under no / selective / full recompute (CUDA's dropout
     is one native_dropout op; selective recompute redoes it whole, as on the CPU)."""
@@ -193,6 +201,7 @@ CHECKS = {
     "gpt fp16 full recompute zero3: parity in fp16": lambda: parity("gpt", "fp16", recompute="full", recompute_blocks=2,
                                                                     zero=3),
     "gpt bf16 selective recompute memory with dropout": recompute_memory,
+    "gpt bf16 compiled blocks as CUDA graphs, selective recompute: parity in bf16": cuda_graphs,
     "gpt bf16 zero3 offload (pinned CPU shards): parity": lambda: parity("gpt", "bf16", zero=3, offload_optimizer=True),
     "gpt fp16 zero3 offload (CPU found-inf on the GPU group): parity":
         lambda: parity("gpt", "fp16", zero=3, offload_optimizer=True),
