@@ -10,7 +10,8 @@ What the core model (`cost/model.py`) gets from here, per plan and block kind:
   runtime launches them: one grouped GEMM, its tile quantisation per expert and its wave quantisation
   over all local experts, or Megatron-Core's per-expert loop, whose waves 4 experts share at a time
   (`expert_gemm_efficiency`, `per_expert_loop`; the tile/wave model of `cost/gemm.py`); the loop's host
-  launches (at the GPU's `Coefficients.launch_s`) pace the experts where they outlast the GPU, and a
+  launches (at the GPU's `Coefficients.launch_s`) pace the experts where they outlast the GPU and the
+  dropless dispatcher's host sync keeps them from running ahead (`dispatcher_syncs`), and a
   grouped kernel pays `MoeFit.problem_s` a problem (fitted to the published MoE rows inside a public
   bound). A capacity
   factor caps the busiest expert's tokens, and padding to it (`moe_pad_to_capacity`) fills every expert
@@ -321,15 +322,25 @@ def loop_launches(te_fp8) -> tuple[np.ndarray, np.ndarray]:
     return (LOOP_GEMMS[0] + 2 * TE_QUANTIZE_LAUNCHES * te_fp8, LOOP_GEMMS[1] + 2 * TE_QUANTIZE_LAUNCHES * te_fp8)
 
 
-def expert_section(gpu_s, local, launches, loop: bool, launch_s: float, fit: MoeFit):
-    """Seconds of one pass of a rank's experts. Under the per-expert loop the longer of the GPU's time and
-    the host's launches at `launch_s` each (the GPU's launch cost, `Coefficients.launch_s`): Megatron-Core's
-    alltoall dispatcher copies the tokens per expert to the CPU before the experts run (its all-to-all's
-    splits, the loop's `m_splits`), which drains the GPU's queue every MoE layer, so nothing launched
-    earlier hides the loop's launches. One grouped kernel pays `problem_s` per expert GEMM problem
+def dispatcher_syncs(workload) -> bool:
+    """Whether the dispatcher copies the tokens per expert to the host every MoE layer: Megatron-Core's
+    dropless alltoall dispatcher does (its all-to-all's splits and the loop's `m_splits` are host lists:
+    `MoEAlltoAllTokenDispatcher.preprocess`, cuda_sync_point "before_ep_alltoall"); padded to a capacity
+    (`moe_pad_to_capacity` with the model's capacity factor) every split is the capacity, known on the
+    host ("no_sync"), so the loop's launches run ahead of the GPU, hidden like the layer's other launches
+    (which `cost/launches.py` leaves out for a MoE model)."""
+    return not (PAD_SWITCH in workload.switches and workload.profile.capacity_factor > 0)
+
+
+def expert_section(gpu_s, local, launches, loop: bool, launch_s: float, fit: MoeFit, synced: bool = True):
+    """Seconds of one pass of a rank's experts. Under the per-expert loop, where the dispatcher syncs
+    (`dispatcher_syncs`), the longer of the GPU's time and the host's launches at `launch_s` each (the GPU's
+    launch cost, `Coefficients.launch_s`): the copy of the tokens per expert to the CPU before the experts
+    run drains the GPU's queue every MoE layer, so nothing launched earlier hides the loop's launches;
+    without the sync, the GPU's time. One grouped kernel pays `problem_s` per expert GEMM problem
     (`launches`: its GEMMs per expert)."""
     if loop:
-        return np.maximum(gpu_s, launch_s * local * launches)
+        return np.maximum(gpu_s, launch_s * local * launches) if synced else gpu_s
     return gpu_s + fit.problem_s * local * launches
 
 
@@ -359,6 +370,7 @@ def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict
     loop = per_expert_loop(workload)
     plain = not deepep and is_megatron(workload.runtime)  # Megatron-Core's alltoall dispatcher
     launches_f, launches_b = loop_launches(te_fp8)
+    synced = dispatcher_syncs(workload)
     out = {name: zeros.copy() for name in ("expert_f", "expert_b", "a2a_f", "a2a_b", "expert_params")}
     for j, kind in enumerate(kinds):
         if kind is None:
@@ -372,9 +384,9 @@ def pipeline_terms(workload, g, c, micro_batch, sp_div, act_bytes, peak) -> dict
         cast = te_fp8 * fp8.TE_CAST_BYTES * rows / hbm  # seconds per element of a cast tensor's row
         gpu_f, gpu_b = gemm + cast * (kind.hidden + kind.ffn), 2 * gemm + cast * (2 * kind.ffn + kind.hidden)
         out["expert_f"][:, j] = expert_section(gpu_f, local, launches_f if loop else LOOP_GEMMS[0], loop,
-                                               c.launch_s, fit)[:, 0]
+                                               c.launch_s, fit, synced)[:, 0]
         out["expert_b"][:, j] = expert_section(gpu_b, local, launches_b if loop else LOOP_GEMMS[1], loop,
-                                               c.launch_s, fit)[:, 0]
+                                               c.launch_s, fit, synced)[:, 0]
         token_bytes = tokens * kind.hidden * act_bytes * skew  # one copy of the rank's tokens
         per_node = col(links["per_node"])
         on_node = off_node = None
