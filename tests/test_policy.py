@@ -248,7 +248,7 @@ def test_ppo_that_leaves_the_training_plans_worse_keeps_the_imitated_weights(tmp
     def run(name: str, timesteps: int):
         cfg = training.TrainConfig(timesteps=timesteps, output=str(tmp_path / name / "p.zip"), n_steps=64,
                                    eval_workloads=0, eval_every=10**6, checkpoint_every=10**6,
-                                   imitation_epochs=5, dagger_rounds=0)
+                                   imitation_epochs=5, dagger_rounds=1)  # a round of DAgger: imitation that learns
         said = io.StringIO()
         meta = training.train(cfg, Console(file=said, width=400), pool=pool, validation=[])
         return meta, said.getvalue(), load_policy(cfg.output)
