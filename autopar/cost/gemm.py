@@ -62,9 +62,31 @@ def head_gemms(dims: dict, seq_len: int) -> list[tuple[float, float, float, bool
     return [(seq_len, dims["vocab"], dims["hidden"], True)]
 
 
+_KIND_MEMO: dict[tuple, dict[tuple[float, float], np.ndarray]] = {}  # (shape inputs) -> (mb, tp) -> row
+
+
 def kind_efficiency(profile, micro_batch: np.ndarray, tp: np.ndarray, sms: int) -> np.ndarray:
     """Shape efficiency per plan and block kind of the profile, shape (G, K): embedding 1 (a
-    lookup), each layer kind and the head from their GEMMs."""
+    lookup), each layer kind and the head from their GEMMs. Memoised per (micro-batch, tp): the
+    cost model asks it on every evaluation, searches and fits for the same few pairs."""
+    mb, t = np.asarray(micro_batch, dtype=float), np.asarray(tp, dtype=float)
+    pairs, inverse = np.unique(np.stack([mb, t], axis=1), axis=0, return_inverse=True)
+    if len(_KIND_MEMO) > 256:
+        _KIND_MEMO.clear()
+    inputs = (repr(sorted(profile.dims.items())), profile.seq_len, sms,  # everything layer_gemms reads
+              tuple((b.params, bool(b.experts)) for b in profile.layers))
+    memo = _KIND_MEMO.setdefault(inputs, {})
+    keys = [(float(a), float(b)) for a, b in pairs]
+    missing = [i for i, key in enumerate(keys) if key not in memo]
+    if missing:
+        rows = _kind_rows(profile, pairs[missing, 0], pairs[missing, 1], sms)
+        for i, row in zip(missing, rows):
+            memo[keys[i]] = row
+    table = np.stack([memo[key] for key in keys]) if keys else np.ones((0, len(profile.blocks)))
+    return table[inverse.reshape(-1)]
+
+
+def _kind_rows(profile, micro_batch: np.ndarray, tp: np.ndarray, sms: int) -> np.ndarray:
     dims, s = profile.dims, profile.seq_len
     cols = [np.ones(len(micro_batch))]
     cols += [shape_efficiency(layer_gemms(dims, s, blk), micro_batch, tp, sms) for blk in profile.layers]
