@@ -44,7 +44,8 @@ def test_every_check_the_gpu_smoke_needs_is_there(smoke):
 
 
 GPU_ONLY = {"vit fp32, TF32 on (cuDNN default): parity", "gpt bf16 selective recompute memory with dropout",
-            "cuda oom and single-rank tests (pytest)"}
+            "cuda oom and single-rank tests (pytest)",
+            "gpt bf16 compiled blocks as CUDA graphs, selective recompute: parity in bf16"}
 
 
 @pytest.mark.slow
