@@ -30,11 +30,17 @@ def block_weights(k: dict[str, np.ndarray], workload) -> np.ndarray:
     launches = np.asarray(k["launches"], dtype=float).copy()
     if cross_entropy.applies(workload):
         launches[-1] += cross_entropy.LOSS_LAUNCHES - k["loss_launches"][-1]
-    counts = np.array([0.0] + [float(b.count) for b in workload.profile.layers] + [0.0])
-    per_layer = float(np.dot(counts, launches) / counts.sum()) if counts.sum() else 0.0
+    per_layer = _mean_layer_launches(k, workload)
     if per_layer <= 0:  # launches not counted
         return np.ones_like(launches)
     return launches / per_layer
+
+
+def _mean_layer_launches(k: dict[str, np.ndarray], workload) -> float:
+    """The profile's forward launches of a layer, the count-weighted mean over its layer kinds (0: none counted)."""
+    counts = np.array([float(b.count) for b in workload.profile.layers])
+    launches = np.asarray(k["launches"], dtype=float)[1:-1]
+    return float(np.dot(counts, launches) / counts.sum()) if counts.sum() else 0.0
 
 
 def layer_launches(k: dict[str, np.ndarray], workload) -> float:
@@ -47,9 +53,7 @@ def layer_launches(k: dict[str, np.ndarray], workload) -> float:
         return 0.0
     if is_megatron(workload.runtime):
         return MEGATRON_LAYER_LAUNCHES
-    counts = np.array([float(b.count) for b in workload.profile.layers])
-    launches = np.asarray(k["launches"], dtype=float)[1:-1]
-    return float(np.dot(counts, launches) / counts.sum()) if counts.sum() else 0.0
+    return _mean_layer_launches(k, workload)
 
 
 def end_weights(weights: np.ndarray) -> np.ndarray:

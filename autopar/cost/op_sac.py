@@ -42,11 +42,7 @@ def _forward_mms(dims: dict, seq_len: int, blk) -> list[tuple[float, float, bool
 def recomputed_flops(profile) -> np.ndarray:
     """(K,) per block kind, the forward matmul FLOPs per sample op SAC reruns (every second mm; all
     are sharded by tp: column-wise ones along N, row-wise ones along K)."""
-    out = np.zeros(len(profile.layers) + 2)
-    for i, blk in enumerate(profile.layers, start=1):
-        mms = _forward_mms(profile.dims, profile.seq_len, blk)
-        out[i] = sum(2.0 * profile.seq_len * n * k for n, k, _ in mms[1::2])
-    return out
+    return _mm_flops(profile, slice(1, None, 2))
 
 
 def saved_elements(profile) -> np.ndarray:
@@ -70,16 +66,18 @@ def recompute_time(workload, g, b, t, rate, gemm_scale, flops_f, io_f, tp_f) -> 
     collective bytes under sequence parallelism; without it the all-reduces, none of which is saved)."""
     profile = workload.profile
     lin = b * recomputed_flops(profile) / t
-    linear_share = np.divide(b * _linear_flops(profile) / t, flops_f, out=np.zeros_like(flops_f), where=flops_f > 0)
+    linear_share = np.divide(b * _mm_flops(profile) / t, flops_f, out=np.zeros_like(flops_f), where=flops_f > 0)
     factor = 1 - np.divide(1 - gemm_scale, linear_share, out=np.zeros_like(flops_f), where=linear_share > 0)
     sp = np.asarray(g.sequence_parallel, dtype=bool)[:, None]
     return lin * factor / rate + io_f + np.where(sp, 0.5, 1.0) * tp_f
 
 
-def _linear_flops(profile) -> np.ndarray:
+def _mm_flops(profile, which: slice = slice(None)) -> np.ndarray:
+    """(K,) per block kind, the forward FLOPs per sample of the layer's matmuls `which` selects (all by default)."""
     out = np.zeros(len(profile.layers) + 2)
     for i, blk in enumerate(profile.layers, start=1):
-        out[i] = sum(2.0 * profile.seq_len * n * k for n, k, _ in _forward_mms(profile.dims, profile.seq_len, blk))
+        mms = _forward_mms(profile.dims, profile.seq_len, blk)[which]
+        out[i] = sum(2.0 * profile.seq_len * n * k for n, k, _ in mms)
     return out
 
 
