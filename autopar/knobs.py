@@ -360,6 +360,76 @@ def _check_recompute(plan) -> None:
                         f"set it to 0 or set recompute to 'full'")
 
 
+STAGE_RECOMPUTE_HELP = "'none', 'selective' or 'full:K' (the stage's first K >= 1 blocks fully recomputed)"
+
+
+def stage_full_blocks(entry: str) -> int:
+    """K of a per-stage entry 'full:K'; 0 for 'none' and 'selective'."""
+    return int(entry[5:]) if entry.startswith("full:") else 0
+
+
+def _check_stage_entry(entry) -> None:
+    ok = entry in ("none", "selective") or (isinstance(entry, str) and entry.startswith("full:")
+                                            and entry[5:].isdigit() and entry[5:].isascii() and int(entry[5:]) >= 1)
+    if not ok:
+        raise PlanError(f"stage_recompute entry {entry!r} is not {STAGE_RECOMPUTE_HELP}")
+
+
+def _parse_stage_recompute(text: str) -> tuple[str, ...]:
+    """none,full:2,selective,... : one entry per virtual stage, in pipeline order."""
+    entries = tuple(e.strip() for e in text.split(","))
+    for e in entries:
+        _check_stage_entry(e)
+    return entries
+
+
+def _check_stage_recompute(plan) -> None:
+    """Per-stage recompute replaces the uniform one: one valid entry per virtual stage (block counts
+    are checked by `check_stage_blocks` where the split is known)."""
+    entries = plan.stage_recompute
+    if not entries:
+        return
+    if plan.recompute != "none" or plan.recompute_blocks != 0:
+        raise PlanError(f"recompute '{plan.recompute}' and stage_recompute both given; give either recompute "
+                        f"(every pipeline rank alike) or stage_recompute (one entry per stage), not both")
+    if len(entries) != plan.pp * plan.virtual_stages:
+        raise PlanError(f"stage_recompute has {len(entries)} entries but pp x virtual_stages = "
+                        f"{plan.pp * plan.virtual_stages}; give one entry per virtual stage")
+    for e in entries:
+        _check_stage_entry(e)
+
+
+def check_stage_blocks(entries: tuple[str, ...], split: tuple[int, ...]) -> None:
+    """Each stage recomputes at most the blocks it holds; a stage of no block recomputes nothing."""
+    for i, (e, n) in enumerate(zip(entries, split)):
+        if n == 0 and e != "none":
+            raise PlanError(f"stage {i} holds no transformer block but stage_recompute[{i}] is '{e}'; "
+                            f"use 'none' for a stage of 0 blocks")
+        if stage_full_blocks(e) > n:
+            raise PlanError(f"stage_recompute[{i}] is '{e}' but stage {i} holds {n} blocks; use full:K "
+                            f"with K <= {n}")
+
+
+def check_split_entries(split: tuple[int, ...], pp: int) -> None:
+    """A layer split: every stage holds a block, but the first and the last may hold none (only the
+    embedding, or only the norm, head and loss) when there is a pipeline (pp >= 2)."""
+    if any(n < 0 for n in split) or any(n < 1 for n in split[1:-1]):
+        raise PlanError(f"layer_split {list(split)} has an empty middle stage; only the first and the last "
+                        f"stage may hold 0 blocks (embedding-only, head-only)")
+    if split and (split[0] < 1 or split[-1] < 1) and pp < 2:
+        raise PlanError(f"layer_split {list(split)} has a stage of 0 blocks, which needs pp >= 2")
+
+
+def _stage_recompute_text(entries) -> str:
+    return "per stage: " + ", ".join(entries) if entries else "uniform"
+
+
+def _stage_recompute_short(entries) -> str | None:
+    if not entries:
+        return None
+    return "ac=" + "/".join({"none": "-", "selective": "sel"}.get(e, e[5:]) for e in entries)
+
+
 def _schedule_choices(w, d) -> list[tuple[str, int]]:
     """(schedule, virtual stages). Interleaving needs micro-batches divisible by pp and an even
     number of blocks per chunk, as Megatron-LM's interleaved schedule does."""
@@ -512,6 +582,11 @@ for _k in (
          lean=_lean_recompute, feature=_recompute_features, position=_recompute_position,
          parse=_parse_recompute, check=_check_recompute,
          flag_help="activation recompute: none, selective, full (all blocks) or N blocks per pipeline rank"),
+    Knob("stage_recompute", (Field("stage_recompute", tuple, ()),), lambda w, d: [()], label="recompute per stage",
+         text=_stage_recompute_text, short=_stage_recompute_short, decision=False, parse=_parse_stage_recompute,
+         check=_check_stage_recompute,
+         flag_help="per-stage activation recompute (instead of --recompute), one entry per virtual stage in "
+                   f"pipeline order, comma-separated: {STAGE_RECOMPUTE_HELP}"),
     Knob("bucket_mb", (Field("bucket_mb", float, 25.0),), _bucket_choices, ("dp", "zero"), label="gradient buckets",
          text=lambda b: f"{b:g} MB buckets", short=lambda b: f"bucket={b:g}MB" if b != BUCKETS_MB[1] else None,
          slots=BUCKETS_MB, lean=lambda c: c[:1], feature=_bucket_features,

@@ -23,6 +23,8 @@ from autopar.knobs import (  # noqa: F401  (re-exported: the names plans are mad
     SCHEDULES,
     ZERO_STAGES,
     balanced_split,
+    check_split_entries,
+    check_stage_blocks,
     device_blocks,
     fp8_problem,
     knobs,
@@ -30,7 +32,8 @@ from autopar.knobs import (  # noqa: F401  (re-exported: the names plans are mad
 )
 from autopar.schema import check_plan_dict, loads, read_file
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2  # 2: layer_split may hold 0 at its ends; stage_recompute
+READ_VERSIONS = (1, 2)  # a version-1 plan reads as the same plan (it has neither)
 REQUIRED = ("dp", "tp", "pp", "micro_batch_size", "num_micro_batches")  # every schema-1 plan has them
 # names older autopar versions wrote or accepted in plan JSON -> the one name used now
 ALIASES = {"micro_batch": "micro_batch_size", "mbs": "micro_batch_size", "comm_dtype": "grad_comm_dtype",
@@ -52,7 +55,9 @@ class Plan:
     """A complete parallel training plan. Degrees multiply to the world size; the global batch
     is dp x micro_batch_size x num_micro_batches. Fields are those of the knob registry
     (`autopar.knobs.plan_fields()`) plus `layer_split` (blocks per virtual stage in pipeline
-    order; empty: balanced); a field left out takes its declared default."""
+    order; empty: balanced; with pp >= 2 its first and last entries may be 0: a stage holding only
+    the embedding, or only the norm, head and loss); a field left out takes its declared default.
+    `stage_recompute` (one entry per virtual stage) replaces `recompute` when given."""
 
     __slots__ = ("_values", "_record")
 
@@ -69,6 +74,9 @@ class Plan:
         _check_mesh_order(out["mesh_order"])  # after complete_order, which names duplicates and unknown axes
         out["mesh_order"] = dims.order
         out["layer_split"] = tuple(int(n) for n in values.get("layer_split", ()))
+        if not isinstance(out["stage_recompute"], (tuple, list)):
+            raise PlanError(f"stage_recompute must be a list of per-stage entries, got {out['stage_recompute']!r}")
+        out["stage_recompute"] = tuple(out["stage_recompute"])
         for name in REQUIRED[3:] + ("virtual_stages",):
             value = out[name]
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -87,8 +95,9 @@ class Plan:
         if self.layer_split and len(self.layer_split) != self.pp * self.virtual_stages:
             raise PlanError(f"layer_split has {len(self.layer_split)} entries but pp x virtual_stages = "
                             f"{self.pp * self.virtual_stages}; give one block count per virtual stage")
-        if any(n < 1 for n in self.layer_split):
-            raise PlanError(f"layer_split {list(self.layer_split)} has an empty stage; every stage needs a block")
+        check_split_entries(self.layer_split, self.pp)
+        if self.layer_split and self.stage_recompute:
+            check_stage_blocks(self.stage_recompute, self.layer_split)
 
     def __getattr__(self, name: str):
         try:
@@ -183,7 +192,8 @@ class Plan:
                             f"{workload.global_batch / (self.dp * self.micro_batch_size):g}")
         profile = workload.profile
         layers = profile.num_layers
-        if self.stages > layers:
+        empty_ends = sum(1 for n in self.layer_split if n == 0)
+        if self.stages - empty_ends > layers:
             raise PlanError(f"pp x virtual_stages = {self.stages} exceeds the model's {layers} blocks; "
                             f"use fewer pipeline stages")
         self.dims.check_workload(workload)
@@ -199,6 +209,8 @@ class Plan:
             if self.recompute_blocks > most:
                 raise PlanError(f"recompute_blocks={self.recompute_blocks} exceeds the {most} blocks on the "
                                 f"busiest pipeline rank; use at most {most}")
+        if self.stage_recompute:
+            check_stage_blocks(self.stage_recompute, self.split_for(layers))
 
     # -- presentation and JSON -----------------------------------------------------------------
     @property
@@ -236,9 +248,9 @@ class Plan:
             raise PlanError(f"a plan must be a JSON object, got {type(d).__name__}")
         d = dict(d)
         version = d.pop("schema_version", None)
-        if version != PLAN_SCHEMA_VERSION:
-            raise PlanError(f"plan schema_version is {version!r}, this autopar reads version "
-                            f"{PLAN_SCHEMA_VERSION}; re-create the plan with `autopar search`")
+        if version not in READ_VERSIONS:
+            raise PlanError(f"plan schema_version is {version!r}, this autopar reads versions "
+                            f"{', '.join(map(str, READ_VERSIONS))}; re-create the plan with `autopar search`")
         for old, new in ALIASES.items():
             if old in d and new not in d:
                 d[new] = d.pop(old)

@@ -297,7 +297,7 @@ _POSITIVE_INT = Int(1, MAX_INT)
 FIELD_RANGES = {  # fields whose range is narrower than their type's, besides the degrees of the axes
     "micro_batch_size": Int(1, MAX_GLOBAL_BATCH), "num_micro_batches": Int(1, MAX_GLOBAL_BATCH),
     "virtual_stages": Int(1, MAX_GPUS), "recompute_blocks": Int(0, MAX_ITEMS),
-    "bucket_mb": Num(0.1, 1e7), "layer_split": List(Int(1, MAX_ITEMS), max_len=MAX_GPUS),
+    "bucket_mb": Num(0.1, 1e7), "layer_split": List(Int(0, MAX_ITEMS), max_len=MAX_GPUS),
     "schema_version": Int(),
     "mesh_order": List(Str()),  # no null: a plan leaves the field out for the default order
 }

@@ -37,6 +37,7 @@ MOVED = {
     "fp8_recipe": [dict(precision="fp8", fp8_recipe="rowwise")], "compile": [dict(compile=True)],
     "cuda_graphs": [dict(compile=True, cuda_graphs=True)],
     "mesh_order": [dict(mesh_order=("pp", "cp", "tp", "dp"))], "layer_split": [dict(pp=2, dp=4, layer_split=(3, 5))],
+    "stage_recompute": [dict(pp=2, dp=4, stage_recompute=("full:1", "selective"))],
 }
 BASE = dict(dp=8, micro_batch_size=1, num_micro_batches=4)
 

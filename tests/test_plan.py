@@ -22,7 +22,7 @@ def test_json_round_trip_keeps_every_field():
     p = plan(zero=1, recompute="full", recompute_blocks=2, schedule="interleaved", virtual_stages=2,
              sequence_parallel=True, grad_comm_dtype="bf16", bucket_mb=5.0, layer_split=(1, 2, 2, 1))
     assert Plan.from_json(p.to_json()) == p
-    assert json.loads(p.to_json())["schema_version"] == 1
+    assert json.loads(p.to_json())["schema_version"] == 2  # 2: per-stage recompute, 0-block end stages
 
 
 @pytest.mark.parametrize("change, message", [

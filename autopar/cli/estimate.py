@@ -36,6 +36,8 @@ def add_plan_flags(p) -> None:
         choices = [str(v) for v in f.values] if f.values is not None and len(k.fields) == 1 else None
         p.add_argument(*names, dest=k.name, default=None, help=k.flag_help, choices=choices,
                        metavar=None if choices else k.name.upper().replace("_", "-"))  # parsed in _flag_value
+    per_stage = knob("stage_recompute")  # not a decision (the per-stage solver fills it), but a plan can name it
+    p.add_argument(per_stage.flag, dest=per_stage.name, default=None, help=per_stage.flag_help, metavar="ENTRIES")
     p.set_defaults(precision=None)  # the plan's precision with --plan, else the device's default
 
 
@@ -70,6 +72,7 @@ def _plan_from_flags(args, workload):
     values = {k.name: getattr(args, k.name) for k in decisions()}
     values.update({axes.derived_axis(): dp, "num_micro_batches": batch // (dp * mbs), "precision": args.precision})
     values["mesh_order"] = values["mesh_order"] or axes.default_order()
+    values["stage_recompute"] = args.stage_recompute
     if values["precision"] == "fp8" and values["fp8_recipe"] == "none":  # no --fp8-recipe: the first recipe
         values["fp8_recipe"] = FP8_RECIPES[0]
     mode, blocks = values["recompute"]
@@ -113,7 +116,7 @@ def plan_and_workload(args):
     else:
         if args.dp is None or args.micro_batch_size is None:
             raise PlanError("give --plan plan.json, or at least --dp and --micro-batch-size (with --tp, --pp ...)")
-        for k in decisions():
+        for k in (*decisions(), knob("stage_recompute")):
             setattr(args, k.name, _flag_value(k, getattr(args, k.name)))
         args.dp = _flag_value(knob(axes.derived_axis()), args.dp)
         for name in (*axes.AXES, "micro_batch_size"):  # before they size the cluster

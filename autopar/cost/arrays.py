@@ -60,12 +60,20 @@ def unique_rows(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return first, inverse.reshape(-1)
 
 
+_TUPLES: dict[str, list[tuple]] = {}  # other tuple fields (stage_recompute): codes of the values met, () first
+
+
 def encode(f: Field, value):
     """A field's value as a number of its column."""
     if f.values is not None:
         return f.values.index(value)
     if f.name == "mesh_order":
         return mesh_order_code(value)
+    if f.kind is tuple:
+        table = _TUPLES.setdefault(f.name, [()])
+        if tuple(value) not in table:
+            table.append(tuple(value))
+        return table.index(tuple(value))
     return value
 
 
@@ -74,6 +82,8 @@ def decode(f: Field, code):
         return f.values[int(code)]
     if f.name == "mesh_order":
         return mesh_order_of(code)
+    if f.kind is tuple:
+        return _TUPLES.setdefault(f.name, [()])[int(code)]
     return f.kind(code.item() if hasattr(code, "item") else code)
 
 

@@ -90,6 +90,8 @@ UNEXPRESSED = {  # knob -> the line where the accelerate config cannot express i
                             "script" if p.bucket_mb != default_of("bucket_mb") else None),
     "mesh_order": lambda p: (f"mesh_order={','.join(p.mesh_order)}: not an accelerate config key"
                              if tuple(p.mesh_order) != default_of("mesh_order") else None),
+    "stage_recompute": lambda p: (f"stage_recompute={','.join(p.stage_recompute)}: per-stage recompute, set in "
+                                  "the script" if p.stage_recompute else None),
     "layer_split": lambda p: (f"layer_split={list(p.layer_split)}: the Megatron plugin splits evenly"
                               if p.layer_split else None),
 }

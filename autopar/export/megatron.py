@@ -101,6 +101,8 @@ UNEXPRESSED = {  # knob -> the line where Megatron-LM cannot express its value
                                   if p.grad_comm_dtype == "fp16" and p.precision == "bf16" else None),
     "mesh_order": lambda p: (f"mesh_order={','.join(p.mesh_order)}: Megatron's rank order is tp innermost, then cp, "
                              f"dp, pp" if tuple(p.mesh_order) != default_of("mesh_order") else None),
+    "stage_recompute": lambda p: (f"stage_recompute={','.join(p.stage_recompute)}: per-stage recompute, set in "
+                                  "the script" if p.stage_recompute else None),
     "layer_split": lambda p: (f"layer_split={list(p.layer_split)}: Megatron splits evenly (or first/last stage only)"
                               if p.layer_split else None),
     "fp8_recipe": lambda p: (f"fp8_recipe={p.fp8_recipe}: Transformer Engine has no per-row scaling (exported with "

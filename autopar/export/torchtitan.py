@@ -82,6 +82,8 @@ UNEXPRESSED = {  # knob -> the line where torchtitan cannot express its value
                            if p.virtual_stages > 2 else None),
     "mesh_order": lambda p: (f"mesh_order={','.join(p.mesh_order)}: torchtitan's mesh is pp, dp, cp, tp (tp innermost)"
                              if tuple(p.mesh_order) != default_of("mesh_order") else None),
+    "stage_recompute": lambda p: (f"stage_recompute={','.join(p.stage_recompute)}: per-stage recompute, set in "
+                                  "the script" if p.stage_recompute else None),
     "layer_split": lambda p: (f"layer_split={list(p.layer_split)}: set --parallelism.module_fqns_per_model_part by hand"
                               if p.layer_split else None),
 }
