@@ -90,3 +90,45 @@ def test_stage_recompute_flag(capsys):
     assert "'bogus' is not" in err and "\n" not in err
     assert main(argv + ["--stage-recompute", "none,none", "--recompute", "selective"]) == 2
     assert "give either recompute" in capsys.readouterr().err
+
+
+def _priced(w, plans):
+    from autopar.cost import PlanArrays, evaluate
+
+    return evaluate(w, PlanArrays.from_plans(plans, w.profile), ranks=True)
+
+
+def test_per_stage_recompute_prices_as_its_uniform_equivalent_and_per_rank():
+    from autopar.knobs import balanced_split
+
+    w = workload(global_batch=8, nodes=1, gpus_per_node=4, size="tiny")
+    split = balanced_split(w.profile.num_layers, 4)
+    base = dict(pp=4, num_micro_batches=8)
+    pairs = [(plan(**base, recompute="full", recompute_blocks=max(split)),
+              plan(**base, stage_recompute=tuple(f"full:{n}" for n in split))),
+             (plan(**base, recompute="selective"), plan(**base, stage_recompute=("selective",) * 4)),
+             (plan(**base), plan(**base, stage_recompute=("none",) * 4))]
+    r = _priced(w, [p for pair in pairs for p in pair])
+    for name in ("iteration_time", "peak_memory", "recompute", "activations"):
+        assert r[name][0::2] == pytest.approx(r[name][1::2], rel=1e-12), name
+    # one stage recomputed: that rank alone pays the recompute and keeps less
+    one = plan(**base, stage_recompute=("full:1", "none", "none", "none"))
+    r = _priced(w, [plan(**base), one])
+    assert r["rank_per_mb"][1, 0] > r["rank_per_mb"][0, 0] and r["rank_memory"][1, 0] < r["rank_memory"][0, 0]
+    assert r["rank_per_mb"][1, 1:] == pytest.approx(r["rank_per_mb"][0, 1:])
+    assert r["hw_flops"][1] > r["hw_flops"][0]
+
+
+def test_end_only_stages_are_priced():
+    w = workload(global_batch=8, nodes=1, gpus_per_node=4, size="tiny")
+    n = w.profile.num_layers
+    base = dict(pp=4, num_micro_batches=8)
+    embed_only = plan(**base, layer_split=(0, n // 3, n // 3, n - 2 * (n // 3)))
+    head_only = plan(**base, layer_split=(n // 3, n // 3, n - 2 * (n // 3), 0))
+    r = _priced(w, [plan(**base), embed_only, head_only])
+    ranks = r["rank_per_mb"]
+    # the end-only rank holds no block: its micro-batch is the embedding's (or head's) alone, and the ranks
+    # that took its blocks are slower
+    assert ranks[1, 0] < ranks[0, 0] and ranks[2].max() > ranks[0].max()
+    assert r["rank_memory"][1, 0] < r["rank_memory"][0, 0]
+    assert (r["iteration_time"][1:] > r["iteration_time"][0]).all()  # the tiny model's ends are cheap

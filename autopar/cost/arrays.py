@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from autopar import axes
-from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, Field, balanced_split, device_blocks, plan_fields
+from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, Field, balanced_split, plan_fields, stage_full_blocks
 from autopar.plan import Plan
 from autopar.profile.model_profile import ModelProfile
 
@@ -88,44 +88,72 @@ def decode(f: Field, code):
 
 
 class SplitTable:
-    """Distinct (pp, virtual stages, layer split) triples and, per split, the pipeline ranks
-    that matter: one representative (the lowest rank) of each class of ranks holding the same
-    blocks and the same ends of the model. The lowest rank of a class keeps the most
-    micro-batches in flight, so memory and time maxima over these ranks are exact."""
+    """Distinct (pp, virtual stages, layer split, per-stage recompute) keys and, per key, the pipeline
+    ranks that matter: one representative (the lowest rank) of each class of ranks holding the same
+    blocks, recomputed alike, and the same ends of the model. The lowest rank of a class keeps the most
+    micro-batches in flight, so memory and time maxima over these ranks are exact.
+
+    Per representative rank and block kind: `counts` (blocks held; the embedding and head count as
+    their kinds), and for a per-stage recompute (`staged`) `full` (blocks fully recomputed: a stage's
+    "full:K" its first K) and `sel` (blocks selectively recomputed); a uniform plan's recompute is
+    priced from its `recompute` fields instead. `add_rank` adds one rank alone (the per-stage solver
+    prices ranks, not whole splits)."""
 
     def __init__(self, profile: ModelProfile):
         self.profile = profile
         self.kinds = profile.blocks  # embed, layer kinds..., head
         self._index: dict[tuple, int] = {}
         self.entries: list[dict] = []
+        self._stacked: tuple[int, dict] | None = None
+        self.kind_of_layer = np.array([k for k, entry in enumerate(profile.layers, start=1) for _ in range(entry.count)],
+                                      dtype=np.int64)
 
-    def add(self, pp: int, v: int, split: tuple[int, ...]) -> int:
-        key = (pp, v, split)
+    def add(self, pp: int, v: int, split: tuple[int, ...], stage_recompute: tuple[str, ...] = ()) -> int:
+        key = (pp, v, split, stage_recompute)
         if key in self._index:
             return self._index[key]
-        kind_of_layer = []
-        for k, entry in enumerate(self.profile.layers, start=1):
-            kind_of_layer += [k] * entry.count
-        counts = np.zeros((pp, len(self.kinds)))
+        n_kinds = len(self.kinds)
+        counts, full, sel = (np.zeros((pp, n_kinds)) for _ in range(3))
         start = 0
         for stage, n in enumerate(split):
-            for k in kind_of_layer[start:start + n]:
-                counts[stage % pp, k] += 1
+            rank = stage % pp
+            kinds = self.kind_of_layer[start:start + n]
+            np.add.at(counts[rank], kinds, 1)
+            entry = stage_recompute[stage] if stage_recompute else "none"
+            if entry == "selective":
+                np.add.at(sel[rank], kinds, 1)
+            elif entry.startswith("full:"):
+                np.add.at(full[rank], kinds[:stage_full_blocks(entry)], 1)
             start += n
         counts[0, 0] += 1  # embedding on the first rank
         counts[pp - 1, -1] += 1  # head on the last rank
         reps, mult = [], {}
         for d in range(pp):
-            sig = (tuple(counts[d]), d == 0, d == pp - 1)
+            sig = (tuple(counts[d]), tuple(full[d]), tuple(sel[d]), d == 0, d == pp - 1)
             if sig not in mult:
                 mult[sig] = 0
                 reps.append(d)
             mult[sig] += 1
+        return self._append(key, pp, v, split, reps, counts, full, sel, list(mult.values()), bool(stage_recompute))
+
+    def add_rank(self, pp: int, v: int, rank: int, counts: np.ndarray, full: np.ndarray, sel: np.ndarray) -> int:
+        """One pipeline rank alone (multiplicity 1), with its blocks by kind (ends included) and those
+        recomputed fully and selectively: what the per-stage solver prices, rank by rank."""
+        key = ("rank", pp, v, rank, counts.tobytes(), full.tobytes(), sel.tobytes())
+        if key in self._index:
+            return self._index[key]
+        one = lambda a: np.asarray(a, dtype=float)[None, :]  # noqa: E731
+        split = (int(counts[1:-1].sum()),)
+        return self._append(key, pp, v, split, [0], one(counts), one(full), one(sel), [1], True, rank=rank)
+
+    def _append(self, key, pp, v, split, reps, counts, full, sel, mult, staged, rank=None) -> int:
         self._index[key] = len(self.entries)
+        ranks = np.array(reps) if rank is None else np.array([rank])
+        layers = counts[reps][:, 1:-1].sum(axis=1) if rank is None else counts[:, 1:-1].sum(axis=1)
         self.entries.append({
-            "pp": pp, "v": v, "split": split, "ranks": np.array(reps), "counts": counts[reps],
-            "mult": np.array(list(mult.values()), dtype=float),
-            "layers": np.array([device_blocks(split, pp)[d] for d in reps]),
+            "pp": pp, "v": v, "split": split, "stage_recompute": key[3] if rank is None else None,
+            "ranks": ranks, "counts": counts[reps], "full": full[reps], "sel": sel[reps],
+            "mult": np.array(mult, dtype=float), "layers": layers, "staged": staged,
         })
         return self._index[key]
 
@@ -139,20 +167,26 @@ class SplitTable:
 
     def stacked(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         """Per plan, the representative ranks padded to a common width (padding repeats the
-        first representative, which changes no maximum, with multiplicity 0)."""
-        width = max(len(e["ranks"]) for e in self.entries)
-        n_kinds = len(self.kinds)
-        ranks = np.zeros((len(self.entries), width))
-        counts = np.zeros((len(self.entries), width, n_kinds))
-        layers = np.zeros((len(self.entries), width))
-        mult = np.zeros((len(self.entries), width))
-        for i, e in enumerate(self.entries):
-            pad = [0] * (width - len(e["ranks"]))
-            ranks[i] = np.concatenate([e["ranks"], e["ranks"][pad]])
-            counts[i] = np.concatenate([e["counts"], e["counts"][pad]])
-            layers[i] = np.concatenate([e["layers"], e["layers"][pad]])
-            mult[i, :len(e["ranks"])] = e["mult"]
-        return {"rank": ranks[ids], "counts": counts[ids], "layers": layers[ids], "mult": mult[ids]}
+        first representative, which changes no maximum, with multiplicity 0), and whether its
+        recompute is per stage (`staged`). Built once per table size."""
+        if self._stacked is None or self._stacked[0] != len(self.entries):
+            width = max(len(e["ranks"]) for e in self.entries)
+            n_kinds = len(self.kinds)
+            shape = (len(self.entries), width)
+            ranks, layers, mult = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+            counts, full, sel = (np.zeros(shape + (n_kinds,)) for _ in range(3))
+            for i, e in enumerate(self.entries):
+                pad = [0] * (width - len(e["ranks"]))
+                ranks[i] = np.concatenate([e["ranks"], e["ranks"][pad]])
+                counts[i] = np.concatenate([e["counts"], e["counts"][pad]])
+                full[i] = np.concatenate([e["full"], e["full"][pad]])
+                sel[i] = np.concatenate([e["sel"], e["sel"][pad]])
+                layers[i] = np.concatenate([e["layers"], e["layers"][pad]])
+                mult[i, :len(e["ranks"])] = e["mult"]
+            staged = np.array([e["staged"] for e in self.entries], dtype=bool)
+            self._stacked = (len(self.entries), {"rank": ranks, "counts": counts, "layers": layers, "mult": mult,
+                                                  "full": full, "sel": sel, "staged": staged})
+        return {name: value[ids] for name, value in self._stacked[1].items()}
 
 
 class PlanArrays:
@@ -183,7 +217,7 @@ class PlanArrays:
         for p in plans:
             for f in plan_fields():
                 cols[f.name].append(encode(f, getattr(p, f.name)))
-            cols["split"].append(table.add(p.pp, p.virtual_stages, p.split_for(profile.num_layers)))
+            cols["split"].append(table.add(p.pp, p.virtual_stages, p.split_for(profile.num_layers), p.stage_recompute))
         return cls({k: np.asarray(v) for k, v in cols.items()}, table)
 
     @classmethod

@@ -306,6 +306,11 @@ def _per_rank(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     tp_hidden = on(tp_fwd + tp_bwd) - tp_comm
     recompute = np.select([mode == FULL, mode == SELECTIVE],
                           [ckpt_frac * on_layers(compute_f + tp_f + routed["a2a_f"]), on_layers(selective_f)], 0.0)
+    # per-stage recompute (SplitTable): each rank's blocks recomputed fully and selectively, per kind
+    # (all zero for a uniform plan, whose recompute is priced above from its mode and share of blocks)
+    full, sel = reps["full"], reps["sel"]
+    recompute = recompute + (np.einsum("gjk,gk->gj", full, compute_f + tp_f + routed["a2a_f"])
+                             + np.einsum("gjk,gk->gj", sel, selective_f))
     # boundary activations ~ the hidden states; Megatron's scatter/gather sends 1/t of them from each
     # tensor-parallel rank (and all-gathers them over the node's links), as sequence parallelism does
     scatter_gather = is_megatron(workload.runtime)
@@ -318,15 +323,15 @@ def _per_rank(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     if "overlap_p2p_comm" in workload.switches:  # interleaved: each chunk's sends and receives run under the
         p2p = np.where(v > 1, p2p / (2 * v), p2p)  # next chunk's compute; one per micro-batch stays exposed
     return dict(counts=counts, rank=rank, n_layers=n_layers, mult=mult, mode=mode, ckpt_frac=ckpt_frac,
-                compute=compute, tp_comm=tp_comm, ep_comm=ep_comm, tp_hidden=tp_hidden, recompute=recompute,
+                full=full, sel=sel, compute=compute, tp_comm=tp_comm, ep_comm=ep_comm, tp_hidden=tp_hidden, recompute=recompute,
                 p2p=p2p)
 
 
 def _host_paced(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     """(G, J): each rank's micro-batch on the GPU, and paced by the host's kernel launches where they
     take longer than the GPU can hide."""
-    (k, t, counts, n_layers, mode, ckpt_frac, unfused, compute, tp_comm, ep_comm, recompute, p2p) = _take(x,
-        "k t counts n_layers mode ckpt_frac unfused compute tp_comm ep_comm recompute p2p")
+    (k, t, counts, n_layers, mode, ckpt_frac, unfused, compute, tp_comm, ep_comm, recompute, p2p, full, sel) = _take(x,
+        "k t counts n_layers mode ckpt_frac unfused compute tp_comm ep_comm recompute p2p full sel")
     gpu_mb = compute + tp_comm + ep_comm + recompute + p2p  # one micro-batch, forward + backward, on each rank
     host = c.host
     if host:  # the host launches every block's kernels (through DTensor under TP); the GPU hides what it can
@@ -336,6 +341,8 @@ def _host_paced(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
         # returning the kept outputs of all but the attention core)
         replayed = np.where(mode == SELECTIVE, n_layers, ckpt_frac * n_layers)
         checkpointing = np.where(mode == SELECTIVE, c.selective_host_s, 0.0) * n_layers
+        n_sel = sel.sum(axis=2)  # per-stage recompute's blocks (none under a uniform plan)
+        replayed, checkpointing = replayed + full.sum(axis=2) + n_sel, checkpointing + c.selective_host_s * n_sel
         # each block's launches in layers' worth (cost/launches.py): an embedding issues far fewer
         weights = launches.block_weights(k, workload)
         launched = np.einsum("gjk,k->gj", counts, weights)
@@ -348,8 +355,8 @@ def _host_paced(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
         host_mb = np.where(np.asarray(g.cuda_graphs, dtype=bool)[:, None], per_pass * 3 * ends, host_mb)
         per_mb = _norm(gpu_mb, host_mb, c.host_overlap)
     else:
-        per_mb = gpu_mb
-    return dict(gpu_mb=gpu_mb, host=host, per_mb=per_mb)
+        per_mb, host_mb = gpu_mb, np.zeros_like(gpu_mb)
+    return dict(gpu_mb=gpu_mb, host=host, per_mb=per_mb, host_mb=host_mb)
 
 
 def _schedule(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
@@ -368,12 +375,15 @@ def _activations(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     """(G, J): the activations each rank keeps in flight under its schedule and recompute, and the
     largest layer's parameters (ZeRO-3 gathers two at a time)."""
     col = _col
-    (k, t, m, v, pp, mode, ckpt_frac, rank, counts, act_full, act_sel, act_ckpt) = _take(x,
-        "k t m v pp mode ckpt_frac rank counts act_full act_sel act_ckpt")
+    (k, t, m, v, pp, mode, ckpt_frac, rank, counts, act_full, act_sel, act_ckpt, full, sel) = _take(x,
+        "k t m v pp mode ckpt_frac rank counts act_full act_sel act_ckpt full sel")
     on, on_layers = _sums(x)
     per_kind_act = np.where(mode == SELECTIVE, act_sel, act_full)
     act_mb = (on_layers(per_kind_act) * (1 - ckpt_frac) + on_layers(act_ckpt) * ckpt_frac
               + on(per_kind_act * (1 - k["is_layer"])))
+    # per-stage recompute (a uniform plan has none): a fully recomputed block keeps its output, a selective one
+    # all but its attention core
+    act_mb = act_mb + np.einsum("gjk,gk->gj", full, act_ckpt - act_full) + np.einsum("gjk,gk->gj", sel, act_sel - act_full)
     sched = col(g.schedule)
     chunks = np.minimum((pp - rank - 1) * 2 + (v - 1) * pp + 1, m * v)
     in_flight = np.select([sched == GPIPE, sched == INTERLEAVED], [m, chunks / v], np.minimum(pp - rank, m))
@@ -381,7 +391,8 @@ def _activations(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     # worth in flight (GPipe: all of them), not the rank's average over its chunks
     head_act = counts[:, :, -1] * per_kind_act[:, -1:]
     head_in_flight = np.where(sched == GPIPE, m, 1.0)
-    working = np.where(ckpt_frac > 0, (act_full * k["is_layer"]).max(axis=1, keepdims=True), 0.0)
+    working = np.where((ckpt_frac > 0) | (full.sum(axis=2) > 0), (act_full * k["is_layer"]).max(axis=1, keepdims=True),
+                       0.0)
     block_params = ((k["tp_params"] / t + k["params"] - k["tp_params"]) * k["is_layer"]).max(axis=1)
     return {"activations": (act_mb - head_act) * in_flight + head_act * head_in_flight + working,
             "block_params": block_params}
@@ -417,6 +428,8 @@ def _parts(workload, g: PlanArrays, x: dict) -> dict[str, np.ndarray]:
     recompute_flops = np.select([mode == FULL, mode == SELECTIVE],
                                 [ckpt_frac * (counts * (k["fwd_flops"] * k["is_layer"])).sum(axis=2),
                                  (counts * (k["attn_core_flops"] * k["is_layer"])).sum(axis=2)], 0.0)
+    recompute_flops = recompute_flops + (np.einsum("gjk,k->gj", x["full"], k["fwd_flops"])
+                                         + np.einsum("gjk,k->gj", x["sel"], k["attn_core_flops"]))
     return {
         "pipe": pipe, "pp_bubble": pipe - m1 * slowest, "compute": at(compute), "recompute": at(recompute),
         "tp_comm": at(tp_comm), "ep_comm": at(ep_comm), "pp_p2p": at(p2p),
@@ -431,6 +444,8 @@ def _parts(workload, g: PlanArrays, x: dict) -> dict[str, np.ndarray]:
         "block_params": x["block_params"],
         "model_flops_per_sample": np.full(len(g), _model_flops(profile, k, total_counts)),
         "recompute_flops_per_sample": (recompute_flops * mult).sum(axis=1),
+        # per rank, what the per-stage solver combines (`evaluate(..., ranks=True)`)
+        "per_mb": per_mb, "gpu_mb": gpu_mb, "host_mb": x["host_mb"], "mult": mult,
     }
 
 
@@ -467,7 +482,8 @@ def _groups(pa: PlanArrays) -> tuple[np.ndarray, np.ndarray]:
     return unique_rows([v for k, v in pa.columns.items() if k not in DP_ONLY])
 
 
-def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> dict[str, np.ndarray]:
+def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
+             ranks: bool = False) -> dict[str, np.ndarray]:
     """Iteration time, its breakdown, and peak memory per GPU with its breakdown, for every
     plan in `pa`. Returns a dict of arrays of length N (keys: time_parts(), HIDDEN_PARTS, memory_parts(),
     iteration_time, peak_memory, fits, model_flops, hw_flops)."""
@@ -584,6 +600,10 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None) -> di
     })
     out.update({name: np.take_along_axis(value, at_peak, axis=1)[:, 0] for name, value in mem.items()})
     out["fits"] = out["peak_memory"] <= workload.memory_budget
+    if ranks:  # per representative rank (N, J): iteration = pipe of rank_per_mb + max of rank_tail + rank_const
+        out.update(rank_per_mb=part["per_mb"], rank_gpu_mb=part["gpu_mb"], rank_host_mb=part["host_mb"],
+                   rank_mult=part["mult"], rank_tail=dp_time + optimizer, rank_memory=peak_rank,
+                   rank_const=c.step_overhead_s + extra_time)
     unpriced = [p for p in (*time_parts(), *HIDDEN_PARTS, *memory_parts()) if p not in out]
     if unpriced:  # a part declared in TIME_PARTS, MEMORY_PARTS or HIDDEN_PARTS that nothing above computes
         raise RuntimeError(f"the cost model declares {unpriced} but does not price them (autopar/cost/model.py)")
