@@ -110,7 +110,19 @@ CRASHES = {
 # outside the gloo space (offload is pointless when the host is the device) but still runnable
 OFFLOAD = {f"{p} zero3 offload dp2 pp2": Plan(**{**BASE, "dp": 2, "pp": 2, "micro_batch_size": 2}, precision=p,
                                               zero=3, offload_optimizer=True) for p in CPU_PRECISIONS}
-CASES = {**CRASHES, **OFFLOAD, **{f"{p.describe()} {p.precision}": p for p in covering_cases(SPACE)}}
+# per-stage recompute with an end-only stage (issue 41): each stage's own setting, a stage of no block
+STAGES = {
+    "1f1b pp4, embedding-only and head-only stages, per-stage recompute":
+        Plan(**{**BASE, "pp": 4}, precision="fp32", layer_split=(0, 2, 2, 0),
+             stage_recompute=("none", "full:1", "selective", "none")),
+    "interleaved pp2 v2 dp2 zero1, embedding-only and head-only stages, per-stage recompute":
+        Plan(**{**BASE, "dp": 2, "pp": 2, "micro_batch_size": 2}, precision="fp32", schedule="interleaved",
+             virtual_stages=2, zero=1, layer_split=(0, 3, 1, 0), stage_recompute=("none", "full:2", "selective", "none")),
+    "1f1b tp2 pp2, head-only last stage, per-stage recompute":
+        Plan(**{**BASE, "tp": 2, "pp": 2, "num_micro_batches": 2, "micro_batch_size": 8}, precision="fp32",
+             layer_split=(4, 0), stage_recompute=("selective", "none")),
+}
+CASES = {**CRASHES, **OFFLOAD, **STAGES, **{f"{p.describe()} {p.precision}": p for p in covering_cases(SPACE)}}
 
 
 def sgd(params):

@@ -1,7 +1,9 @@
 """Activation checkpointing (recompute) of pipeline blocks, as the plan asks.
 
 * full: the first `recompute_blocks` blocks this pipeline rank holds keep only their input and
-  rerun their forward in backward (Megatron-LM's full recompute, per-block segments);
+  rerun their forward in backward (Megatron-LM's full recompute, per-block segments); per stage
+  (`stage_recompute`), each virtual stage's own setting: "full:K" its first K blocks (Megatron's
+  "block" method), "selective" or "none", so a rank's chunks may differ;
 * selective: Korthikanti et al.'s selective recompute, written as a PyTorch selective-checkpoint
   policy: the attention core (the scores matmul, scale, mask, softmax, dropout and the matmul
   with the values) is recomputed, every other op's output is kept. The core is found by dataflow
@@ -25,6 +27,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from autopar.knobs import stage_full_blocks
 from autopar.plan import Plan
 
 _aten = torch.ops.aten
@@ -91,13 +94,28 @@ def _selective_context():
     return create_selective_checkpoint_contexts(SelectivePolicy())
 
 
-def apply_ac(blocks_held: list[tuple[nn.Module, str | int]], plan: Plan) -> int:
-    """Wrap blocks for recompute. `blocks_held` lists (parent module, child name) of the real blocks
-    this rank holds, in execution order. Returns how many blocks were wrapped."""
-    if plan.recompute == "none":
-        return 0
-    chosen = blocks_held if plan.recompute == "selective" else blocks_held[:plan.recompute_blocks]
-    kwargs = {"context_fn": _selective_context} if plan.recompute == "selective" else {}
-    for container, index in chosen:
+def recomputed(held: list[list[tuple[nn.Module, str]]], stages: list[int], plan: Plan) -> list[tuple[tuple, bool]]:
+    """((parent, child name), selective?) of each block to wrap. `held`: the real blocks of each
+    stage this rank runs (`stages`, in execution order). Per stage from `stage_recompute` ("full:K":
+    that stage's first K blocks; a stage of no block wraps none); else uniform: every block
+    (selective) or the first `recompute_blocks` this rank holds across its chunks (full)."""
+    if plan.stage_recompute:
+        out = []
+        for blocks, stage in zip(held, stages):
+            entry = plan.stage_recompute[stage]
+            out += ([(b, True) for b in blocks] if entry == "selective"
+                    else [(b, False) for b in blocks[:stage_full_blocks(entry)]])
+        return out
+    every = [b for blocks in held for b in blocks]
+    if plan.recompute == "selective":
+        return [(b, True) for b in every]
+    return [(b, False) for b in every[:plan.recompute_blocks]] if plan.recompute == "full" else []
+
+
+def apply_ac(held: list[list[tuple[nn.Module, str]]], stages: list[int], plan: Plan) -> int:
+    """Wrap the blocks `recomputed` chooses, in place. Returns how many blocks were wrapped."""
+    chosen = recomputed(held, stages, plan)
+    for (container, index), selective in chosen:
+        kwargs = {"context_fn": _selective_context} if selective else {}
         setattr(container, str(index), checkpoint_wrapper(getattr(container, str(index)), **kwargs))  # non-reentrant
     return len(chosen)

@@ -1,7 +1,9 @@
 """Pipeline stages cut from the whole model at its blocks, in the order its forward runs them.
 
 What runs before the first block goes to the first stage, what runs after the last to the last
-stage, whatever the modules are called (`autopar/layout.py` reads the forward). Two ways to cut,
+stage, whatever the modules are called (`autopar/layout.py` reads the forward). The first and the
+last stage may hold no block (`layer_split` 0 at an end): then the first runs only what comes
+before the first block (the embedding), the last only what comes after the last (norm, head). Two ways to cut,
 both keeping the model's own parameter names (checkpoints map across plans, tp_plan entries and
 tied weights find their modules):
 
@@ -77,8 +79,11 @@ def _graph_stage(model, blocks, layout: ForwardLayout, lo: int, hi: int, first: 
     the last) as a GraphModule over the model's own modules, copied."""
     nodes = list(layout.graph.nodes)
     where = {n.target: i for i, n in enumerate(nodes) if n.op == "call_module" and n.target in layout.blocks}
-    start = 0 if first else where[layout.blocks[lo]]
-    end = len(nodes) if last else where[layout.blocks[hi]]
+    # a cut at block i is where that block's call starts; after the last block (a head-only last
+    # stage): just past its call
+    cuts = [where[name] for name in layout.blocks] + [where[layout.blocks[-1]] + 1]
+    start = 0 if first else cuts[lo]
+    end = len(nodes) if last else cuts[hi]
     graph, env = fx.Graph(), {}
     if not first:
         for n in live(nodes, start):

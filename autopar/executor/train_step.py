@@ -42,6 +42,7 @@ from autopar.executor.support import check_supported
 from autopar.executor.tensor_parallel import apply_tp
 from autopar.executor.tied import TiedGrads, tied_grads, tied_names
 from autopar.executor.weights import build_skeleton, build_source, materialise, unsaved_buffers, unwrapped
+from autopar.knobs import check_stage_blocks
 from autopar.layout import forward_layout
 from autopar.modelfile import resolve_tp_plan
 from autopar.plan import Plan
@@ -222,6 +223,8 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
     model = build_skeleton(build_model)  # on the meta device: its layout decides what runs
     find_blocks = blocks or _default_blocks
     block_list = find_blocks(model)
+    if plan.stage_recompute:  # each stage recomputes at most its blocks: one line, before any process group
+        check_stage_blocks(plan.stage_recompute, plan.split_for(len(block_list or ())))
     tp_map = (resolve_tp_plan(model, tp_plan(model) if callable(tp_plan) else tp_plan)
               if plan.tp > 1 and tp_plan is not None else None)  # None: no tp_plan given
     check_supported(plan, current_backend(backend), model_layout(model, block_list, tp_map))
@@ -249,7 +252,7 @@ def apply(plan: Plan, build_model: Callable[[], nn.Module],
                      layout)
         if plan.pp > 1:  # the schedule runs forward and backward in one call: autocast the forward only
             autocast_forward(part, plan, device)
-    apply_ac([pair for blocks_held in held for pair in blocks_held], plan)
+    apply_ac(held, stage_ids(plan, pp_rank), plan)
     compile_blocks([c._modules[k] for blocks_held in held for c, k in blocks_held], plan)
     weights = (inner, source, unsaved, device, plan.offload_optimizer and plan.zero >= 2, experts, expert_groups)
     if plan.zero < 2:  # DDP needs real parameters; FSDP2 shards the skeleton first
