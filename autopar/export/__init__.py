@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from autopar.errors import AutoparError
-from autopar.knobs import knobs
+from autopar.knobs import knobs, stage_full_blocks
 from autopar.plan import Plan
 
 Rule = Callable[[Plan], "str | None"]  # the plan -> "knob=value: why" where the framework cannot express it
@@ -78,6 +78,16 @@ def grad_elements(plan: Plan) -> int:
     """The plan's gradient bucket in elements of its reduction dtype: how Megatron and DeepSpeed
     size buckets (autopar sizes them in MB, as torch DDP does)."""
     return int(plan.bucket_mb * 2**20) // (4 if plan.grad_comm_dtype == "fp32" else 2)
+
+
+def covering_recompute(plan: Plan) -> tuple[str, int]:
+    """A per-stage plan's recompute as the one setting a framework gives every stage: ("full", the
+    most blocks a stage recomputes fully) if any stage does, else ("selective", 0) if any stage
+    recomputes selectively, else ("none", 0). Never saves less memory than a stage asks for."""
+    full = max(map(stage_full_blocks, plan.stage_recompute), default=0)
+    if full:
+        return "full", full
+    return ("selective" if "selective" in plan.stage_recompute else "none"), 0
 
 
 def default_of(name: str):

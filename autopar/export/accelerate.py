@@ -4,7 +4,7 @@ for ZeRO 1-3, plain multi-GPU DDP otherwise."""
 
 from __future__ import annotations
 
-from autopar.export import Export, default_of, listed
+from autopar.export import Export, covering_recompute, default_of, listed
 from autopar.plan import Plan
 
 MIXED = {"bf16": "bf16", "fp16": "fp16", "fp32": "no", "fp8": "fp8"}  # fp8: Accelerate's FP8 (TE / torchao)
@@ -21,13 +21,13 @@ def config(plan: Plan) -> dict:
             "megatron_lm_tp_degree": plan.tp, "megatron_lm_pp_degree": plan.pp,
             "megatron_lm_num_micro_batches": plan.num_micro_batches,
             "megatron_lm_sequence_parallelism": plan.sequence_parallel,
-            "megatron_lm_recompute_activations": plan.recompute != "none",
+            "megatron_lm_recompute_activations": _recomputes(plan),
             "megatron_lm_use_distributed_optimizer": plan.zero >= 1}
     elif plan.zero:
         out["fsdp_config"] = {
             "fsdp_version": 2, "fsdp_reshard_after_forward": plan.zero == 3,
             "fsdp_offload_params": plan.offload_optimizer,
-            "fsdp_activation_checkpointing": plan.recompute != "none",
+            "fsdp_activation_checkpointing": _recomputes(plan),
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_state_dict_type": "SHARDED_STATE_DICT"}
     return out
 
@@ -35,6 +35,11 @@ def config(plan: Plan) -> dict:
 # what the config expresses (`config`; dp through num_processes, the rest under its plugin)
 MAPS = ("precision", "tp", "pp", "dp", "num_micro_batches", "sequence_parallel", "recompute", "zero",
         "offload_optimizer")
+
+
+def _recomputes(plan: Plan) -> bool:
+    """Whether any stage recomputes (the config has one switch for every stage)."""
+    return (covering_recompute(plan)[0] if plan.stage_recompute else plan.recompute) != "none"
 
 
 def _megatron(plan: Plan) -> bool:
@@ -90,8 +95,8 @@ UNEXPRESSED = {  # knob -> the line where the accelerate config cannot express i
                             "script" if p.bucket_mb != default_of("bucket_mb") else None),
     "mesh_order": lambda p: (f"mesh_order={','.join(p.mesh_order)}: not an accelerate config key"
                              if tuple(p.mesh_order) != default_of("mesh_order") else None),
-    "stage_recompute": lambda p: (f"stage_recompute={','.join(p.stage_recompute)}: per-stage recompute, set in "
-                                  "the script" if p.stage_recompute else None),
+    "stage_recompute": lambda p: (f"stage_recompute={','.join(p.stage_recompute)}: the config has one recompute "
+                                  "switch for every stage (exported on)" if _recomputes(p) else None),
     "layer_split": lambda p: (f"layer_split={list(p.layer_split)}: the Megatron plugin splits evenly"
                               if p.layer_split else None),
 }

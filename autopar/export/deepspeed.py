@@ -62,8 +62,9 @@ UNEXPRESSED = {  # knob -> the line where the DeepSpeed config cannot express it
                      f"(deepspeed.moe.layer.MoE(..., ep_size={p.ep})), not in the config" if p.ep > 1 else None),
     "mesh_order": lambda p: (f"mesh_order={','.join(p.mesh_order)}: the rank layout comes from the script's process "
                              "groups" if tuple(p.mesh_order) != default_of("mesh_order") else None),
-    "stage_recompute": lambda p: (f"stage_recompute={','.join(p.stage_recompute)}: per-stage recompute, set in "
-                                  "the script" if p.stage_recompute else None),
+    "stage_recompute": lambda p: (f"stage_recompute={','.join(p.stage_recompute)}: wrap each stage's blocks "
+                                  "with deepspeed.checkpointing.checkpoint in the script ('full:K': its first K)"
+                                  if any(e != "none" for e in p.stage_recompute) else None),
     "layer_split": lambda p: (f"layer_split={list(p.layer_split)}: pass PipelineModule(partition_method=...) in the "
                               "script" if p.layer_split else None),
 }

@@ -6,7 +6,10 @@ the arguments say; each field has one Megatron-LM flag (`FLAGS`)."""
 
 from __future__ import annotations
 
-from autopar.export import Export, default_of, grad_elements, listed
+import shlex
+
+from autopar.export import Export, covering_recompute, default_of, grad_elements, listed
+from autopar.knobs import stage_full_blocks
 from autopar.plan import Plan
 
 # megatron-core field -> Megatron-LM flag (training/arguments.py); booleans are store_true flags
@@ -16,6 +19,7 @@ FLAGS = {
     "context_parallel_size": "--context-parallel-size",
     "expert_model_parallel_size": "--expert-model-parallel-size",
     "virtual_pipeline_model_parallel_size": "--num-virtual-stages-per-pipeline-rank",
+    "pipeline_model_parallel_layout": "--pipeline-model-parallel-layout",
     "sequence_parallel": "--sequence-parallel",
     "bf16": "--bf16",
     "fp16": "--fp16",
@@ -40,14 +44,17 @@ DDP = ("use_distributed_optimizer", "bucket_size", "grad_reduce_in_fp32")
 
 def core_fields(plan: Plan) -> dict:
     """The plan as megatron-core config fields (ModelParallelConfig, DistributedDataParallelConfig,
-    OptimizerConfig, TransformerConfig's recompute fields); None: left at Megatron's default."""
-    blocks = plan.recompute_blocks // plan.virtual_stages  # Megatron counts per virtual stage
+    OptimizerConfig, TransformerConfig's recompute and layout fields); None: left at Megatron's default."""
+    recompute, blocks = _recompute_setting(plan)
+    stages = layout(plan)
     return {
         "tensor_model_parallel_size": plan.tp,
         "pipeline_model_parallel_size": plan.pp,
         "context_parallel_size": plan.cp if plan.cp > 1 else None,
         "expert_model_parallel_size": plan.ep if plan.ep > 1 else None,
-        "virtual_pipeline_model_parallel_size": plan.virtual_stages if plan.virtual_stages > 1 else None,
+        # Megatron-LM takes the layout or the virtual stages per rank, not both (the layout says it)
+        "virtual_pipeline_model_parallel_size": plan.virtual_stages if plan.virtual_stages > 1 and not stages else None,
+        "pipeline_model_parallel_layout": stages,
         "sequence_parallel": plan.sequence_parallel,
         "bf16": plan.precision in ("bf16", "fp8"),  # fp8 trains on bf16 weights
         "fp16": plan.precision == "fp16",
@@ -55,13 +62,38 @@ def core_fields(plan: Plan) -> dict:
         "bucket_size": grad_elements(plan) if plan.bucket_mb != default_of("bucket_mb") else None,
         "grad_reduce_in_fp32": plan.grad_comm_dtype == "fp32" and plan.precision != "fp32",
         "optimizer_cpu_offload": plan.offload_optimizer,
-        "recompute_granularity": None if plan.recompute == "none" else plan.recompute,
-        "recompute_method": "block" if plan.recompute == "full" else None,
-        "recompute_num_layers": max(blocks, 1) if plan.recompute == "full" else None,
+        "recompute_granularity": None if recompute == "none" else recompute,
+        "recompute_method": "block" if recompute == "full" else None,
+        "recompute_num_layers": blocks if recompute == "full" else None,
         "fp8": "hybrid" if plan.precision == "fp8" else None,  # e4m3 forward, e5m2 gradients
         "fp8_recipe": FP8_RECIPES.get(plan.fp8_recipe) if plan.precision == "fp8" else None,
         "enable_cuda_graph": plan.cuda_graphs,  # TransformerConfig: Megatron-Core's per-layer CUDA graphs
     }
+
+
+def layout(plan: Plan) -> str | None:
+    """Megatron-Core's `pipeline_model_parallel_layout` of an explicit split (None: balanced, or no
+    pipeline): one '|'-separated entry per virtual stage in pipeline order, 'E' the embedding on
+    the first, 't' a transformer layer, 'L' the loss (with the final norm and output layer) on the
+    last, e.g. "E|t*3|t*3|t*2,L" for layer_split (0, 3, 3, 2). It replaces the first/last-stage
+    layer-count flags (`--decoder-first/last-pipeline-num-layers`), which it excludes."""
+    if not plan.layer_split or plan.pp == 1:
+        return None
+    last = len(plan.layer_split) - 1
+
+    def stage(i: int, blocks: int) -> str:
+        layers = "t" * blocks if blocks < 2 else f"t*{blocks}"
+        return ("E" if i == 0 else "") + layers + (("," if layers else "") + "L" if i == last else "")
+    return "|".join(stage(i, n) for i, n in enumerate(plan.layer_split))
+
+
+def _recompute_setting(plan: Plan) -> tuple[str, int]:
+    """(granularity, blocks per virtual stage) for Megatron, which counts per virtual stage and gives
+    every stage the same setting: a per-stage plan's covering one (`_stage_recompute` says when
+    that is not exact)."""
+    if plan.stage_recompute:
+        return covering_recompute(plan)
+    return plan.recompute, max(plan.recompute_blocks // plan.virtual_stages, 1)
 
 
 def arguments(plan: Plan) -> list[str]:
@@ -70,7 +102,7 @@ def arguments(plan: Plan) -> list[str]:
         if value is True:
             args.append(FLAGS[name])
         elif value not in (None, False):
-            args += [FLAGS[name], str(value)]
+            args += [FLAGS[name], shlex.quote(str(value))]  # the layout's '|' and '*' are shell syntax
     if plan.zero == 3:
         args.append("--use-torch-fsdp2")
     return args
@@ -79,7 +111,7 @@ def arguments(plan: Plan) -> list[str]:
 # what the arguments express (`core_fields`, the batch flags; dp is the world size over the other degrees)
 MAPS = ("precision", "tp", "pp", "cp", "dp", "ep", "micro_batch_size", "num_micro_batches", "zero", "recompute",
         "bucket_mb", "schedule", "sequence_parallel", "grad_comm_dtype", "offload_optimizer", "fp8_recipe",
-        "cuda_graphs")
+        "cuda_graphs", "layer_split")
 
 
 def _recompute(plan: Plan) -> str | None:
@@ -88,6 +120,23 @@ def _recompute(plan: Plan) -> str | None:
         return (f"recompute_blocks={plan.recompute_blocks}: Megatron counts blocks per virtual stage "
                 f"({plan.virtual_stages} per rank); exported as {per_stage}")
     return None
+
+
+def _stage_recompute(plan: Plan) -> str | None:
+    """Megatron's recompute_num_layers recomputes the first N blocks of every virtual stage (all of a
+    stage with fewer): a per-stage plan is exact when each stage holding blocks asks just that."""
+    if not plan.stage_recompute:
+        return None
+    mode, n = covering_recompute(plan)
+    split = plan.layer_split or (None,) * len(plan.stage_recompute)
+    held = [(e, b) for e, b in zip(plan.stage_recompute, split) if b != 0]  # a stage of no block recomputes nothing
+    exact = (all(stage_full_blocks(e) == (n if b is None else min(n, b)) for e, b in held) if mode == "full"
+             else all(e == mode for e, _ in held))
+    if exact:
+        return None
+    said = f"full recompute of {n} blocks per stage" if mode == "full" else f"{mode} recompute in every stage"
+    return (f"stage_recompute={','.join(plan.stage_recompute)}: Megatron gives every stage the same recompute "
+            f"(recompute_num_layers per virtual stage); exported as {said}")
 
 
 UNEXPRESSED = {  # knob -> the line where Megatron-LM cannot express its value
@@ -101,10 +150,7 @@ UNEXPRESSED = {  # knob -> the line where Megatron-LM cannot express its value
                                   if p.grad_comm_dtype == "fp16" and p.precision == "bf16" else None),
     "mesh_order": lambda p: (f"mesh_order={','.join(p.mesh_order)}: Megatron's rank order is tp innermost, then cp, "
                              f"dp, pp" if tuple(p.mesh_order) != default_of("mesh_order") else None),
-    "stage_recompute": lambda p: (f"stage_recompute={','.join(p.stage_recompute)}: per-stage recompute, set in "
-                                  "the script" if p.stage_recompute else None),
-    "layer_split": lambda p: (f"layer_split={list(p.layer_split)}: Megatron splits evenly (or first/last stage only)"
-                              if p.layer_split else None),
+    "stage_recompute": _stage_recompute,
     "fp8_recipe": lambda p: (f"fp8_recipe={p.fp8_recipe}: Transformer Engine has no per-row scaling (exported with "
                              "Megatron's default recipe)" if p.precision == "fp8" and p.fp8_recipe not in FP8_RECIPES
                              else None),

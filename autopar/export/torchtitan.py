@@ -8,7 +8,7 @@ parallelism (torchtitan accumulates global / (local x dp) steps), all micro-batc
 
 from __future__ import annotations
 
-from autopar.export import Export, default_of, listed
+from autopar.export import Export, covering_recompute, default_of, listed
 from autopar.plan import Plan
 
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}  # torch.distributed.pipelining
@@ -47,7 +47,8 @@ def overrides(plan: Plan) -> list[str]:
                  else ["--model.converters", "float8", "--float8.recipe_name", plan.fp8_recipe])
     if plan.compile:
         args.append("--compile.enable")
-    args.append("activation_checkpoint:" + plan.recompute)  # a tyro subcommand: none | selective | full
+    mode = covering_recompute(plan)[0] if plan.stage_recompute else plan.recompute
+    args.append("activation_checkpoint:" + mode)  # a tyro subcommand: none | selective | full
     return args
 
 
@@ -82,8 +83,9 @@ UNEXPRESSED = {  # knob -> the line where torchtitan cannot express its value
                            if p.virtual_stages > 2 else None),
     "mesh_order": lambda p: (f"mesh_order={','.join(p.mesh_order)}: torchtitan's mesh is pp, dp, cp, tp (tp innermost)"
                              if tuple(p.mesh_order) != default_of("mesh_order") else None),
-    "stage_recompute": lambda p: (f"stage_recompute={','.join(p.stage_recompute)}: per-stage recompute, set in "
-                                  "the script" if p.stage_recompute else None),
+    "stage_recompute": lambda p: (f"stage_recompute={','.join(p.stage_recompute)}: torchtitan's activation "
+                                  "checkpointing is one mode for every block of every stage (exported as "
+                                  f"{covering_recompute(p)[0]})" if covering_recompute(p)[0] != "none" else None),
     "layer_split": lambda p: (f"layer_split={list(p.layer_split)}: set --parallelism.module_fqns_per_model_part by hand"
                               if p.layer_split else None),
 }
