@@ -79,6 +79,28 @@ def _ep(target: Target, ep: int, decided) -> str | None:
     return None
 
 
+def _dp_replicate(target: Target, replicas: int, decided) -> str | None:
+    """HSDP: autopar's executor shards the dense weights on FSDP2's 2-D (replicate, shard) mesh but
+    its experts over the expert-data-parallel ranks, which it does not split into replicas."""
+    ep = decided.get("ep", 1)
+    if replicas > 1 and ep > 1 and target.torch:
+        return f"dp_replicate={replicas} with ep={ep}: the executor does not combine HSDP with expert parallelism; " \
+               "use dp_replicate 1 or ep 1"
+    return None
+
+
+def _mesh_order(target: Target, order, decided) -> str | None:
+    """HSDP's 2-D mesh is dp x cp flattened with dp outermost (its outer ranks the replicas): the
+    executor unflattens it so, which a mesh order putting cp outside dp does not allow."""
+    replicas, cp = decided.get("dp_replicate", 1), decided.get("cp", 1)
+    order = tuple(order or ())
+    if (replicas > 1 and cp > 1 and target.torch and {"cp", "dp"} <= set(order)
+            and order.index("cp") < order.index("dp")):
+        return (f"mesh_order {','.join(order)} with dp_replicate={replicas} and cp={cp}: the executor's HSDP mesh "
+                "needs dp outside cp; use the default mesh order")
+    return None
+
+
 def context_parallel_offered(workload, cp: int) -> str | None:
     """The plan space offers cp only while each rank keeps CP_MIN_TOKENS tokens or more (a plan may
     still name a smaller share: it is valid, runs and is priced; the space just does not search it)."""
@@ -215,7 +237,8 @@ def _fp8_recipe(target: Target, recipe: str, decided) -> str | None:
 for _rule in (Rule("tp", _tp), Rule("pp", _pp), Rule("cp", _cp), Rule("ep", _ep, ("cp",)),
               Rule("sequence_parallel", _sequence_parallel, ("tp",)), Rule("zero", _zero, ("ep",)),
               Rule("grad_comm_dtype", _grad_comm_dtype), Rule("compile", _compile, ("tp", "pp")),
-              Rule("fp8_recipe", _fp8_recipe), Rule("cuda_graphs", _cuda_graphs, ("compile",))):
+              Rule("fp8_recipe", _fp8_recipe), Rule("cuda_graphs", _cuda_graphs, ("compile",)),
+              Rule("dp_replicate", _dp_replicate, ("ep",)), Rule("mesh_order", _mesh_order, ("cp", "dp_replicate"))):
     declare_rule(_rule)
 
 

@@ -107,6 +107,8 @@ class SplitTable:
         self._stacked: tuple[int, dict] | None = None
         self.kind_of_layer = np.array([k for k, entry in enumerate(profile.layers, start=1) for _ in range(entry.count)],
                                       dtype=np.int64)
+        # blocks of each kind among the first i: a stage's blocks by kind are a difference of two rows
+        self.before = np.vstack([np.zeros(len(self.kinds)), np.cumsum(np.eye(len(self.kinds))[self.kind_of_layer], axis=0)])
 
     def add(self, pp: int, v: int, split: tuple[int, ...], stage_recompute: tuple[str, ...] = ()) -> int:
         key = (pp, v, split, stage_recompute)
@@ -117,19 +119,19 @@ class SplitTable:
         start = 0
         for stage, n in enumerate(split):
             rank = stage % pp
-            kinds = self.kind_of_layer[start:start + n]
-            np.add.at(counts[rank], kinds, 1)
+            held = self.before[start + n] - self.before[start]
+            counts[rank] += held
             entry = stage_recompute[stage] if stage_recompute else "none"
             if entry == "selective":
-                np.add.at(sel[rank], kinds, 1)
+                sel[rank] += held
             elif entry.startswith("full:"):
-                np.add.at(full[rank], kinds[:stage_full_blocks(entry)], 1)
+                full[rank] += self.before[start + stage_full_blocks(entry)] - self.before[start]
             start += n
         counts[0, 0] += 1  # embedding on the first rank
         counts[pp - 1, -1] += 1  # head on the last rank
         reps, mult = [], {}
         for d in range(pp):
-            sig = (tuple(counts[d]), tuple(full[d]), tuple(sel[d]), d == 0, d == pp - 1)
+            sig = (counts[d].tobytes(), full[d].tobytes(), sel[d].tobytes(), d == 0, d == pp - 1)
             if sig not in mult:
                 mult[sig] = 0
                 reps.append(d)
@@ -176,17 +178,36 @@ class SplitTable:
             ranks, layers, mult = np.zeros(shape), np.zeros(shape), np.zeros(shape)
             counts, full, sel = (np.zeros(shape + (n_kinds,)) for _ in range(3))
             for i, e in enumerate(self.entries):
-                pad = [0] * (width - len(e["ranks"]))
-                ranks[i] = np.concatenate([e["ranks"], e["ranks"][pad]])
-                counts[i] = np.concatenate([e["counts"], e["counts"][pad]])
-                full[i] = np.concatenate([e["full"], e["full"][pad]])
-                sel[i] = np.concatenate([e["sel"], e["sel"][pad]])
-                layers[i] = np.concatenate([e["layers"], e["layers"][pad]])
-                mult[i, :len(e["ranks"])] = e["mult"]
+                n = len(e["ranks"])
+                for name, value in (("ranks", ranks), ("counts", counts), ("full", full), ("sel", sel),
+                                    ("layers", layers)):
+                    value[i, :n] = e[name]
+                    value[i, n:] = e[name][0]
+                mult[i, :n] = e["mult"]
             staged = np.array([e["staged"] for e in self.entries], dtype=bool)
             self._stacked = (len(self.entries), {"rank": ranks, "counts": counts, "layers": layers, "mult": mult,
                                                   "full": full, "sel": sel, "staged": staged})
         return {name: value[ids] for name, value in self._stacked[1].items()}
+
+
+class RankTable:
+    """Plans given rank by rank, built in bulk: entry i holds `ranks[i]` (pipeline positions, each of
+    multiplicity `mult`, default 1) with their blocks by kind (`counts`, ends included) and those
+    recomputed fully (`full`) and selectively (`sel`); 1-D `ranks` make one rank per entry. What the
+    per-stage solver (autopar/search/stages.py) prices: `evaluate` reads a table only through `stacked`,
+    so each rank is priced by the very functions that price whole plans."""
+
+    def __init__(self, ranks: np.ndarray, counts: np.ndarray, full: np.ndarray, sel: np.ndarray,
+                 mult: np.ndarray | None = None):
+        ranks = np.asarray(ranks, dtype=float)
+        if ranks.ndim == 1:
+            ranks, counts, full, sel = ranks[:, None], counts[:, None, :], full[:, None, :], sel[:, None, :]
+        self._arrays = {"rank": ranks, "counts": counts, "layers": counts[:, :, 1:-1].sum(axis=2),
+                        "mult": np.ones_like(ranks) if mult is None else mult, "full": full, "sel": sel,
+                        "staged": np.ones(len(ranks), dtype=bool)}
+
+    def stacked(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        return {name: value[ids] for name, value in self._arrays.items()}
 
 
 class PlanArrays:

@@ -48,6 +48,7 @@ from autopar.cost import cross_entropy, launches, op_sac, softmax_fallback, tens
 from autopar.cost import precision as fp8
 from autopar.cost.fused import megatron_layer_io, megatron_layer_saved
 from autopar.cost.context_parallel import gradient_group_size, sequence_share
+from autopar.cost import hsdp
 from autopar.cost.gemm import kind_efficiency
 from autopar.runtime import is_megatron, megatron_attention
 from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, knobs, storage_dtype
@@ -497,6 +498,10 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
     links = _links(cluster, pa, c)
     zero, dpn = col(pa.zero), col(gradient_group_size(pa))  # dp x cp reduce gradients together
     dp_bw, dp_lat = col(links["dp_bw"]), col(links["dp_lat"])
+    # HSDP (cost/hsdp.py): ZeRO's collectives and states over each replica's shard group (dp x cp /
+    # dp_replicate), its gradient shards all-reduced across the replicas; without replicas, the whole group
+    hs = hsdp.groups(cluster, pa, c, dpn, dp_bw, dp_lat)
+    shard, shard_bw, shard_lat = hs["shard"], hs["shard_bw"], hs["shard_lat"]
     local_params = part["local_params"]
     hide_b, hide_f = _dp_hiding(workload, c, part["backward_s"], part["forward_s"])
     megatron = is_megatron(workload.runtime)
@@ -510,10 +515,11 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
     if base:
         reduce_all = reduce_all + n_buckets * base
     last_bucket = all_reduce_time(np.minimum(grad_bytes, bucket), dpn, dp_bw, dp_lat, base)
-    scatter_all = all_gather_time(grad_bytes, dpn, dp_bw * c.collective("reduce_scatter"), dp_lat, base)
-    gather = all_gather_time(param_bytes * fp8.gather_scale(workload, pa), dpn, dp_bw * c.collective("all_gather"),
-                             dp_lat, base)
-    broadcast = all_gather_time(param_bytes, dpn, dp_bw * c.collective("broadcast"), dp_lat, base)
+    scatter_all = (all_gather_time(grad_bytes, shard, shard_bw * c.collective("reduce_scatter"), shard_lat, base)
+                   + hsdp.replica_reduce(grad_bytes, hs, base))
+    gather = all_gather_time(param_bytes * fp8.gather_scale(workload, pa), shard,
+                             shard_bw * c.collective("all_gather"), shard_lat, base)
+    broadcast = all_gather_time(param_bytes, shard, shard_bw * c.collective("broadcast"), shard_lat, base)
     nmb = col(pa.num_micro_batches)
     accumulate = ((pa.pp > 1) & (pa.num_micro_batches > 1))[:, None]
 
@@ -532,7 +538,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
         t = np.select(
             [zero == 0, zero == 1, zero == 2],
             [ddp, distributed if megatron else ddp + broadcast, scatters + np.maximum(gather - hide_f, 0)],
-            scatters + nmb * np.maximum(2 * gather - hide_f - hide_b, (dpn - 1) * dp_lat + base))
+            scatters + nmb * np.maximum(2 * gather - hide_f - hide_b, (shard - 1) * shard_lat + base))
         return np.where(dpn > 1, t, 0.0)
 
     offload = np.asarray(pa.offload_optimizer, dtype=bool)[:, None]
@@ -547,7 +553,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
                                     col(links["tied_bw"]), col(links["tied_lat"]), base), 0.0)
     dp_time = exposed(np.maximum(hide_b - edp, 0.0), hide_f) + np.maximum(edp - hide_b, 0.0) + tied
     dp_hidden = exposed(0.0 * hide_b, 0.0 * hide_f) + edp + tied - dp_time
-    shard_states = np.where(zero >= 1, dpn, 1.0)
+    shard_states = np.where(zero >= 1, shard, 1.0)
     opt_params = local_params / shard_states + experts["opt_params"]
     hbm = cluster.gpu.hbm_bytes_per_s * c.hbm_efficiency
     optimizer = np.where(offload,
@@ -564,12 +570,12 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
     # to its next forward: then ZeRO-2 and 3 hold whole gradients and (3) whole weights
     unsharded = accumulate & (zero >= 2)
     sharded_weights = (zero == 3) & ~unsharded
-    weights = param_bytes / np.where(sharded_weights, dpn, 1.0) \
+    weights = param_bytes / np.where(sharded_weights, shard, 1.0) \
         + np.where(sharded_weights, 2 * col(part["block_params"]) * prec_bytes, 0.0) \
         + fp8.fp8_weight_bytes(workload, pa, part["linear_params"])  # two gathered blocks; fp8 copies
     mem = {
         "weights": weights,
-        "gradients": param_bytes / np.where((zero >= 2) & ~unsharded, dpn, 1.0),
+        "gradients": param_bytes / np.where((zero >= 2) & ~unsharded, shard, 1.0),
         "master_weights": np.where(fp32 | offload, 0.0, local_params * 4 / shard_states),
         "optimizer_states": np.where(offload, 0.0, local_params * 8 / shard_states),
         "activations": part["activations"],

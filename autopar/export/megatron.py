@@ -24,6 +24,7 @@ FLAGS = {
     "bf16": "--bf16",
     "fp16": "--fp16",
     "use_distributed_optimizer": "--use-distributed-optimizer",
+    "num_distributed_optimizer_instances": "--num-distributed-optimizer-instances",
     "bucket_size": "--ddp-bucket-size",
     "grad_reduce_in_fp32": "--accumulate-allreduce-grads-in-fp32",
     "optimizer_cpu_offload": "--optimizer-cpu-offload",
@@ -39,7 +40,7 @@ FP8_RECIPES = {"tensorwise": "tensorwise", "mxfp8": "mxfp8"}
 MODEL_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                   "expert_model_parallel_size",
                   "virtual_pipeline_model_parallel_size", "sequence_parallel", "bf16", "fp16")
-DDP = ("use_distributed_optimizer", "bucket_size", "grad_reduce_in_fp32")
+DDP = ("use_distributed_optimizer", "num_distributed_optimizer_instances", "bucket_size", "grad_reduce_in_fp32")
 
 
 def core_fields(plan: Plan) -> dict:
@@ -59,6 +60,10 @@ def core_fields(plan: Plan) -> dict:
         "bf16": plan.precision in ("bf16", "fp8"),  # fp8 trains on bf16 weights
         "fp16": plan.precision == "fp16",
         "use_distributed_optimizer": plan.zero in (1, 2),
+        # HSDP with the distributed optimizer: its states sharded within dp x cp / instances ranks (the
+        # partial DistOpt), the instances all-reducing the gradient shards
+        "num_distributed_optimizer_instances": plan.dp_replicate if plan.dp_replicate > 1 and plan.zero in (1, 2)
+        else None,
         "bucket_size": grad_elements(plan) if plan.bucket_mb != default_of("bucket_mb") else None,
         "grad_reduce_in_fp32": plan.grad_comm_dtype == "fp32" and plan.precision != "fp32",
         "optimizer_cpu_offload": plan.offload_optimizer,
@@ -109,8 +114,8 @@ def arguments(plan: Plan) -> list[str]:
 
 
 # what the arguments express (`core_fields`, the batch flags; dp is the world size over the other degrees)
-MAPS = ("precision", "tp", "pp", "cp", "dp", "ep", "micro_batch_size", "num_micro_batches", "zero", "recompute",
-        "bucket_mb", "schedule", "sequence_parallel", "grad_comm_dtype", "offload_optimizer", "fp8_recipe",
+MAPS = ("precision", "tp", "pp", "cp", "dp", "ep", "dp_replicate", "micro_batch_size", "num_micro_batches", "zero",
+        "recompute", "bucket_mb", "schedule", "sequence_parallel", "grad_comm_dtype", "offload_optimizer", "fp8_recipe",
         "cuda_graphs", "layer_split")
 
 
@@ -140,6 +145,9 @@ def _stage_recompute(plan: Plan) -> str | None:
 
 
 UNEXPRESSED = {  # knob -> the line where Megatron-LM cannot express its value
+    "dp_replicate": lambda p: (f"dp_replicate={p.dp_replicate} with zero=3: Megatron's torch FSDP2 shards over all "
+                               "of dp (num_distributed_optimizer_instances applies to the distributed optimizer, "
+                               "zero 1 or 2)" if p.dp_replicate > 1 and p.zero == 3 else None),
     "schedule": lambda p: "schedule=gpipe: Megatron runs 1F1B or interleaved 1F1B only" if p.schedule == "gpipe" else None,
     "zero": lambda p: ("zero=2: the distributed optimizer shards optimizer states, not the gradient buffer (ZeRO-1 "
                        "memory)") if p.zero == 2 else None,

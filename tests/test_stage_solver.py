@@ -1,0 +1,174 @@
+"""The exact per-stage solver (autopar/search/stages.py) against brute force (issue 41, acceptance 1).
+
+On 200 random workloads of 6-16 blocks of 2-3 kinds (scaled copies of the tiny GPT's block: more or
+less compute, activations, parameters), pp 2-4, 1F1B or GPipe, every layer split (0-block first and
+last stages included) times every per-stage recompute is priced by `evaluate` as whole plans, and the
+solver must find the same least iteration time among the plans that fit. Half the workloads get a
+memory budget between the leanest plan's peak and the unconstrained optimum's (binding); the test
+asserts that at least 30% have a binding budget and 30% an optimum no uniform plan (balanced split,
+one recompute setting) reaches. Brute force grows as (blocks + 2)^pp per split, so the larger pp take
+the fewer blocks (pp 2: 6-16, pp 3: 6-9, pp 4: 6-7) to stay within the test's time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import time
+
+import numpy as np
+import pytest
+
+from autopar.cluster import load_cluster
+from autopar.cost import PlanArrays, evaluate
+from autopar.cost.arrays import RankTable
+from autopar.knobs import balanced_split, stage_full_blocks
+from autopar.plan import Plan
+from autopar.search import stages
+from autopar.search.stages import solve, stage_options
+from conftest import workload
+
+WORKLOADS = 200
+BLOCKS = {2: (6, 16), 3: (6, 9), 4: (6, 7)}
+
+
+def _kind(block, name: str, compute: float, memory: float, params: float, count: int):
+    scale = lambda **kw: {k: type(getattr(block, k))(getattr(block, k) * f) for k, f in kw.items()}  # noqa: E731
+    return dataclasses.replace(block, kind=name, count=count, **scale(
+        fwd_flops=compute, bwd_flops=compute, tp_fwd_flops=compute, attn_core_flops=compute, attn_flops=compute,
+        saved_bytes=memory, saved_tp_bytes=memory, attn_core_bytes=memory, entry_saved_bytes=memory,
+        mask_saved_bytes=memory, params=params, tp_params=params))
+
+
+def random_workload(rng: random.Random, base):
+    pp, dp = rng.choice((2, 3, 4)), rng.choice((1, 2))
+    blocks = rng.randint(*BLOCKS[pp])
+    kinds = [(f"K{i}", rng.choice((0.5, 1, 2, 4)), rng.choice((0.5, 1, 3, 8)), rng.choice((0.5, 1, 2)))
+             for i in range(rng.randint(2, 3))]
+    sequence = [rng.randrange(len(kinds)) for _ in range(blocks)]
+    layer = base.profile.layers[0]
+    groups = [(k, len(list(g))) for k, g in itertools.groupby(sequence)]
+    ends = rng.choice((1, 4, 16))  # heavier embedding and head: a stage of its own may pay
+    profile = dataclasses.replace(base.profile, name="mixed", blocks=(
+        _kind(base.profile.embed, "embed", ends, ends, ends, 1), *(_kind(layer, *kinds[k], count=n) for k, n in groups),
+        _kind(base.profile.head, "head", ends, ends, ends, 1)))
+    w = dataclasses.replace(base, profile=profile, global_batch=8 * dp,
+                            cluster=load_cluster("dgx-a100-80g", nodes=dp, gpus_per_node=pp))  # dp over nodes
+    return w, Plan(dp=dp, tp=1, pp=pp, micro_batch_size=1, num_micro_batches=8,
+                   schedule=rng.choice(("1f1b", "gpipe")))
+
+
+def splits(blocks: int, pp: int) -> list[tuple[int, ...]]:
+    """Every split: middle stages hold a block, the first and the last may hold none."""
+    out = []
+    for cut in itertools.combinations(range(blocks + 1), pp - 1):
+        split = tuple(np.diff((0, *cut, blocks)))
+        if all(split[1:-1]) and sum(split) == blocks:
+            out.append(split)
+    return out
+
+
+def brute_force(w, outer: Plan, split_choices):
+    """Every (split, per-stage recompute) of `split_choices`, priced by evaluate as whole plans (all ranks,
+    each its own entry): (the plans' descriptions, iteration times, peak memories)."""
+    profile, pp = w.profile, outer.pp
+    n_kinds = len(profile.blocks)
+    kinds = np.array([k for k, e in enumerate(profile.layers, start=1) for _ in range(e.count)])
+    before = np.vstack([np.zeros(n_kinds), np.cumsum(np.eye(n_kinds)[kinds], axis=0)])
+    described, counts, full, sel = [], [], [], []
+    for split in split_choices:
+        starts = np.concatenate([[0], np.cumsum(split)]).astype(int)
+        options = [stage_options(n, True) for n in split]
+        picks = np.array(list(itertools.product(*[range(len(o)) for o in options])))  # (plans, stages)
+        c, f, s = (np.zeros((len(picks), pp, n_kinds)) for _ in range(3))
+        for stage, opts in enumerate(options):
+            held = before[starts[stage + 1]] - before[starts[stage]]
+            stage_full = np.array([before[starts[stage] + stage_full_blocks(o)] - before[starts[stage]] for o in opts])
+            stage_sel = np.array([held * (o == "selective") for o in opts])
+            c[:, stage % pp] += held
+            f[:, stage % pp] += stage_full[picks[:, stage]]
+            s[:, stage % pp] += stage_sel[picks[:, stage]]
+        c[:, 0, 0] += 1  # the embedding on the first rank, the head on the last
+        c[:, pp - 1, -1] += 1
+        described += [(split, tuple(opts[j] for opts, j in zip(options, row))) for row in picks]
+        counts.append(c)
+        full.append(f)
+        sel.append(s)
+    n = len(described)
+    base = PlanArrays.from_plans([outer], profile)
+    table = RankTable(np.tile(np.arange(pp), (n, 1)), np.concatenate(counts), np.concatenate(full),
+                      np.concatenate(sel))
+    pa = PlanArrays({k: col[np.zeros(n, dtype=int)] for k, col in base.columns.items() if k != "split"}
+                    | {"split": np.arange(n)}, table)
+    res = evaluate(w, pa)
+    return described, res["iteration_time"], res["peak_memory"]
+
+
+def uniform_best(w, outer: Plan) -> float:
+    """The best uniform plan that fits: balanced split, one recompute setting for every rank."""
+    most = max(balanced_split(w.profile.num_layers, outer.pp))
+    plans = [outer, outer.with_(recompute="selective")] + [outer.with_(recompute="full", recompute_blocks=k)
+                                                           for k in range(1, most + 1)]
+    res = evaluate(w, PlanArrays.from_plans(plans, w.profile))
+    return float(res["iteration_time"][res["fits"]].min()) if res["fits"].any() else np.inf
+
+
+def test_solver_equals_brute_force_on_random_workloads():
+    rng = random.Random(41)
+    base = workload(global_batch=8, nodes=1, gpus_per_node=2, size="tiny")
+    start = time.perf_counter()
+    solver_s, binding, non_uniform, end_only = 0.0, 0, 0, 0
+    for i in range(WORKLOADS):
+        w, outer = random_workload(rng, base)
+        described, times, peak = brute_force(w, outer, splits(w.profile.num_layers, outer.pp))
+        free = int(np.argmin(times))
+        if rng.random() < 0.5:  # a budget between the leanest plan and the unconstrained optimum: it binds
+            budget = peak.min() + (peak[free] - peak.min()) * rng.uniform(0.05, 0.95)
+        else:
+            budget = 2 * peak.max()
+        w = dataclasses.replace(w, memory_headroom=1 - budget / w.cluster.gpu.memory_bytes)
+        fits = peak <= w.memory_budget
+        best = float(times[fits].min())
+        t0 = time.perf_counter()
+        found = solve(w, [outer])[0]
+        solver_s += time.perf_counter() - t0
+        assert found is not None and found.fits, (i, described[int(np.argmin(np.where(fits, times, np.inf)))])
+        assert found.iteration_time == pytest.approx(best, rel=1e-9), (i, found.plan.describe())
+        found.plan.validate(w)
+        binding += not fits[free]
+        end_only += found.plan.layer_split[:1] == (0,) or found.plan.layer_split[-1:] == (0,)
+        non_uniform += best < uniform_best(w, outer) * (1 - 1e-9)
+    elapsed = time.perf_counter() - start
+    print(f"{WORKLOADS} workloads: binding budget {binding}, non-uniform optimum {non_uniform}, an end-only "
+          f"stage in {end_only}; solver {solver_s:.1f} s, all {elapsed:.1f} s")
+    assert binding >= 0.3 * WORKLOADS and non_uniform >= 0.3 * WORKLOADS and end_only >= 0.05 * WORKLOADS
+    assert elapsed < 60
+
+
+def test_interleaved_patterns_are_exact_over_the_balanced_split():
+    """Under the interleaved schedule the split stays balanced and each rank's per-chunk recompute is
+    searched exactly: the solver equals brute force over every per-stage recompute of that split."""
+    rng = random.Random(7)
+    base = workload(global_batch=8, nodes=1, gpus_per_node=2, size="tiny")
+    for _ in range(4):
+        w, outer = random_workload(rng, base)
+        pp = 2
+        w = dataclasses.replace(w, cluster=load_cluster("dgx-a100-80g", nodes=1, gpus_per_node=pp))
+        outer = Plan(dp=1, tp=1, pp=pp, micro_batch_size=1, num_micro_batches=8, schedule="interleaved",
+                     virtual_stages=2)
+        split = balanced_split(w.profile.num_layers, 2 * pp)
+        described, times, peak = brute_force(w, outer, [split])
+        w = dataclasses.replace(w, memory_headroom=1 - np.median(peak) / w.cluster.gpu.memory_bytes)
+        fits = peak <= w.memory_budget
+        found = solve(w, [outer])[0]
+        assert found.iteration_time == pytest.approx(float(times[fits].min()), rel=1e-9)
+        assert found.plan.layer_split in ((), split)
+
+
+def test_solver_refuses_what_it_cannot_solve_exactly():
+    w = workload(global_batch=8, nodes=1, gpus_per_node=2, size="tiny")
+    plan = Plan(dp=1, tp=1, pp=2, micro_batch_size=1, num_micro_batches=8)
+    assert stages.solvable(plan) and solve(w, [plan])[0] is not None
+    tight = dataclasses.replace(w, memory_headroom=0.999999)  # nothing fits
+    assert solve(tight, [plan]) == [None]
