@@ -12,7 +12,8 @@ others. A *folded* axis (`FoldedAxis`) is not one more axis to permute but a sec
 some axes' ranks: expert parallelism carves ep ranks out of dp (x cp), and HSDP splits dp into
 replicate x shard, as torchtitan and Megatron-Core do. Folded axes have no mesh position of
 their own; they are declared with the axes they split: ep, expert parallelism, within dp (x cp
-where a cp axis is declared), the one declared today.
+where a cp axis is declared; the innermost ranks), and dp_replicate, HSDP's replicas, within dp
+(its outermost ranks: ZeRO shards over the rest of dp x cp, torchtitan's dp_shard_cp).
 
 Mesh orders are the few that matter, declared (`mesh_orders`), not every permutation: the
 default (axes by mesh position) and the one with data parallelism innermost. This module
@@ -57,15 +58,20 @@ class Axis:
 
 @dataclass(frozen=True)
 class FoldedAxis:
-    """A second split of the ranks of `within` (expert parallelism within dp x cp; HSDP's shard
+    """A second split of the ranks of `within` (expert parallelism within dp x cp; HSDP's replicas
     within dp): its degree divides the product of their degrees and its ranks are the innermost
-    ones of that product, so it adds no mesh order."""
+    ones of that product (`outer`: the outermost, as HSDP's replicas), so it adds no mesh order."""
 
     name: str
     label: str
     within: tuple[str, ...]
     help: str = ""
     allowed: Check = lambda workload, degree: None  # the model's rule on the degree (ep divides the experts)
+    outer: bool = False  # its ranks are the outermost of `within` (the rest stays on the fast links)
+    # the plan space's narrower rule, (workload, degree, decided) -> None or why not searched; `reads`:
+    # the other knobs it (and the axis's capability rule) reads, decided before it
+    offered: Callable[[Any, int, dict], str | None] | None = None
+    reads: tuple[str, ...] = ()
 
     def whole(self, degrees: dict[str, int]) -> int:
         """The ranks it splits: the product of the degrees of `within`."""
@@ -77,10 +83,12 @@ class FoldedAxis:
             raise PlanError(f"{self.name}={degree} must divide {' x '.join(self.within)} = {whole}; "
                             f"use a {self.name} that divides {whole}")
 
-    def stride(self, dims: ParallelDims) -> int:
-        """Rank distance between neighbours along the folded axis: that of the innermost axis it splits."""
+    def stride(self, dims: ParallelDims, degree: int = 1) -> int:
+        """Rank distance between neighbours along the folded axis of this `degree`: that of the
+        innermost axis it splits, times the ranks inside it when its ranks are the outer ones."""
         strides = dims.strides()
-        return min(strides[a] for a in self.within)
+        inner = self.whole(dims.degrees) // degree if self.outer else 1
+        return min(strides[a] for a in self.within) * inner
 
 
 AXES: dict[str, Axis] = {}
@@ -386,3 +394,27 @@ declare_folded(FoldedAxis("ep", "expert", ("dp",) + tuple(a for a in ("cp",) if 
                           allowed=_ep_allowed))
 # what runs the plan may not combine ep with the axes it splits (autopar's executor splits dp alone and
 # reduces expert gradients over it): autopar.capability's rule for ep
+
+
+def _shard_group_offered(workload, replicas: int, decided: dict) -> str | None:
+    """HSDP in the plan space: shard groups (dp x cp / replicas ranks) that span whole nodes, a
+    power of two of them (in the default mesh order a shard group and its tp ranks are contiguous),
+    of two ranks or more. That keeps the space small (a few degrees per dp); a plan may name any
+    divisor of dp."""
+    if replicas == 1:
+        return None
+    shard = decided.get("dp", 1) * decided.get("cp", 1) // replicas
+    span = shard * decided.get("tp", 1)
+    nodes, part = divmod(span, workload.cluster.gpus_per_node)
+    if shard < 2 or part or nodes & (nodes - 1):
+        return (f"dp_replicate={replicas} leaves shard groups of {shard} ranks over {span} GPUs; the plan space "
+                f"offers shard groups of 1, 2, 4, ... whole nodes")
+    return None
+
+
+# HSDP (FSDP2's 2-D mesh, torchtitan's data_parallel_replicate_degree): the outermost ranks of dp are
+# replicas, each sharding ZeRO's states over dp x cp / dp_replicate ranks on the faster links
+declare_folded(FoldedAxis("dp_replicate", "replicated data", ("dp",), outer=True,
+                          offered=_shard_group_offered, reads=("tp", "cp", "ep"),
+                          help="HSDP replicas: ZeRO shards within dp x cp / dp_replicate ranks, gradients are "
+                               "all-reduced across the replicas (needs zero >= 1)"))

@@ -254,19 +254,23 @@ def _axis_knob(axis: _axes.Axis) -> Knob:
 
 
 def _folded_knob(folded: _axes.FoldedAxis) -> Knob:
-    """A folded axis's degree: the divisors of the ranks it splits that the model allows (1 always)."""
+    """A folded axis's degree: the divisors of the ranks it splits that the model allows and the
+    plan space offers (1 always). Its lean choice: the degree sharding the most (ep: the largest;
+    HSDP's replicas: 1, ZeRO over all of dp x cp)."""
 
     def choices(workload, decided) -> list[int]:
         target = Target.of(workload)
         return [d for d in _axes.divisors(folded.whole(decided))
-                if folded.allowed(workload, d) is None and refusal(folded.name, target, d, decided) is None]
+                if folded.allowed(workload, d) is None and refusal(folded.name, target, d, decided) is None
+                and (folded.offered is None or folded.offered(workload, d, decided) is None)]
 
     def check(plan) -> None:
         folded.check({a: getattr(plan, a) for a in folded.within}, getattr(plan, folded.name))
 
-    return Knob(folded.name, (Field(folded.name, int, 1),), choices, depends=folded.within,
+    return Knob(folded.name, (Field(folded.name, int, 1),), choices, depends=folded.within + folded.reads,
                 label=f"{folded.label} parallel", text=lambda v: f"{folded.name}{v}",
-                short=lambda v: f"{folded.name}{v}" if v > 1 else None, lean=lambda c: c[-1:],
+                short=lambda v: f"{folded.name}{v}" if v > 1 else None,
+                lean=(lambda c: c[:1]) if folded.outer else (lambda c: c[-1:]),
                 check=check, flag_help=folded.help, parse=int)
 
 
@@ -481,10 +485,12 @@ def _comm_choices(w, d) -> list[str]:
 
 
 def _mesh_choices(w, d) -> list[tuple[str, ...]]:
-    """The default order; the data-parallel-innermost one only where it changes the groups."""
+    """The default order; the data-parallel-innermost one only where it changes the groups (and
+    the runtime lays it out: autopar.capability)."""
     orders = _axes.mesh_orders()
     innermost = orders[0][-1]
-    return list(orders) if d[_axes.derived_axis()] > 1 and d.get(innermost, 1) > 1 else [orders[0]]
+    return allowed("mesh_order", Target.of(w), list(orders) if d[_axes.derived_axis()] > 1 and d.get(innermost, 1) > 1
+                   else [orders[0]], d)
 
 
 def _bool_text(name: str) -> Callable[[bool], str]:
@@ -494,6 +500,12 @@ def _bool_text(name: str) -> Callable[[bool], str]:
 def _zero_text(z: int) -> str:
     return {0: "DDP (ZeRO-0)", 1: "ZeRO-1 (sharded optimizer)", 2: "ZeRO-2 (+ sharded gradients)",
             3: "ZeRO-3 (FSDP2, sharded parameters)"}[z]
+
+
+def _check_zero(plan) -> None:
+    if plan.dp_replicate > 1 and plan.zero == 0:
+        raise PlanError(f"dp_replicate={plan.dp_replicate} (HSDP) shards ZeRO's states within each replica and "
+                        f"needs zero 1, 2 or 3; set zero >= 1 or dp_replicate 1")
 
 
 def _check_offload(plan) -> None:
@@ -514,10 +526,11 @@ def _sp_choices(w, d) -> list[bool]:
 
 def _zero_choices(w, d) -> list[int]:
     """Every stage the runtime runs with this ep (autopar.capability: no ZeRO-1 beside expert
-    parallelism in autopar's executor); only ZeRO-0 without data parallelism."""
+    parallelism in autopar's executor); only ZeRO-0 without data parallelism, no ZeRO-0 under HSDP."""
     if d["dp"] == 1:
         return [0]
-    return allowed("zero", Target.of(w), list(ZERO_STAGES), d)
+    stages = list(ZERO_STAGES) if d.get("dp_replicate", 1) == 1 else [z for z in ZERO_STAGES if z >= 1]
+    return allowed("zero", Target.of(w), stages, d)
 
 
 def _offload_choices(w, d) -> list[bool]:
@@ -573,9 +586,10 @@ for _k in (
     Knob("num_micro_batches", (Field("num_micro_batches", int, 1),),
          lambda w, d: [w.global_batch // (d["dp"] * d["micro_batch_size"])], ("dp", "micro_batch_size"),
          label="micro-batches", decision=False, parse=int),
-    Knob("zero", (Field("zero", int, 0, ZERO_STAGES),), _zero_choices, ("dp", "ep"), label="ZeRO",
+    Knob("zero", (Field("zero", int, 0, ZERO_STAGES),), _zero_choices, ("dp", "ep", "dp_replicate"), label="ZeRO",
          text=_zero_text, short=lambda z: f"zero{z}" if z else None, slots=ZERO_STAGES,
-         detail=True, parse=int, flag_help="0: DDP, 1: sharded optimizer, 2: + sharded gradients, 3: FSDP2"),
+         detail=True, parse=int, check=_check_zero,
+         flag_help="0: DDP, 1: sharded optimizer, 2: + sharded gradients, 3: FSDP2"),
     Knob("recompute", (Field("recompute", str, "none", RECOMPUTE_MODES), Field("recompute_blocks", int, 0)),
          _recompute_choices, ("pp",), label="recompute", text=_recompute_text,
          short=lambda v: {"none": None, "selective": "ac=sel"}.get(v[0], f"ac={v[1]}"), slot=_recompute_slot,
@@ -626,7 +640,8 @@ for _k in (
          flag_help="replay the blocks' kernels as CUDA graphs (no per-kernel launch): torch.compile "
                    "mode='reduce-overhead' on the compiled blocks under torch, --enable-cuda-graph under megatron; "
                    "CUDA only"),
-    Knob("mesh_order", (Field("mesh_order", tuple, None),), _mesh_choices, (AXES_DEPEND,), label="mesh order",
+    Knob("mesh_order", (Field("mesh_order", tuple, None),), _mesh_choices, (AXES_DEPEND, "dp_replicate"),
+         label="mesh order",
          text=lambda o: "mesh (" + ", ".join(o) + ")", slot=lambda o, c: _axes.mesh_orders().index(o),
          short=lambda o: None if o == _axes.default_order() else "mesh=" + ",".join(o),
          feature=lambda o, c: (_axes.mesh_orders().index(o), 0.0), lean=lambda c: c[:1],

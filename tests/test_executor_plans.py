@@ -122,7 +122,19 @@ STAGES = {
         Plan(**{**BASE, "tp": 2, "pp": 2, "num_micro_batches": 2, "micro_batch_size": 8}, precision="fp32",
              layer_split=(4, 0), stage_recompute=("selective", "none")),
 }
-CASES = {**CRASHES, **OFFLOAD, **STAGES, **{f"{p.describe()} {p.precision}": p for p in covering_cases(SPACE)}}
+# HSDP 2 x 2 (issue 41): FSDP2 on the 2-D (replicate, shard) mesh; ZeRO-1's optimizer over the shard group
+HSDP = {f"hsdp 2x2 zero{z} fp32": Plan(**{**BASE, "dp": 4, "micro_batch_size": 1}, precision="fp32", dp_replicate=2,
+                                       zero=z) for z in (1, 2, 3)}
+# zero-bubble (issue 41): torch's ScheduleZBVZeroBubble on stages placed in a V (rank 0 holds the embedding's
+# and the head's stage, the tied weights' two copies), ZeRO-2, per-stage full recompute, an embedding-only stage
+# (the space's covering cases run zb, zbv and dualpipev with the other knobs)
+ZERO_BUBBLE = {
+    "zbv pp2 dp2 zero2, embedding-only first stage, per-stage full recompute":
+        Plan(**{**BASE, "dp": 2, "pp": 2, "micro_batch_size": 2}, precision="fp32", schedule="zbv", virtual_stages=2,
+             zero=2, layer_split=(0, 2, 1, 1), stage_recompute=("none", "full:2", "none", "full:1")),
+}
+CASES = {**CRASHES, **OFFLOAD, **STAGES, **HSDP, **ZERO_BUBBLE,
+         **{f"{p.describe()} {p.precision}": p for p in covering_cases(SPACE)}}
 
 
 def sgd(params):

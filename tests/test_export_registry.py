@@ -38,6 +38,7 @@ MOVED = {
     "cuda_graphs": [dict(compile=True, cuda_graphs=True)],
     "mesh_order": [dict(mesh_order=("pp", "cp", "tp", "dp"))], "layer_split": [dict(pp=2, dp=4, layer_split=(3, 5))],
     "stage_recompute": [dict(pp=2, dp=4, stage_recompute=("full:1", "selective"))],
+    "dp_replicate": [dict(dp_replicate=2, zero=1), dict(dp_replicate=2, zero=3)],
 }
 BASE = dict(dp=8, micro_batch_size=1, num_micro_batches=4)
 

@@ -6,7 +6,10 @@
 * 2: FSDP2 `fully_shard` keeping parameters gathered between forward and backward
   (`reshard_after_forward=False`: sharded gradients and optimizer state, ZeRO-2's memory);
 * 3: FSDP2 `fully_shard` resharding after forward (ZeRO-3).
-Both FSDP stages shard each block, then the rest, and offload to the CPU when planned.
+Both FSDP stages shard each block, then the rest, and offload to the CPU when planned. Under HSDP
+(dp_replicate > 1) FSDP2 shards on the 2-D (replicate, shard) mesh (reduce-scatter within the shard
+group, all-reduce across the replicas), and ZeRO-1's optimizer shards over the shard group after
+DDP's all-reduce over all of dp x cp (each replica steps and broadcasts the same shards).
 """
 
 from __future__ import annotations
@@ -70,8 +73,8 @@ def apply_fsdp(module: nn.Module, blocks: list[nn.Module], plan: Plan, topo: Top
     # pinned host memory speeds GPU<->CPU copies; it needs an accelerator
     offload = (CPUOffloadPolicy(pin_memory=topo.device.type == "cuda") if plan.offload_optimizer
                else OffloadPolicy())
-    kwargs = {"mesh": topo.gradient_mesh, "reshard_after_forward": plan.zero == 3, "mp_policy": mp,
-              "offload_policy": offload}
+    kwargs = {"mesh": topo.sharding_mesh(plan.dp_replicate), "reshard_after_forward": plan.zero == 3,
+              "mp_policy": mp, "offload_policy": offload}
     if compute != torch.float32:
         # batch norms keep fp32 weights beside their fp32 running statistics (bf16 weights with fp32
         # statistics fail on the CPU); they normalise the low-precision input as usual
@@ -93,7 +96,7 @@ def apply_dp(module: nn.Module, blocks: list[nn.Module], plan: Plan, topo: Topol
 
 def build_optimizer(params: list[nn.Parameter], optimizer_fn, plan: Plan, topo: Topology) -> torch.optim.Optimizer:
     """The user's optimizer over `params`; for ZeRO-1 the same class and settings, its state
-    sharded over the dp ranks."""
+    sharded over the dp (x cp) ranks, or an HSDP replica's shard group."""
     optimizer = optimizer_fn(params)
     if plan.zero != 1 or topo.gradient_mesh.size() == 1:
         return optimizer
@@ -102,5 +105,5 @@ def build_optimizer(params: list[nn.Parameter], optimizer_fn, plan: Plan, topo: 
     settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [dict(g) for g in optimizer.param_groups]
     # bucket views: after the step each rank broadcasts its shard as one buffer, not one call per parameter
-    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=topo.gradient_group,
+    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=topo.shard_group(plan.dp_replicate),
                                    parameters_as_bucket_view=True, **settings)

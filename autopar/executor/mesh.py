@@ -119,6 +119,24 @@ class Topology:
     def gradient_group(self) -> dist.ProcessGroup:
         return self.gradient_mesh.get_group()
 
+    def sharding_mesh(self, replicas: int) -> DeviceMesh:
+        """ZeRO's mesh: the gradient mesh, or under HSDP (`replicas` > 1) FSDP2's 2-D (replicate,
+        shard) mesh unflattened from it, the replicas outermost (dp's outer ranks: the capability
+        rule keeps dp outside cp in the mesh order), as torchtitan's (dp_replicate, dp_shard_cp)."""
+        if replicas == 1:
+            return self.gradient_mesh
+        made = self.__dict__.setdefault("_sharding_meshes", {})  # one unflatten (its process groups) per degree
+        if replicas not in made:
+            size = self.gradient_mesh.size()
+            made[replicas] = self.gradient_mesh._unflatten(0, (replicas, size // replicas),
+                                                           ("dp_replicate", "dp_shard_cp"))
+        return made[replicas]
+
+    def shard_group(self, replicas: int) -> dist.ProcessGroup:
+        """The ranks ZeRO shards over: the gradient group, or one HSDP replica's shard group."""
+        mesh = self.sharding_mesh(replicas)
+        return mesh.get_group(mesh.ndim - 1)
+
 
 def build_mesh(plan: Plan, device: torch.device) -> Topology:
     """The device mesh with one dimension per axis, named as the axis, in the plan's order (outermost first)."""

@@ -66,6 +66,9 @@ def _recompute(plan: Plan) -> str | None:
 
 
 UNEXPRESSED = {  # knob -> the line where the accelerate config cannot express its value
+    "dp_replicate": lambda p: (f"dp_replicate={p.dp_replicate}: the config file has no HSDP key (set "
+                               f"ParallelismConfig(dp_replicate_size={p.dp_replicate}, dp_shard_size="
+                               f"{p.dp // p.dp_replicate}) in the script)" if p.dp_replicate > 1 else None),
     "cp": lambda p: (f"cp={p.cp}: the config file has no context-parallel key (set ParallelismConfig(cp_size={p.cp}) "
                      "in the script: accelerate's context-parallel guide, FSDP2)" if p.cp > 1 else None),
     "ep": lambda p: (f"ep={p.ep}: the config file has no expert-parallel key (shard the experts in the script)"

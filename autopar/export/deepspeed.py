@@ -18,6 +18,8 @@ def config(plan: Plan) -> dict:
             "allgather_bucket_size": grad_elements(plan), "overlap_comm": True, "contiguous_gradients": True}
     if plan.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if plan.dp_replicate > 1 and plan.zero == 3:  # MiCS: ZeRO-3 within groups of dp / replicas, replicated across
+        zero["mics_shard_size"] = plan.dp // plan.dp_replicate
     out = {
         "train_batch_size": plan.global_batch,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
@@ -33,8 +35,8 @@ def config(plan: Plan) -> dict:
 
 
 # what the config expresses (`config`; dp through the batch identity, tp as AutoTP's size)
-MAPS = ("precision", "tp", "dp", "micro_batch_size", "num_micro_batches", "zero", "bucket_mb", "grad_comm_dtype",
-        "offload_optimizer")
+MAPS = ("precision", "tp", "dp", "dp_replicate", "micro_batch_size", "num_micro_batches", "zero", "bucket_mb",
+        "grad_comm_dtype", "offload_optimizer")
 
 
 def _pp(plan: Plan) -> str | None:
@@ -43,6 +45,9 @@ def _pp(plan: Plan) -> str | None:
 
 
 UNEXPRESSED = {  # knob -> the line where the DeepSpeed config cannot express its value
+    "dp_replicate": lambda p: (f"dp_replicate={p.dp_replicate} with zero={p.zero}: DeepSpeed shards within groups "
+                               "(MiCS, mics_shard_size) under ZeRO-3 only; hpZ (zero_hpz_partition_size) keeps a "
+                               "secondary weight copy, not HSDP" if p.dp_replicate > 1 and p.zero != 3 else None),
     "fp8_recipe": lambda p: (f"precision=fp8 ({p.fp8_recipe}): not a DeepSpeed config key; convert the linears in "
                              "the script (torchao convert_to_float8_training or Transformer Engine); exported as bf16"
                              if p.precision == "fp8" else None),

@@ -2,8 +2,9 @@
 ConfigManager reads after `--module M --config C` (torchtitan 0.3 has no job TOML).
 
 Data parallelism maps to torchtitan's two dp degrees: DDP (zero 0) is `replicate`, FSDP2 is
-`shard`, and FSDP2 that keeps parameters gathered after forward (`fsdp_reshard_after_forward
-never`) is ZeRO-2. The local batch is per data-parallel rank: the micro-batch without pipeline
+`shard`, HSDP (dp_replicate > 1) both (dp_replicate replicas of dp / dp_replicate shards), and FSDP2
+that keeps parameters gathered after forward (`fsdp_reshard_after_forward never`) is ZeRO-2. The
+local batch is per data-parallel rank: the micro-batch without pipeline
 parallelism (torchtitan accumulates global / (local x dp) steps), all micro-batches with it."""
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp8": "bfloat16"}  # fp8 train
 
 def overrides(plan: Plan) -> list[str]:
     sharded = plan.zero >= 1
+    replicas = plan.dp_replicate if sharded else plan.dp  # HSDP: the replicas outermost, as torchtitan's mesh
     args = [
-        "--parallelism.data_parallel_replicate_degree", str(1 if sharded else plan.dp),
-        "--parallelism.data_parallel_shard_degree", str(plan.dp if sharded else 1),
+        "--parallelism.data_parallel_replicate_degree", str(replicas),
+        "--parallelism.data_parallel_shard_degree", str(plan.dp // replicas),
         "--parallelism.tensor_parallel_degree", str(plan.tp),
         "--parallelism.pipeline_parallel_degree", str(plan.pp),
         "--parallelism.context_parallel_degree", str(plan.cp),
@@ -53,8 +55,8 @@ def overrides(plan: Plan) -> list[str]:
 
 
 # what the overrides express (`overrides`; dp as the replicate or shard degree)
-MAPS = ("precision", "tp", "pp", "cp", "dp", "ep", "micro_batch_size", "num_micro_batches", "zero", "recompute",
-        "schedule", "sequence_parallel", "offload_optimizer", "fp8_recipe", "compile")
+MAPS = ("precision", "tp", "pp", "cp", "dp", "ep", "dp_replicate", "micro_batch_size", "num_micro_batches", "zero",
+        "recompute", "schedule", "sequence_parallel", "offload_optimizer", "fp8_recipe", "compile")
 
 
 def _recompute(plan: Plan) -> str | None:
