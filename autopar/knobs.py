@@ -27,6 +27,7 @@ from autopar import axes as _axes
 from autopar.capability import (  # noqa: F401  (fp8_problem, comm_dtype_problem, compile_problem: re-exported)
     BLOCK_SCALED,
     FP8_RECIPES,
+    ZERO_BUBBLE,
     Target,
     allowed,
     comm_dtype_problem,
@@ -37,7 +38,11 @@ from autopar.capability import (  # noqa: F401  (fp8_problem, comm_dtype_problem
 from autopar.errors import PlanError
 from autopar.runtime import is_megatron
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved") + ZERO_BUBBLE
+# ZERO_BUBBLE (autopar.capability): torch.distributed.pipelining's schedules that split the backward into
+# input and weight gradients. zb: ScheduleInterleavedZeroBubble (ZB1P, 1 or more stages per rank); zbv:
+# ScheduleZBVZeroBubble; dualpipev: ScheduleDualPipeV; the last two on exactly 2 stages per rank in a V (`stage_rank`)
+V_SCHEDULES = ("zbv", "dualpipev")
 RECOMPUTE_MODES = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 COMM_DTYPES = ("fp32", "bf16", "fp16")
@@ -51,7 +56,8 @@ STORAGE_DTYPE = {"fp8": "bf16"}
 ZERO_STAGES = (0, 1, 2, 3)
 BUCKETS_MB = (5.0, 25.0, 100.0)
 MAX_VIRTUAL_STAGES = 8
-SCHEDULE_VALUES = (("gpipe", 1), ("1f1b", 1)) + tuple(("interleaved", v) for v in range(2, MAX_VIRTUAL_STAGES + 1))
+SCHEDULE_VALUES = ((("gpipe", 1), ("1f1b", 1)) + tuple(("interleaved", v) for v in range(2, MAX_VIRTUAL_STAGES + 1))
+                   + tuple(("zb", v) for v in range(1, MAX_VIRTUAL_STAGES + 1)) + (("zbv", 2), ("dualpipev", 2)))
 # 16-bit weights and gradients, fp32 master weights and two fp32 Adam moments (mixed-precision Adam)
 STATE_BYTES_PER_PARAM = 16
 LOG2_MAX_GPUS = 14.0  # 16,384 GPUs: the scale of degree and micro-batch features
@@ -228,11 +234,26 @@ def balanced_split(num_blocks: int, stages: int) -> tuple[int, ...]:
     return tuple(split)
 
 
-def device_blocks(split: tuple[int, ...], pp: int) -> tuple[int, ...]:
-    """Blocks held by each pipeline rank: virtual stage i lives on rank i mod pp."""
+def stage_rank(stage: int, pp: int, schedule: str = "1f1b") -> int:
+    """The pipeline rank that holds virtual stage `stage`: stage i on rank i mod pp (looped), or in a V
+    (zbv, dualpipev: rank r holds stages r and 2pp-1-r, torch's `generate_stage_to_rank_mapping(style="v")`),
+    so the first rank holds both the embedding's stage and the head's. The one placement the executor
+    (`pipeline.stage_ids`) and the cost model (`SplitTable`) read."""
+    if schedule in V_SCHEDULES:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def rank_stages(pp: int, virtual_stages: int, schedule: str, rank: int) -> list[int]:
+    """Virtual stages held by pipeline rank `rank`, in pipeline order."""
+    return [s for s in range(pp * virtual_stages) if stage_rank(s, pp, schedule) == rank]
+
+
+def device_blocks(split: tuple[int, ...], pp: int, schedule: str = "1f1b") -> tuple[int, ...]:
+    """Blocks held by each pipeline rank (`stage_rank` places the stages)."""
     per_rank = [0] * pp
     for i, n in enumerate(split):
-        per_rank[i % pp] += n
+        per_rank[stage_rank(i, pp, schedule)] += n
     return tuple(per_rank)
 
 
@@ -436,41 +457,71 @@ def _stage_recompute_short(entries) -> str | None:
 
 def _schedule_choices(w, d) -> list[tuple[str, int]]:
     """(schedule, virtual stages). Interleaving needs micro-batches divisible by pp and an even
-    number of blocks per chunk, as Megatron-LM's interleaved schedule does."""
+    number of blocks per chunk, as Megatron-LM's interleaved schedule does. The zero-bubble schedules
+    where the runtime runs them (`autopar.capability`): zb on 1 or 2 stages per rank (torchtitan's
+    default; any other count may be named), zbv and dualpipev on 2 in a V, under the same block and
+    micro-batch rules (dualpipev: 2 x pp micro-batches, as torch's ScheduleDualPipeV asks)."""
     pp, nmb = d["pp"], d["num_micro_batches"]
     if pp == 1:
         return [("1f1b", 1)]
     out = [("gpipe", 1)]
     if nmb >= pp:
         out.append(("1f1b", 1))
+        layers = w.profile.num_layers
         if nmb % pp == 0:
-            layers = w.profile.num_layers
             out += [("interleaved", v) for v in range(2, MAX_VIRTUAL_STAGES + 1) if layers % (pp * v) == 0]
+        selective = d["recompute"][0] == "selective" or "selective" in d["stage_recompute"]
+        zero_bubble = [("zb", 1)] if nmb % pp == 0 and not selective else []
+        if layers % (2 * pp) == 0 and not selective:
+            zero_bubble += ([("zb", 2)] if nmb % pp == 0 else []) + [("zbv", 2)]
+            zero_bubble += [("dualpipev", 2)] if nmb >= 2 * pp else []
+        target = Target.of(w)
+        out += [c for c in zero_bubble if refusal("schedule", target, c[0], d) is None]
     return out
 
 
 def _schedule_text(value) -> str:
     name, v = value
-    return name if v == 1 else f"interleaved:{v}"
+    return name if v == 1 or name in V_SCHEDULES else f"{name}:{v}"
 
 
 def _parse_schedule(text: str):
+    """gpipe | 1f1b | interleaved:V | zb[:V] | zbv | dualpipev (the V-shaped ones run 2 stages per rank)."""
     name, _, v = text.partition(":")
     if v and not v.isdigit():
-        raise PlanError(f"--schedule interleaved:V needs an integer V, got '{v}'")
-    return (name, int(v or 1))
+        raise PlanError(f"--schedule {name}:V needs an integer V, got '{v}'")
+    return (name, int(v or (2 if name in V_SCHEDULES else 1)))
+
+
+def _check_v(plan) -> None:
+    """zbv and dualpipev: 2 stages per rank in a V; DualPipeV a micro-batch per stage (torch's rule)."""
+    if plan.pp < 2 or plan.virtual_stages != 2:
+        raise PlanError(f"the {plan.schedule} schedule runs exactly 2 stages per rank in a V on pp >= 2 "
+                        f"ranks, got pp={plan.pp}, virtual_stages={plan.virtual_stages}; set virtual_stages 2")
+    if plan.schedule == "dualpipev" and plan.num_micro_batches < 2 * plan.pp:
+        raise PlanError(f"dualpipev with pp={plan.pp} needs at least {2 * plan.pp} micro-batches (one per "
+                        f"stage), got {plan.num_micro_batches}; lower the micro-batch size or use schedule 'zbv'")
 
 
 def _check_schedule(plan) -> None:
-    if plan.schedule == "interleaved":
-        if plan.pp < 2 or plan.virtual_stages < 2:
-            raise PlanError("the interleaved schedule needs pp >= 2 and virtual_stages >= 2; "
-                            "use schedule '1f1b' otherwise")
+    zero_bubble = plan.schedule in ZERO_BUBBLE
+    selective = plan.recompute == "selective" or "selective" in plan.stage_recompute
+    if zero_bubble and selective:  # no runtime runs it: Megatron-Core has no zero-bubble schedule
+        raise PlanError(f"schedule {plan.schedule} with selective recompute: torch's selective checkpoint allows one "
+                        "backward per region and zero-bubble runs two (input, then weight gradients); use recompute "
+                        "none or full")
+    if plan.schedule in ("interleaved", "zb"):
+        if plan.pp < 2 or plan.virtual_stages < (2 if plan.schedule == "interleaved" else 1):
+            raise PlanError(f"the {plan.schedule} schedule needs pp >= 2"
+                            + (" and virtual_stages >= 2" if plan.schedule == "interleaved" else "")
+                            + "; use schedule '1f1b' otherwise")
         if plan.num_micro_batches % plan.pp:
-            raise PlanError(f"the interleaved schedule needs num_micro_batches ({plan.num_micro_batches}) "
+            raise PlanError(f"the {plan.schedule} schedule needs num_micro_batches ({plan.num_micro_batches}) "
                             f"divisible by pp ({plan.pp}); change the micro-batch size or pp")
+    elif plan.schedule in ("zbv", "dualpipev"):  # V_SCHEDULES (a literal: the plan's own rule, not what runs it)
+        _check_v(plan)
     elif plan.virtual_stages != 1:
-        raise PlanError(f"virtual_stages={plan.virtual_stages} needs schedule 'interleaved'")
+        raise PlanError(f"virtual_stages={plan.virtual_stages} needs schedule 'interleaved', 'zb', 'zbv' or 'dualpipev'")
     if plan.pp > 1 and plan.num_micro_batches < plan.pp and plan.schedule != "gpipe":
         raise PlanError(f"1F1B with pp={plan.pp} needs at least {plan.pp} micro-batches, got "
                         f"{plan.num_micro_batches}; lower the micro-batch size or use schedule 'gpipe'")
@@ -607,11 +658,12 @@ for _k in (
          detail=True, parse=float,
          flag_help="DDP gradient bucket (fusion buffer) size in MB"),
     Knob("schedule", (Field("schedule", str, "1f1b", SCHEDULES), Field("virtual_stages", int, 1)),
-         _schedule_choices, ("pp", "num_micro_batches"), label="pipeline schedule", text=_schedule_text,
+         _schedule_choices, ("pp", "num_micro_batches", "dp", "cp", "zero", "recompute", "stage_recompute"),
+         label="pipeline schedule", text=_schedule_text,
          short=_schedule_text, slots=SCHEDULE_VALUES,
-         feature=lambda v, c: (SCHEDULES.index(v[0]) / 2, (v[1] - 1) / (MAX_VIRTUAL_STAGES - 1)),
+         feature=lambda v, c: (SCHEDULES.index(v[0]) / (len(SCHEDULES) - 1), (v[1] - 1) / (MAX_VIRTUAL_STAGES - 1)),
          parse=_parse_schedule, check=_check_schedule,
-         flag_help="gpipe | 1f1b | interleaved:V"),
+         flag_help="gpipe | 1f1b | interleaved:V | zb[:V] | zbv | dualpipev (zero-bubble: torch's schedules)"),
     Knob("sequence_parallel", (Field("sequence_parallel", bool, False),),
          _sp_choices, ("tp",), label="sequence parallel",
          text=_bool_text("sequence parallel"), short=lambda v: "sp" if v else None, slots=(False, True),

@@ -17,9 +17,9 @@ from autopar.capability.core import (Device, Layout, Rule, Target, allowed, chec
                                      refusals, rules, undeclare_rule)
 from autopar.capability.declarations import (BLOCK_SCALED, CP_MIN_TOKENS, FP8_CAPABILITY, FP8_RECIPES, check_plan,
                                       comm_dtype_problem, compile_problem, context_parallel_offered, excluded,
-                                      fp8_problem, sequence_parallel_options)
+                                      fp8_problem, sequence_parallel_options, ZERO_BUBBLE)
 
 __all__ = ["BLOCK_SCALED", "CP_MIN_TOKENS", "FP8_CAPABILITY", "FP8_RECIPES", "Device", "Layout", "Rule", "Target",
            "allowed", "check", "check_plan", "comm_dtype_problem", "compile_problem", "context_parallel_offered",
            "declare_rule", "excluded", "fp8_problem", "refusal", "refusals", "rules", "sequence_parallel_options",
-           "undeclare_rule"]
+           "undeclare_rule", "ZERO_BUBBLE"]

@@ -15,6 +15,8 @@ from dataclasses import replace
 from autopar.capability.core import Device, Layout, Rule, Target, allowed, check, declare_rule, refusal
 
 FP8_RECIPES = ("tensorwise", "rowwise", "mxfp8")  # torchao's recipes (autopar.knobs names the knob's values)
+# torch.distributed.pipelining's zero-bubble schedules (autopar.knobs SCHEDULES names them with the others)
+ZERO_BUBBLE = ("zb", "zbv", "dualpipev")
 BLOCK_SCALED = ("mxfp8",)  # recipes the GPU must have block-scaled fp8 tensor cores for
 FP8_CAPABILITY = {"tensorwise": (8, 9), "rowwise": (8, 9), "mxfp8": (10, 0)}  # Ada/Hopper; Blackwell for MX
 # Published recipes run cp with 4,096 (NeMo 24.07, CP2 at 8K) to 8,192 (Llama 3, CP16 at 128K) tokens
@@ -98,6 +100,30 @@ def _mesh_order(target: Target, order, decided) -> str | None:
             and order.index("cp") < order.index("dp")):
         return (f"mesh_order {','.join(order)} with dp_replicate={replicas} and cp={cp}: the executor's HSDP mesh "
                 "needs dp outside cp; use the default mesh order")
+    return None
+
+
+def _schedule(target: Target, schedule: str, decided) -> str | None:
+    """The zero-bubble schedules split each backward into an input-gradient pass and a weight-gradient
+    pass (torch's stage_backward_input / stage_backward_weight, two autograd.grad calls on one graph).
+    Megatron-Core's releases have none (sail-sg's zero-bubble fork of Megatron-LM does). Under autopar's
+    executor, measured on 4 gloo ranks (fp32, tiny GPT): full recompute, tp, ZeRO-2 (FSDP2 keeping
+    parameters gathered) and tied embeddings keep parity; DDP's reducer never sees gradients that
+    autograd.grad returns (zero 0 and 1 would not average them), ZeRO-3's resharded parameters give
+    wrong weight gradients. (Selective recompute, which no runtime runs with them, is the plan's own
+    rule: `autopar.knobs`.)"""
+    if schedule not in ZERO_BUBBLE:
+        return None
+    if not target.torch:
+        return (f"schedule {schedule}: Megatron-Core has no zero-bubble or DualPipe schedule; use 1f1b or "
+                "interleaved (or the torch runtime)")
+    zero, ranks = decided.get("zero", 0), decided.get("dp", 1) * decided.get("cp", 1)
+    if ranks > 1 and zero in (0, 1):
+        return (f"schedule {schedule} with zero {zero} over {ranks} data-parallel ranks: its weight gradients come "
+                "from autograd.grad, which DDP's reducer never averages; use zero 2")
+    if ranks > 1 and zero == 3:
+        return (f"schedule {schedule} with zero 3: FSDP2 resharding after forward gives wrong weight gradients "
+                "under torch's split backward; use zero 2")
     return None
 
 
@@ -238,6 +264,7 @@ for _rule in (Rule("tp", _tp), Rule("pp", _pp), Rule("cp", _cp), Rule("ep", _ep,
               Rule("sequence_parallel", _sequence_parallel, ("tp",)), Rule("zero", _zero, ("ep",)),
               Rule("grad_comm_dtype", _grad_comm_dtype), Rule("compile", _compile, ("tp", "pp")),
               Rule("fp8_recipe", _fp8_recipe), Rule("cuda_graphs", _cuda_graphs, ("compile",)),
+              Rule("schedule", _schedule, ("dp", "cp", "zero")),
               Rule("dp_replicate", _dp_replicate, ("ep",)), Rule("mesh_order", _mesh_order, ("cp", "dp_replicate"))):
     declare_rule(_rule)
 

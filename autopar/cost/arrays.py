@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from autopar import axes
-from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, Field, balanced_split, plan_fields, stage_full_blocks
+from autopar.knobs import (COMM_DTYPES, DTYPE_BYTES, SCHEDULES, V_SCHEDULES, Field, balanced_split, plan_fields,
+                           stage_full_blocks, stage_rank)
 from autopar.plan import Plan
 from autopar.profile.model_profile import ModelProfile
 
@@ -110,15 +111,18 @@ class SplitTable:
         # blocks of each kind among the first i: a stage's blocks by kind are a difference of two rows
         self.before = np.vstack([np.zeros(len(self.kinds)), np.cumsum(np.eye(len(self.kinds))[self.kind_of_layer], axis=0)])
 
-    def add(self, pp: int, v: int, split: tuple[int, ...], stage_recompute: tuple[str, ...] = ()) -> int:
-        key = (pp, v, split, stage_recompute)
+    def add(self, pp: int, v: int, split: tuple[int, ...], stage_recompute: tuple[str, ...] = (),
+            schedule: str = "1f1b") -> int:
+        """`schedule` places the stages on the ranks (`knobs.stage_rank`: looped, or a V for zbv / dualpipev)."""
+        schedule = "zbv" if schedule in V_SCHEDULES else "1f1b"  # the placement is all the key needs
+        key = (pp, v, split, stage_recompute, schedule)
         if key in self._index:
             return self._index[key]
         n_kinds = len(self.kinds)
         counts, full, sel = (np.zeros((pp, n_kinds)) for _ in range(3))
         start = 0
         for stage, n in enumerate(split):
-            rank = stage % pp
+            rank = stage_rank(stage, pp, schedule)
             held = self.before[start + n] - self.before[start]
             counts[rank] += held
             entry = stage_recompute[stage] if stage_recompute else "none"
@@ -128,7 +132,7 @@ class SplitTable:
                 full[rank] += self.before[start + stage_full_blocks(entry)] - self.before[start]
             start += n
         counts[0, 0] += 1  # embedding on the first rank
-        counts[pp - 1, -1] += 1  # head on the last rank
+        counts[stage_rank(len(split) - 1, pp, schedule), -1] += 1  # head with the last stage (rank 0 in a V)
         reps, mult = [], {}
         for d in range(pp):
             sig = (counts[d].tobytes(), full[d].tobytes(), sel[d].tobytes(), d == 0, d == pp - 1)
@@ -159,12 +163,14 @@ class SplitTable:
         })
         return self._index[key]
 
-    def add_balanced(self, pp: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """The split id of the balanced split of every (pp, v) pair."""
-        first, inverse = unique_rows([pp, v])
+    def add_balanced(self, pp: np.ndarray, v: np.ndarray, schedule: np.ndarray | None = None) -> np.ndarray:
+        """The split id of the balanced split of every (pp, v, schedule code) triple (the schedule
+        places the stages)."""
+        codes = np.zeros_like(pp) if schedule is None else np.asarray(schedule, dtype=np.int64)
+        first, inverse = unique_rows([pp, v, codes])
         layers = self.profile.num_layers
-        ids = np.array([self.add(int(pp[i]), int(v[i]), balanced_split(layers, int(pp[i] * v[i]))) for i in first],
-                       dtype=np.int64)
+        ids = np.array([self.add(int(pp[i]), int(v[i]), balanced_split(layers, int(pp[i] * v[i])),
+                                 schedule=SCHEDULES[int(codes[i])]) for i in first], dtype=np.int64)
         return ids[inverse]
 
     def stacked(self, ids: np.ndarray) -> dict[str, np.ndarray]:
@@ -238,7 +244,8 @@ class PlanArrays:
         for p in plans:
             for f in plan_fields():
                 cols[f.name].append(encode(f, getattr(p, f.name)))
-            cols["split"].append(table.add(p.pp, p.virtual_stages, p.split_for(profile.num_layers), p.stage_recompute))
+            cols["split"].append(table.add(p.pp, p.virtual_stages, p.split_for(profile.num_layers), p.stage_recompute,
+                                           p.schedule))
         return cls({k: np.asarray(v) for k, v in cols.items()}, table)
 
     @classmethod

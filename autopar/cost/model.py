@@ -49,6 +49,7 @@ from autopar.cost import precision as fp8
 from autopar.cost.fused import megatron_layer_io, megatron_layer_saved
 from autopar.cost.context_parallel import gradient_group_size, sequence_share
 from autopar.cost import hsdp
+from autopar.cost import zero_bubble
 from autopar.cost.gemm import kind_efficiency
 from autopar.runtime import is_megatron, megatron_attention
 from autopar.knobs import COMM_DTYPES, DTYPE_BYTES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, knobs, storage_dtype
@@ -362,12 +363,19 @@ def _host_paced(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
 
 def _schedule(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     """The pipeline of m micro-batches: the sum over ranks and (m - 1) x the slowest (interleaved: over v),
-    and the slowest rank, whose parts the breakdown reports."""
-    (m, v, per_mb, mult) = _take(x, "m v per_mb mult")
+    and the slowest rank, whose parts the breakdown reports. The zero-bubble schedules leave less of
+    each other rank's micro-batch idle: its W (weight-gradient) passes fill the bubble (cost/zero_bubble.py)."""
+    (m, v, per_mb, mult, k, compute_b, tp_b) = _take(x, "m v per_mb mult k compute_b tp_b")
     slowest = per_mb.max(axis=1)
     total = (per_mb * mult).sum(axis=1)
     m1, v1 = m[:, 0], v[:, 0]
     pipe = np.where(v1 > 1, total / v1 + (m1 - 1 / v1) * slowest, total + (m1 - 1) * slowest)
+    sched = _col(g.schedule)
+    if zero_bubble.applies(sched).any():
+        on, _ = _sums(x)
+        weight = on(compute_b * zero_bubble.weight_share(k))
+        zb = zero_bubble.pipe(sched, per_mb, mult, weight, on(compute_b + tp_b), m, v)
+        pipe = np.where(zero_bubble.applies(sched[:, 0]), zb, pipe)
     at_slowest = np.argmax(per_mb, axis=1)[:, None]
     return dict(slowest=slowest, m1=m1, pipe=pipe, at_slowest=at_slowest)
 
@@ -388,6 +396,11 @@ def _activations(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     sched = col(g.schedule)
     chunks = np.minimum((pp - rank - 1) * 2 + (v - 1) * pp + 1, m * v)
     in_flight = np.select([sched == GPIPE, sched == INTERLEAVED], [m, chunks / v], np.minimum(pp - rank, m))
+    # zero-bubble: its own peak count, and the deferred W passes' inputs, all but the attention core's
+    # (cost/zero_bubble.py)
+    kept, deferred = zero_bubble.in_flight(sched, pp, m, v, rank)
+    in_flight = np.where(zero_bubble.applies(sched), kept, in_flight)
+    held_w = deferred * on_layers(act_sel)
     # the head ends the last chunk, whose backward follows each forward at once: one micro-batch's
     # worth in flight (GPipe: all of them), not the rank's average over its chunks
     head_act = counts[:, :, -1] * per_kind_act[:, -1:]
@@ -395,7 +408,7 @@ def _activations(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     working = np.where((ckpt_frac > 0) | (full.sum(axis=2) > 0), (act_full * k["is_layer"]).max(axis=1, keepdims=True),
                        0.0)
     block_params = ((k["tp_params"] / t + k["params"] - k["tp_params"]) * k["is_layer"]).max(axis=1)
-    return {"activations": (act_mb - head_act) * in_flight + head_act * head_in_flight + working,
+    return {"activations": (act_mb - head_act) * in_flight + head_act * head_in_flight + working + held_w,
             "block_params": block_params}
 
 

@@ -14,7 +14,8 @@ tied weights find their modules):
   forward's glue with the model's modules under their own names, and the values live across a
   cut (the blocks' outputs) are what it passes to the next stage.
 
-A pipeline rank holds `virtual_stages` such chunks: stages r, r + pp, r + 2·pp, ...
+A pipeline rank holds `virtual_stages` such chunks: stages r, r + pp, r + 2·pp, ..., or under the V-shaped
+zero-bubble schedules (zbv, dualpipev) stages r and 2·pp-1-r (`stage_ids`).
 """
 
 from __future__ import annotations
@@ -26,20 +27,30 @@ from torch import fx, nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 from torch.fx.graph_module import _copy_attr
 from torch.nn.parallel import DistributedDataParallel
 
 from autopar.errors import PlanError
+from autopar.knobs import rank_stages
 from autopar.layout import ForwardLayout, forward_layout, live, recomputable
 from autopar.plan import Plan
 
 
+# the schedules that run several stages per rank (torch's PipelineScheduleMulti), by the plan's name
+MULTI_STAGE = {"interleaved": ScheduleInterleaved1F1B, "zb": ScheduleInterleavedZeroBubble,
+               "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+
+
 def stage_ids(plan: Plan, pp_rank: int) -> list[int]:
-    """Virtual stages held by pipeline rank `pp_rank`, in execution order."""
-    return [pp_rank + chunk * plan.pp for chunk in range(plan.virtual_stages)]
+    """Virtual stages held by pipeline rank `pp_rank`, in pipeline order (looped: r, r + pp, ...; a V
+    for zbv / dualpipev: r and 2pp-1-r): the placement `autopar.knobs.stage_rank` declares."""
+    return rank_stages(plan.pp, plan.virtual_stages, plan.schedule, pp_rank)
 
 
 def cut_stages(model: nn.Module, blocks: nn.ModuleList, plan: Plan, pp_rank: int,
@@ -171,7 +182,7 @@ def build_schedule(parts: list[nn.Module], plan: Plan, pp_rank: int, device, gro
             part.require_backward_grad_sync = False
     stages = [PipelineStage(part, stage, plan.stages, device, group=group)
               for part, stage in zip(parts, stage_ids(plan, pp_rank))]
-    if plan.schedule == "interleaved":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=plan.num_micro_batches, loss_fn=loss_fn)
+    if plan.schedule in MULTI_STAGE:
+        return MULTI_STAGE[plan.schedule](stages, n_microbatches=plan.num_micro_batches, loss_fn=loss_fn)
     schedule = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
     return schedule(stages[0], n_microbatches=plan.num_micro_batches, loss_fn=loss_fn)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shlex
 
+from autopar.capability import ZERO_BUBBLE
 from autopar.export import Export, covering_recompute, default_of, grad_elements, listed
 from autopar.knobs import stage_full_blocks
 from autopar.plan import Plan
@@ -147,8 +148,12 @@ def _stage_recompute(plan: Plan) -> str | None:
 UNEXPRESSED = {  # knob -> the line where Megatron-LM cannot express its value
     "dp_replicate": lambda p: (f"dp_replicate={p.dp_replicate} with zero=3: Megatron's torch FSDP2 shards over all "
                                "of dp (num_distributed_optimizer_instances applies to the distributed optimizer, "
-                               "zero 1 or 2)" if p.dp_replicate > 1 and p.zero == 3 else None),
-    "schedule": lambda p: "schedule=gpipe: Megatron runs 1F1B or interleaved 1F1B only" if p.schedule == "gpipe" else None,
+                               "zero 1 or 2)"
+                               if p.dp_replicate > 1 and p.zero == 3 else None),
+    "schedule": lambda p: ("schedule=gpipe: Megatron runs 1F1B or interleaved 1F1B only" if p.schedule == "gpipe" else
+                           f"schedule={p.schedule}: Megatron-Core has no zero-bubble or DualPipe schedule (exported as "
+                           f"{'interleaved 1F1B' if p.virtual_stages > 1 else '1F1B'})" if p.schedule in ZERO_BUBBLE
+                           else None),
     "zero": lambda p: ("zero=2: the distributed optimizer shards optimizer states, not the gradient buffer (ZeRO-1 "
                        "memory)") if p.zero == 2 else None,
     "recompute": _recompute,

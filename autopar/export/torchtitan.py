@@ -12,7 +12,8 @@ from __future__ import annotations
 from autopar.export import Export, covering_recompute, default_of, listed
 from autopar.plan import Plan
 
-SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}  # torch.distributed.pipelining
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B",  # torch.distributed.pipelining
+             "zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp8": "bfloat16"}  # fp8 trains on bf16 weights
 
 
@@ -82,7 +83,10 @@ UNEXPRESSED = {  # knob -> the line where torchtitan cannot express its value
     "recompute": _recompute,
     "schedule": lambda p: (f"virtual_stages={p.virtual_stages}: torchtitan runs 2 stages per rank unless "
                            f"--parallelism.pipeline_parallel_layers_per_stage is the model's blocks / {p.stages}"
-                           if p.virtual_stages > 2 else None),
+                           if p.virtual_stages > 2 else
+                           "schedule=zb on 1 stage per rank: torchtitan runs InterleavedZeroBubble on 2 or more "
+                           "stages per rank (exported with its default, 2)" if p.schedule == "zb" and p.pp > 1
+                           and p.virtual_stages == 1 else None),
     "mesh_order": lambda p: (f"mesh_order={','.join(p.mesh_order)}: torchtitan's mesh is pp, dp, cp, tp (tp innermost)"
                              if tuple(p.mesh_order) != default_of("mesh_order") else None),
     "stage_recompute": lambda p: (f"stage_recompute={','.join(p.stage_recompute)}: torchtitan's activation "

@@ -130,7 +130,8 @@ def to_arrays(w: Walk, table: SplitTable) -> PlanArrays:
         encoded = np.array([[encode(f, v) for f, v in zip(k.fields, _parts(k, value))] for value in w.values[k.name]])
         for j, f in enumerate(k.fields):
             cols[f.name] = encoded[w.codes[k.name], j]
-    cols["split"] = table.add_balanced(cols["pp"].astype(np.int64), cols["virtual_stages"].astype(np.int64))
+    cols["split"] = table.add_balanced(cols["pp"].astype(np.int64), cols["virtual_stages"].astype(np.int64),
+                                       cols["schedule"].astype(np.int64))
     return PlanArrays(cols, table)
 
 
