@@ -45,6 +45,7 @@ CASES = {
     "tp2 dp2 sequence parallel": ("gpt", _plan(dp=2, tp=2, sequence_parallel=True)),
     "zero1 dp4": ("gpt", _plan(dp=4, zero=1)),
     "zero3 fsdp2 dp4": ("gpt", _plan(dp=4, zero=3)),
+    "hsdp 2x2 zero3 dp4": ("gpt", _plan(dp=4, zero=3, dp_replicate=2)),
     "recompute all blocks dp4": ("gpt", _plan(dp=4, recompute="full", recompute_blocks=4)),
     "bucket 1 MB dp4": ("gpt", _plan(dp=4, bucket_mb=1)),
     "bucket 100 MB dp4": ("gpt", _plan(dp=4, bucket_mb=100)),
@@ -64,7 +65,8 @@ CASES = {
 }
 # (saved under, resumed under): checkpoint hot migration, AdamW state included
 MIGRATIONS = [("dp4", "pp2 tp2"), ("tp2 dp2", "interleaved pp2 v2 dp2"), ("zero3 fsdp2 dp4", "zero1 dp4"),
-              ("pp2 dp2 1f1b", "tp2 dp2 sequence parallel"), ("interleaved pp2 v2 dp2 zero3", "dp4")]
+              ("pp2 dp2 1f1b", "tp2 dp2 sequence parallel"), ("interleaved pp2 v2 dp2 zero3", "dp4"),
+              ("hsdp 2x2 zero3 dp4", "zero1 dp4")]
 
 
 def sgd(params):
