@@ -26,6 +26,7 @@ from autopar.search.simplicity import TIE, simplicity_key
 from autopar.search.space import choices, degree_choices, plan_of, values_of
 
 DEGREES = "degrees"  # the row of every axis at once: a degree moves only with another
+PER_STAGE = "stage_recompute"  # kept in every neighbour with the same stages (autopar/stage_table.py has its row)
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,16 @@ def _complete(workload, plan: Plan, values: dict, changed: str) -> Plan:
     for k in knobs():
         started = started or k.name == changed or (changed == DEGREES and k.name in axes.AXES)
         value = values[k.name]
-        if started and not (k.name in axes.AXES and changed == DEGREES):
+        if started and not (k.name in axes.AXES and changed == DEGREES) and k.name != PER_STAGE:
             opts = choices(workload, k, out)
             if value not in opts:
                 value = opts[_nearest(k, value, opts)]
         out[k.name] = value
+    same_stages = (out["pp"], out["schedule"][1]) == (plan.pp, plan.virtual_stages)
+    if not same_stages or out["recompute"] != ("none", 0):
+        out[PER_STAGE] = ()  # the per-stage recompute holds only for the same stages, and without a uniform one
     fresh = plan_of(workload, out)
-    if (fresh.pp, fresh.virtual_stages) == (plan.pp, plan.virtual_stages) and plan.layer_split:
+    if same_stages and plan.layer_split:
         fresh = fresh.with_(layer_split=plan.layer_split)
     return fresh
 
@@ -79,7 +83,7 @@ def _variants(workload, plan: Plan) -> dict[str, list[tuple[str, Plan]]]:
         if degrees != mine:
             add(DEGREES, degrees_text(degrees), degrees)
     for k in decisions():
-        if k.name in axes.AXES:
+        if k.name in axes.AXES or (k.name == "recompute" and plan.stage_recompute):  # the per-stage row says it
             continue
         for value in choices(workload, k, values):
             if value != values[k.name]:

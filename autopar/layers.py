@@ -28,8 +28,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the Gymnasium environment and the trained policies (the rl planner, training from traces)
     ("rl", ("autopar.envs", "autopar.policies")),
     # the command line, reports (explain, plots, export) and the package's own lazy `autopar.apply`
-    ("cli", ("autopar.cli", "autopar.explain", "autopar.report", "autopar.plots", "autopar.export",
-             "autopar.layers", "autopar.__main__", "autopar")),
+    ("cli", ("autopar.cli", "autopar.explain", "autopar.stage_table", "autopar.report", "autopar.plots",
+             "autopar.export", "autopar.layers", "autopar.__main__", "autopar")),
 )
 
 # Imported inside functions, where they are used, so `import autopar` and `autopar --help` stay light;

@@ -15,6 +15,7 @@ from autopar.errors import AutoparError
 from autopar.explain import explain
 from autopar.plots.figures import plan_figure, pyplot
 from autopar.report import print_estimate, why_table
+from autopar.stage_table import is_per_stage, rank_rows, stage_reason, stage_table
 
 DEFAULT_PLOT = "plan.png"
 
@@ -59,17 +60,21 @@ def run(args) -> int:
     check_plot(args)
     plan, workload = plan_and_workload(args)
     est = estimate(workload, plan)
-    reasons = explain(workload, plan)
+    reasons = explain(workload, plan) + stage_reason(workload, plan)
+    ranks = rank_rows(workload, plan) if is_per_stage(workload, plan) else None  # the per-stage table
     written = draw(args, workload, plan, est)
     if args.json:
         print_json({"plan": plan.to_dict(), "estimate": est.to_dict(), "workload": workload_dict(workload),
                     "why": [{"knob": r.knob, "chosen": r.chosen, "instead": r.text} for r in reasons],
+                    "stages": None if ranks is None else [r.to_dict() for r in ranks],
                     **json_notes(workload, plan, est),
                     "plot": written})
         return 0
     console = Console()
     console.print(f"[bold]{workload.describe()}[/bold]")
     print_estimate(console, plan, est)
+    if ranks is not None:
+        console.print(stage_table(ranks, workload.memory_budget))
     for note in notes(workload, plan, est):
         console.print(f"[yellow]{note}[/yellow]")
     console.print(why_table(est, reasons))

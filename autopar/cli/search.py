@@ -18,6 +18,7 @@ from autopar.explain import explain
 from autopar.report import alternatives_table, params_text, print_estimate, why_table
 from autopar.search import get_planner
 from autopar.search.fixed import parse_fixes, searched, with_fixes
+from autopar.stage_table import is_per_stage, rank_rows, stage_reason, stage_table
 
 DEFAULT_METHOD = "rl"
 
@@ -73,8 +74,9 @@ def run(args) -> int:
     confidence = getattr(planner, "last_confidence", None)  # planners that can be unsure say so
     best, best_est = plans[0], estimates[0]
     # the Why table weighs every knob in the whole space, the held ones too (what holding them costs)
-    reasons = explain(dataclasses.replace(workload, fixed=()), best,
-                      fastest=min(e.iteration_time_s for e in estimates))
+    whole = dataclasses.replace(workload, fixed=())
+    reasons = explain(whole, best, fastest=min(e.iteration_time_s for e in estimates)) + stage_reason(whole, best)
+    ranks = rank_rows(workload, best) if is_per_stage(workload, best) else None  # the per-stage table
     if args.output:  # with what it was searched under: a re-plan keeps the held knobs and any you edit
         searched(best, fixed).save(args.output)
     written = draw(args, workload, best, best_est)
@@ -88,6 +90,7 @@ def run(args) -> int:
             "alternatives": [{"plan": p.to_dict(), "estimate": e.to_dict()}
                              for p, e in zip(plans[1:], estimates[1:])],
             "why": [{"knob": r.knob, "chosen": r.chosen, "instead": r.text} for r in reasons],
+            "stages": None if ranks is None else [r.to_dict() for r in ranks],
             "workload": workload_dict(workload), "method": args.method,
             "fixed": {name: k_value for name, k_value in workload.fixed},
             **json_notes(workload, best, best_est),
@@ -102,6 +105,8 @@ def run(args) -> int:
     for note in workload.profile.notes:
         console.print(note, style="yellow", markup=False)
     print_estimate(console, best, best_est)
+    if ranks is not None:
+        console.print(stage_table(ranks, workload.memory_budget))
     for note in notes(workload, best, best_est):
         console.print(f"[yellow]{note}[/yellow]")
     console.print(why_table(best_est, reasons))
