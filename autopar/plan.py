@@ -205,7 +205,7 @@ class Plan:
         if self.layer_split and sum(self.layer_split) != layers:
             raise PlanError(f"layer_split sums to {sum(self.layer_split)} but the model has {layers} blocks")
         if self.recompute == "full":
-            most = max(device_blocks(self.split_for(layers), self.pp))
+            most = max(device_blocks(self.split_for(layers), self.pp, self.schedule))
             if self.recompute_blocks > most:
                 raise PlanError(f"recompute_blocks={self.recompute_blocks} exceeds the {most} blocks on the "
                                 f"busiest pipeline rank; use at most {most}")

@@ -218,3 +218,10 @@ def test_exports(name, v, torchtitan):
     assert any(f"schedule={name}" in line for line in export_plan(p, "deepspeed").unexpressed)
     one = export_plan(p.with_(virtual_stages=1) if name == "zb" else p, "torchtitan").unexpressed
     assert any("on 1 stage per rank" in line for line in one) == (name == "zb")
+
+
+def test_the_timeline_plot_refuses_them_in_one_line():
+    from autopar.plots.schedule import simulate
+
+    with pytest.raises(PlanError, match="not zbv"):
+        simulate(plan("zbv", 2), {}, {}, {})

@@ -77,8 +77,9 @@ def _plan_from_flags(args, workload):
         values["fp8_recipe"] = FP8_RECIPES[0]
     mode, blocks = values["recompute"]
     if blocks is None:  # --recompute full: every block of the busiest pipeline rank
-        pp, v = values["pp"], values["schedule"][1]
-        values["recompute"] = (mode, max(device_blocks(balanced_split(workload.profile.num_layers, pp * v), pp)))
+        pp, (schedule, v) = values["pp"], values["schedule"]
+        values["recompute"] = (mode, max(device_blocks(balanced_split(workload.profile.num_layers, pp * v), pp,
+                                                       schedule)))
     # through the plan file's schema: flags get the same ranges and finiteness checks as plan.json
     return Plan.from_dict(plan_of(workload, values).to_dict())
 

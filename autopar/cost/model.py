@@ -4,7 +4,8 @@ Time follows Megatron-LM's accounting (Narayanan et al. SC'21; Korthikanti et al
 micro-batch, each pipeline rank runs forward, backward and any recompute of its blocks, with
 tensor-parallel collectives on the critical path (each pass's own: cost/tensor_parallel.py); a
 pipeline of m micro-batches takes sum over ranks + (m - 1) x the slowest rank (the (p - 1)/m bubble
-for even stages, (p - 1)/(v m) interleaved); data-parallel gradient reduction runs in buckets under
+for even stages, (p - 1)/(v m) interleaved; the zero-bubble schedules' smaller bubble and their own
+activations in flight: cost/zero_bubble.py); data-parallel gradient reduction runs in buckets under
 the last backward and only its excess is exposed (a tied embedding split over the pipeline adds its
 exposed all-reduce between the two ends); the optimizer step is memory-bound. Small runs add fixed
 costs the big ones hide: each collective call's base latency (`collective_latency_s`), and the

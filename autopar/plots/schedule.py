@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.capability import ZERO_BUBBLE
+from autopar.errors import PlanError
+
 FLOPS = "flops"  # in IN_PASSES: split between the passes as the model's FLOPs are
 # The core model's parts that run inside each micro-batch's passes (cost/model.py `_pipeline`), in the
 # order drawn within a pass, with the share of each in the forward pass (the rest runs in the backward).
@@ -70,6 +73,9 @@ def simulate(plan, forward: dict[str, float], backward: dict[str, float], after:
     the pipeline has drained, in order."""
     pp, v, m = plan.pp, plan.virtual_stages, plan.num_micro_batches
     schedule = plan.schedule if pp > 1 else "1f1b"
+    if schedule in ZERO_BUBBLE:  # their W passes and V placement are not simulated here
+        raise PlanError(f"the timeline draws the gpipe, 1f1b and interleaved schedules, not {schedule} (its time and "
+                        "memory are in the estimate); plot the plan with schedule 1f1b or interleaved to compare")
     passes = {"F": [(k, s / v) for k, s in forward.items()], "B": [(k, s / v) for k, s in backward.items()]}
     orders = [_order(r, pp, m, v, schedule) for r in range(pp)]
     done: dict[tuple[str, int, int], float] = {}  # (F|B, micro-batch, stage) -> finish time
