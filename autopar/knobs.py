@@ -521,7 +521,8 @@ def _check_schedule(plan) -> None:
     elif plan.schedule in ("zbv", "dualpipev"):  # V_SCHEDULES (a literal: the plan's own rule, not what runs it)
         _check_v(plan)
     elif plan.virtual_stages != 1:
-        raise PlanError(f"virtual_stages={plan.virtual_stages} needs schedule 'interleaved', 'zb', 'zbv' or 'dualpipev'")
+        raise PlanError(f"virtual_stages={plan.virtual_stages} needs schedule 'interleaved', 'zb', 'zbv' or "
+                        "'dualpipev'")
     if plan.pp > 1 and plan.num_micro_batches < plan.pp and plan.schedule != "gpipe":
         raise PlanError(f"1F1B with pp={plan.pp} needs at least {plan.pp} micro-batches, got "
                         f"{plan.num_micro_batches}; lower the micro-batch size or use schedule 'gpipe'")

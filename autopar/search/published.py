@@ -28,7 +28,7 @@ from autopar.search.space import enumerate_plans
 from autopar.workload import Workload
 
 FULL, SELECTIVE = RECOMPUTE_MODES.index("full"), RECOMPUTE_MODES.index("selective")
-GPIPE, ONE_F_ONE_B, INTERLEAVED = (SCHEDULES.index(s) for s in ("gpipe", "1f1b", "interleaved"))
+ONE_F_ONE_B, INTERLEAVED = (SCHEDULES.index(s) for s in ("1f1b", "interleaved"))
 GRAD16 = COMM_DTYPES.index("bf16")  # Megatron-LM 2021 under --fp16 all-reduced 16-bit gradients
 DEFAULT_ORDER = 0  # mesh order code of the default order (tp innermost; see cost.arrays.mesh_order_code)
 ZOO_GPT = Path(__file__).resolve().parent.parent / "zoo" / "gpt.py"
@@ -126,7 +126,7 @@ def megatron_candidates(row: MegatronRow, model=ZOO_GPT):
     full_all = s.recomputes_every_block()
     chunks = row.layers_per_virtual_stage and w.profile.num_layers // (row.pp * row.layers_per_virtual_stage)
     sched = ((s.schedule == INTERLEAVED) & (s.virtual_stages == chunks) if chunks
-             else (s.schedule != GPIPE) & (s.virtual_stages == 1))
+             else (s.schedule == ONE_F_ONE_B))  # Megatron's 1F1B (not a zero-bubble schedule)
     mask = ((s.tp == row.tp) & (s.pp == row.pp) & (s.micro_batch_size == row.micro_batch) & sched
             & (s.recompute == FULL) & full_all & (s.zero == 0) & ~s.sequence_parallel
             & (s.grad_comm_dtype == GRAD16) & (s.mesh_order == DEFAULT_ORDER) & (s.bucket_mb == 25.0))
