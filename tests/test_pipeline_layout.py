@@ -172,7 +172,8 @@ def test_own_names_estimate_run_parity_and_resume_under_pp1(tmp_path, capsys):
     reference, tied = losses.pop("reference"), losses.pop("reference tied")
     expected = {"pp2": reference[:3], "pp1 dp2 resumed": reference[3:], "pp2 interleaved recompute": reference[:2],
                 "tp2 sp styles": reference[:2], "tp2 sp names": reference[:2],
-                "pp2 interleaved tied, embedding-only and head-only stages, per-stage recompute": tied}
+                "pp2 interleaved tied, embedding-only and head-only stages, per-stage recompute": tied,
+                "pp2 zbv tied, embedding-only and head-only stages on rank 0, per-stage recompute": tied}
     assert set(losses) == set(expected)
     for case, values in losses.items():
         assert values == pytest.approx(expected[case], rel=1e-5), case

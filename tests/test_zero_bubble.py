@@ -26,7 +26,10 @@ from autopar.executor.pipeline import MULTI_STAGE, stage_ids
 from autopar.export import export_plan
 from autopar.knobs import SCHEDULES, device_blocks, knob
 from autopar.plan import Plan
+from autopar.profile import profile_model
 from autopar.search.space import enumerate_plans
+from autopar.traces.vtrain import MODEL_FILE
+from autopar.workload import Workload
 
 PP, M = 4, 8
 
@@ -225,3 +228,16 @@ def test_the_timeline_plot_refuses_them_in_one_line():
 
     with pytest.raises(PlanError, match="not zbv"):
         simulate(plan("zbv", 2), {}, {}, {})
+
+
+def test_a_v_holds_both_tied_copies_on_rank_0_and_all_reduces_none():
+    untied = workload("gpt", gpus_per_node=4, global_batch=8, size="tiny")  # 4 blocks: pp 2 x 2 in a V
+    w = Workload(profile_model(MODEL_FILE, {"size": "tiny"}, dtype="bf16"), untied.cluster, 8)  # Megatron's GPT ties
+    assert w.profile.tied_params > 0
+    both = dict(dp=2, tp=1, pp=2, micro_batch_size=1, num_micro_batches=4, zero=2, virtual_stages=2)
+    g = cost.PlanArrays.from_plans([Plan(**both, schedule="zbv"), Plan(**both, schedule="zb")], w.profile)
+    parts, ranks = _pipeline(w, g, Coefficients()), g.splits.stacked(g.split)["rank"]
+    assert (parts["tied_params"][0] == 0).all() and (parts["tied_params"][1] > 0).all()  # looped: both ends reduce
+    # rank 0 of the V holds the head's stage too, and with it the second copy of the tied weight
+    v_first, looped_first = parts["local_params"][0][ranks[0] == 0][0], parts["local_params"][1][ranks[1] == 0][0]
+    assert v_first - looped_first == pytest.approx(w.profile.head.params + w.profile.tied_params, rel=1e-9)

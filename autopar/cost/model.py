@@ -421,8 +421,10 @@ def _tied(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     # autopar's executor/tied.py)
     tied = profile.tied_tp_params / split[:, -1:] + (profile.tied_params - profile.tied_tp_params)  # (G, 1)
     ends = (counts[:, :, 0] > 0) | (counts[:, :, -1] > 0)
-    tied_rank = np.where(ends & (pp > 1), tied, 0.0)  # (G, J): what each rank all-reduces with the other end
-    tied_copy = np.where(counts[:, :, 0] > 0, 0.0, tied_rank)
+    # a V (zbv, dualpipev) puts both ends on rank 0: two copies there, summed on the rank (no all-reduce)
+    both = (counts[:, :, 0] > 0) & (counts[:, :, -1] > 0) & (pp > 1)
+    tied_rank = np.where(ends & (pp > 1) & ~both, tied, 0.0)  # (G, J): what each rank all-reduces with the other end
+    tied_copy = np.where(both, tied, np.where(counts[:, :, 0] > 0, 0.0, tied_rank))
     return dict(tied_rank=tied_rank, tied_copy=tied_copy)
 
 

@@ -2,7 +2,8 @@
 a GPT whose forward needs every part it has (tok, pos, layers, norm, out): a pp=2 plan (stages cut
 from the forward's graph) trains STEPS steps and saves a DCP checkpoint; a pp=1 dp=2 plan loads
 it and trains on; an interleaved pp=2 plan recomputes a block; one with tied embeddings, an
-embedding-only first and a head-only last stage recomputes per stage; tp=2 with sequence parallelism
+embedding-only first and a head-only last stage recomputes per stage, under interleaving and under
+ZB-V (both ends on rank 0); tp=2 with sequence parallelism
 runs the model's ParallelStyle plan and a plan of style names (the stream's ends read from the
 forward). Rank 0 writes {case: global losses} to the JSON file given first, and the one-process
 reference's losses under "reference"."""
@@ -85,6 +86,10 @@ def main(out: str) -> None:
                "pp2 interleaved tied, embedding-only and head-only stages, per-stage recompute": train(
                    plan(pp=2, schedule="interleaved", virtual_stages=2, layer_split=(0, 2, 2, 0),
                         stage_recompute=("none", "full:1", "selective", "none")), data[:MORE], model=build_tied),
+               # zero-bubble ZB-V (issue 41): rank 0 holds the embedding-only and the head-only stage, both tied copies
+               "pp2 zbv tied, embedding-only and head-only stages on rank 0, per-stage recompute": train(
+                   plan(pp=2, schedule="zbv", virtual_stages=2, layer_split=(0, 2, 2, 0),
+                        stage_recompute=("none", "full:1", "full:2", "none")), data[:MORE], model=build_tied),
                "tp2 sp styles": train(plan(tp=2, sequence_parallel=True), data[:MORE]),
                "tp2 sp names": train(plan(tp=2, sequence_parallel=True), data[:MORE], tp_plan=MODEL.module.NAMES_PLAN)}
     if dist.get_rank() == 0:
