@@ -118,9 +118,9 @@ STAGES = {
     "interleaved pp2 v2 dp2 zero1, embedding-only and head-only stages, per-stage recompute":
         Plan(**{**BASE, "dp": 2, "pp": 2, "micro_batch_size": 2}, precision="fp32", schedule="interleaved",
              virtual_stages=2, zero=1, layer_split=(0, 3, 1, 0), stage_recompute=("none", "full:2", "selective", "none")),
-    "1f1b tp2 pp2, head-only last stage, per-stage recompute":
+    "1f1b tp2 pp2 sequence parallel, embedding-only first stage, per-stage recompute":
         Plan(**{**BASE, "tp": 2, "pp": 2, "num_micro_batches": 2, "micro_batch_size": 8}, precision="fp32",
-             layer_split=(4, 0), stage_recompute=("selective", "none")),
+             sequence_parallel=True, layer_split=(0, 4), stage_recompute=("none", "selective")),
 }
 # HSDP 2 x 2 (issue 41): FSDP2 on the 2-D (replicate, shard) mesh; ZeRO-1's optimizer over the shard group
 HSDP = {f"hsdp 2x2 zero{z} fp32": Plan(**{**BASE, "dp": 4, "micro_batch_size": 1}, precision="fp32", dp_replicate=2,
