@@ -107,10 +107,22 @@ def stage_table(rows: list[RankRow], budget_bytes: float) -> Table:
     t.add_column("memory", justify="right")
     for r in rows:
         ends = ["embedding"] * r.embedding + ["head"] * r.head
-        blocks = " + ".join(map(str, r.blocks)) + (f" ({', '.join(ends)})" if ends else "")
-        t.add_row(str(r.rank), ", ".join(map(str, r.stages)), blocks, ", ".join(r.recompute),
+        blocks = _compact(r.blocks, " + ") + (f" ({', '.join(ends)})" if ends else "")
+        stages = r.stages if len(r.stages) <= 3 else (r.stages[0], r.stages[1], "...", r.stages[-1])
+        t.add_row(str(r.rank), ", ".join(map(str, stages)), blocks, _compact(r.recompute, ", "),
                   f"{r.time_per_micro_batch_s * 1e3:,.2f} ms", f"{r.memory_bytes / 1e9:.1f} GB")
     return t
+
+
+def _compact(values, sep: str) -> str:
+    """A rank's per-chunk values with repeats folded: "2 x 6", "none x 2, selective x 4"."""
+    runs: list[list] = []
+    for v in values:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return sep.join(f"{v} x {n}" if n > 1 else str(v) for v, n in runs)
 
 
 def _runs(items: list[tuple[int, str]]) -> list[tuple[str, str]]:
@@ -142,7 +154,8 @@ def changes(workload, plan: Plan) -> str:
         for where, entry in _runs(held):
             k = stage_full_blocks(entry)
             verb = words.get(entry, f"recompute {k} block{'s' * (k > 1)}")
-            said.append(f"{where} {verb}" if where.startswith("stages") else f"{where} {verb.replace('recompute', 'recomputes', 1)}")
+            one = not where.startswith("stages")  # "stage 3 recomputes", "stages 1-2 recompute"
+            said.append(f"{where} {verb.replace('recompute', 'recomputes', 1) if one else verb}")
     return ", ".join(said)
 
 
@@ -167,9 +180,7 @@ def stage_reason(workload, plan: Plan, coeffs: Coefficients | None = None) -> li
         return []
     uniform = _uniform(workload, plan)
     res = evaluate(workload, PlanArrays.from_plans([plan] + [p for _, p in uniform], workload.profile), coeffs)
-    split = plan.split_for(workload.profile.num_layers)
-    chosen = " ".join(filter(None, [f"split {'/'.join(map(str, split))}",
-                                    knob(ROW).short(plan.stage_recompute) if plan.stage_recompute else None]))
+    chosen = "per-stage choice"
     what = changes(workload, plan)
     fit = [i for i in range(1, len(uniform) + 1) if res["fits"][i]]
     if not fit:

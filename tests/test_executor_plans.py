@@ -117,7 +117,8 @@ STAGES = {
              stage_recompute=("none", "full:1", "selective", "none")),
     "interleaved pp2 v2 dp2 zero1, embedding-only and head-only stages, per-stage recompute":
         Plan(**{**BASE, "dp": 2, "pp": 2, "micro_batch_size": 2}, precision="fp32", schedule="interleaved",
-             virtual_stages=2, zero=1, layer_split=(0, 3, 1, 0), stage_recompute=("none", "full:2", "selective", "none")),
+             virtual_stages=2, zero=1, layer_split=(0, 3, 1, 0),
+             stage_recompute=("none", "full:2", "selective", "none")),
     "1f1b tp2 pp2 sequence parallel, embedding-only first stage, per-stage recompute":
         Plan(**{**BASE, "tp": 2, "pp": 2, "num_micro_batches": 2, "micro_batch_size": 8}, precision="fp32",
              sequence_parallel=True, layer_split=(0, 4), stage_recompute=("none", "selective")),

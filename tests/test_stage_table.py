@@ -13,7 +13,7 @@ from conftest import workload
 from autopar.cli import main
 from autopar.cost import PlanArrays, evaluate
 from autopar.plan import Plan
-from autopar.stage_table import changes, is_per_stage, rank_rows, stage_reason
+from autopar.stage_table import changes, is_per_stage, rank_rows, stage_reason, stage_table
 
 W = workload("gpt", size="1.7b", nodes=1, global_batch=64)  # 24 blocks, 8 GPUs
 OUTER = dict(dp=2, tp=1, pp=4, micro_batch_size=2, num_micro_batches=16)
@@ -58,7 +58,7 @@ def test_the_why_row_weighs_the_plan_against_the_best_uniform_plan_of_its_outer_
     res = evaluate(W, PlanArrays.from_plans([PER_STAGE] + uniform, W.profile))
     best = 1 + int(np.argmin(np.where(res["fits"][1:], res["iteration_time"][1:], np.inf)))
     ratio = res["iteration_time"][0] / res["iteration_time"][best]
-    assert reason.knob == "stage_recompute" and reason.chosen == "split 0/8/8/8 ac=-/2/sel/-"
+    assert reason.knob == "stage_recompute" and reason.chosen == "per-stage choice"
     assert reason.text == (f"per-stage plan: {ratio - 1:.1%} slower than the best uniform plan (balanced split, "
                            "no recompute): stage 0 holds the embedding only, blocks per stage 0/8/8/8 (balanced: "
                            "6/6/6/6), stage 1 recomputes 2 blocks, stage 2 recomputes selectively, stage 3 "
@@ -87,3 +87,11 @@ def test_explain_prints_the_table_and_its_json(tmp_path, capsys):
     Plan(**OUTER).save(path)
     assert main(args + ["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["stages"] is None
+
+
+def test_a_rank_of_many_chunks_folds_its_repeats():
+    plan = Plan(**OUTER, schedule="interleaved", virtual_stages=3, stage_recompute=("none",) * 8 + ("selective",) * 4)
+    table = stage_table(rank_rows(W, plan), W.memory_budget)
+    cells = [list(column.cells) for column in table.columns]
+    assert cells[1][0] == "0, 4, 8" and cells[2][0] == "2 x 3 (embedding)"
+    assert cells[3][0] == "none x 2, selective"
