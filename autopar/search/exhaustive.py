@@ -1,4 +1,6 @@
-"""The oracle: every plan of the space through the vectorised cost model, in chunks."""
+"""The oracle: every plan of the space through the vectorised cost model, in chunks, and then the
+per-stage plans (issue 41): the best uniform outer plans finished by the exact per-stage solver
+(autopar/search/stages.py), each skipped when a valid lower bound says it cannot beat the best found."""
 
 from __future__ import annotations
 
@@ -12,10 +14,15 @@ from autopar.errors import NoValidPlanError
 from autopar.knobs import knobs
 from autopar.plan import Plan
 from autopar.search.base import Planner
-from autopar.search.simplicity import simplest_first, tie_buckets
+from autopar.errors import PlanError
+from autopar.knobs import RECOMPUTE_MODES
+from autopar.search import stages
+from autopar.search.simplicity import TIE, simplest_first, tie_buckets
 from autopar.search.space import degree_choices, enumerate_plans
 
 CHUNK = 1 << 17
+SOLVE_BATCH = 16  # outer plans per call of the per-stage solver
+MAX_OUTER = 32  # outer plans the per-stage solver finishes at most per search (`exact` says if that cut it short)
 
 
 def structure_fields() -> list[str]:
@@ -42,9 +49,12 @@ def distinct(pa: PlanArrays, order, k: int, fields: list[str] | None = None, acc
 class ExhaustivePlanner(Planner):
     name = "exhaustive"
 
-    def __init__(self, coeffs: Coefficients | None = None):
+    def __init__(self, coeffs: Coefficients | None = None, per_stage: bool = True):
         super().__init__()
         self.coeffs = coeffs
+        self.per_stage = per_stage  # finish the outer plans with the per-stage solver
+        self.solved = 0  # outer plans the per-stage solver finished in the last ranked()
+        self.exact = True  # whether it finished every outer plan its lower bound could not rule out
 
     def propose(self, workload, k: int = 1) -> list[Plan]:
         pa, _ = self.ranked(workload, k)
@@ -60,16 +70,28 @@ class ExhaustivePlanner(Planner):
         if len(space) == 0:
             raise no_plan_error(workload)
         keep_per_chunk = max(64, 32 * k)
-        rows, least_memory = [], np.inf
+        per_stage = self.per_stage and "recompute" not in dict(getattr(workload, "fixed", ()))
+        rows, least_memory, outer, bounds = [], np.inf, [], []
         for start in range(0, len(space), CHUNK):
             index = np.arange(start, min(start + CHUNK, len(space)))
-            res = evaluate(workload, space.take(index), self.coeffs)
+            chunk = space.take(index)
+            res = evaluate(workload, chunk, self.coeffs, ranks=per_stage)
             least_memory = min(least_memory, float(res["peak_memory"].min()))
             fit = np.flatnonzero(res["fits"])
             rows.append(index[fit[np.argsort(res["iteration_time"][fit], kind="stable")[:keep_per_chunk]]])
+            if per_stage:  # the plans without recompute stand for their outer plans (recompute is the solver's)
+                bound = stages.lower_bound(chunk, res)
+                plain = np.flatnonzero((chunk.recompute == RECOMPUTE_MODES.index("none")) & np.isfinite(bound))
+                outer.append(index[plain])
+                bounds.append(bound[plain])
         rows = np.concatenate(rows)
+        self.solved, self.exact = 0, True
         if len(rows) == 0:
-            raise memory_error(workload, least_memory)
+            staged = self._per_stage(workload, space, [], outer, bounds, np.inf) if per_stage else None
+            if staged is None:
+                raise memory_error(workload, least_memory)
+            best = PlanArrays.from_plans([staged], workload.profile)
+            return best, evaluate(workload, best, self.coeffs)
         shortlist = space.take(rows)
         times = evaluate(workload, shortlist, self.coeffs)["iteration_time"]
         # only the tie buckets down to the k-th distinct structure can hold the answer: those become Plans
@@ -82,7 +104,56 @@ class ExhaustivePlanner(Planner):
         plans = [shortlist.plan(int(j)) for j in band]
         order = [band[j] for j in simplest_first(plans, times[band])]
         best = shortlist.take(np.array(distinct(shortlist, order, k)))
-        return best, evaluate(workload, best, self.coeffs)
+        results = evaluate(workload, best, self.coeffs)
+        staged = None
+        if per_stage:  # worth a place only beyond the tie band of the best uniform plan (which is simpler)
+            first = [shortlist.plan(int(j)) for j in distinct(shortlist, order, SOLVE_BATCH)]
+            staged = self._per_stage(workload, space, first, outer, bounds,
+                                     float(results["iteration_time"][0]) * (1 - TIE))
+        if staged is not None:
+            best = PlanArrays.from_plans([staged] + [best.plan(i) for i in range(min(k - 1, len(best)))],
+                                         workload.profile)
+            results = evaluate(workload, best, self.coeffs)
+        return best, results
+
+    def _per_stage(self, workload, space: PlanArrays, first: list, outer: list, bounds: list,
+                   target: float) -> Plan | None:
+        """The best per-stage plan faster than `target`, or None. The outer plans of the best uniform plans
+        (`first`) come first, then the rows of `space` without recompute in order of their lower bounds
+        (`stages.lower_bound`), in batches until the next bound cannot beat the best found, which is exact
+        (a skipped plan's optimum is at least its bound), or until MAX_OUTER outer plans (`exact` False)."""
+        outer, bounds = np.concatenate(outer), np.concatenate(bounds)
+        order = np.argsort(bounds, kind="stable")
+        outer, bounds = outer[order], bounds[order]
+        one_kind = len(workload.profile.layers) == 1  # then one stage's recompute is the uniform one's
+        best, best_time, seen = None, target, set()
+        queue = [stages.outer_of(p) for p in first]
+        position = 0
+        while True:
+            while len(queue) < SOLVE_BATCH and position < len(outer) and bounds[position] < best_time:
+                queue.append(space.plan(int(outer[position])))
+                position += 1
+            batch = [p for p in dict.fromkeys(stages.outer_of(p) for p in queue)
+                     if p not in seen and not (one_kind and p.pp == 1)]
+            queue = []
+            if not batch:
+                if position >= len(outer) or bounds[position] >= best_time:
+                    break
+                continue
+            if self.solved >= MAX_OUTER:
+                self.exact = False
+                break
+            seen.update(batch)
+            for found in stages.solve(workload, batch, self.coeffs):
+                self.solved += 1
+                if found is None or not found.fits or found.iteration_time >= best_time:
+                    continue
+                try:
+                    found.plan.validate(workload)  # what the runtime runs (capability rules)
+                except PlanError:
+                    continue
+                best, best_time = found.plan, found.iteration_time
+        return best
 
 
 def no_plan_error(workload) -> NoValidPlanError:

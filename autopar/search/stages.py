@@ -31,7 +31,7 @@ import numpy as np
 
 from autopar.cost import Coefficients, PlanArrays, evaluate
 from autopar.cost.arrays import RankTable
-from autopar.knobs import balanced_split, knob
+from autopar.knobs import SCHEDULES, balanced_split, knob
 from autopar.plan import Plan
 
 SOLVED_SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -65,14 +65,14 @@ def solvable(plan: Plan) -> bool:
 class _Candidates:
     """Rank candidates of a batch of outer plans, gathered in bulk for one evaluate call."""
 
-    def __init__(self, n_kinds: int):
-        self.n_kinds = n_kinds
+    def __init__(self, n_kinds: int, start: int = 0):
+        self.n_kinds, self.start, self.size = n_kinds, start, 0
         self.outer, self.rank, self.counts, self.full, self.sel = [], [], [], [], []
 
     def add(self, outer: int, rank: int, counts: np.ndarray, full: np.ndarray, sel: np.ndarray) -> np.ndarray:
         """Rows for `len(full)` candidates of one rank with the same blocks (`counts`); their indices."""
-        start = sum(len(r) for r in self.rank)
-        n = len(full)
+        start, n = self.start + self.size, len(full)
+        self.size += n
         self.outer.append(np.full(n, outer))
         self.rank.append(np.full(n, rank))
         self.counts.append(np.broadcast_to(counts, (n, self.n_kinds)))
@@ -84,6 +84,15 @@ class _Candidates:
         cat = lambda parts: np.concatenate(parts) if parts else np.zeros((0, self.n_kinds))  # noqa: E731
         return (np.concatenate(self.outer).astype(np.int64), np.concatenate(self.rank),
                 cat(self.counts), cat(self.full), cat(self.sel))
+
+
+@dataclass
+class _Options:
+    """A rank's blocks and the recompute options priced for them (rows of the candidates)."""
+
+    rows: list
+    choices: list  # (blocks, stage_recompute entry) per row
+    one_kind: tuple | None  # (rank, first block, blocks, blocks by kind) of a range of one kind (`refine`)
 
 
 class _Problem:
@@ -114,38 +123,76 @@ class _Problem:
         return held, full, sel
 
     def _build_looped(self, cands: _Candidates, index: int) -> bool:
-        pp, L = self.pp, self.layers
-        seq_rows: dict = {}  # (rank, blocks' kinds) -> (rows, options): ranks alike price alike
-        for r in range(pp):
+        seq_rows: dict = {}  # (rank, blocks' kinds) -> its options: ranks alike price alike
+        for r in range(self.pp):
             moves: dict = {}
-            for a in range(L + 1):
-                for n in range(L - a + 1):
-                    if not self._feasible(r, a, n):
-                        continue
-                    key = (r, self.kinds[a:a + n].tobytes())
-                    if key not in seq_rows:
-                        options = stage_options(n, self.selective)
-                        held, full, sel = self._range(a, n, options)
-                        rows = cands.add(index, r, held + self.ends(r), full, sel)
-                        seq_rows[key] = (rows, [(n, o) for o in options])
-                    moves[(a, a + n)] = seq_rows[key]
+            for a, n in self._ranges(r):
+                key = (r, self.kinds[a:a + n].tobytes())
+                if key not in seq_rows:
+                    options = stage_options(n, self.selective)
+                    one_kind = n > 3 and bool((self.kinds[a:a + n] == self.kinds[a]).all())
+                    if one_kind:  # full:1 and full:n first; the least K that fits is found from them (`_refine`)
+                        options = [o for o in options if not o.startswith("full:")] + ["full:1", f"full:{n}"]
+                    held, full, sel = self._range(a, n, options)
+                    rows = cands.add(index, r, held + self.ends(r), full, sel)
+                    seq_rows[key] = _Options(list(rows), [(n, o) for o in options],
+                                             (r, a, n, held) if one_kind else None)
+                moves[(a, a + n)] = seq_rows[key]
             self.moves.append(moves)
         return True
 
-    def _feasible(self, r: int, a: int, n: int) -> bool:
-        """Rank r holding blocks [a, a + n): every rank before it and after it can still hold its share (a
-        block each; the first and the last none, with a pipeline)."""
+    def _ranges(self, r: int):
+        """(first block, blocks) rank r may hold: every rank before and after it can still hold its share
+        (a block each; the first and the last none, with a pipeline)."""
         pp, L = self.pp, self.layers
         if pp == 1:
-            return a == 0 and n == L
-        end_ok = r in (0, pp - 1)
-        if n == 0 and not end_ok:
-            return False
-        if r == 0 and a != 0 or r == pp - 1 and a + n != L:
-            return False
-        before = max(r - 1, 0)  # ranks 1 .. r-1 hold a block each
-        after = max(pp - r - 2, 0)  # ranks r+1 .. pp-2 hold a block each
-        return a >= before and L - a - n >= after
+            yield 0, L
+            return
+        lo_a, hi_end = (0 if r == 0 else max(r - 1, 0)), L - max(pp - r - 2, 0)
+        for a in range(lo_a, (0 if r == 0 else L) + 1):
+            lo_n = 0 if r in (0, pp - 1) else 1
+            ends = [L] if r == pp - 1 else range(a + lo_n, hi_end + 1)
+            for end in ends:
+                if end - a >= lo_n:
+                    yield a, end - a
+
+    def refine(self, cands: _Candidates, index: int, memory: np.ndarray, budget: float, everything: bool) -> None:
+        """A second look at the ranks of one block kind priced at full:1 and full:n only. Their memory falls
+        and their time grows with K (a recomputed block keeps its output instead of its activations; its
+        forward runs again), so only the least K that fits can be in an optimum: estimated between the two
+        (memory is affine in K), then priced with K - 1 to confirm (`everything`: every K, when it did not)."""
+        for moves in self.moves:
+            for opts in {id(o): o for o in moves.values()}.values():
+                if opts.one_kind is None:
+                    continue
+                r, a, n, held = opts.one_kind
+                priced = {o: row for row, (_, o) in zip(opts.rows, opts.choices)}
+                m1, mn = memory[priced["full:1"]], memory[priced[f"full:{n}"]]
+                if m1 <= budget or mn > budget:
+                    continue
+                if everything:
+                    ks = range(2, n)
+                else:
+                    k = int(np.clip(np.ceil(1 + (m1 - budget) / (m1 - mn) * (n - 1)), 2, n))
+                    ks = (k - 1, k)
+                new = [f"full:{k}" for k in ks if f"full:{k}" not in priced]
+                if new:
+                    _, full, sel = self._range(a, n, new)
+                    opts.rows += list(cands.add(index, r, held + self.ends(r), full, sel))
+                    opts.choices += [(n, o) for o in new]
+
+    def confirmed(self, memory: np.ndarray, budget: float) -> bool:
+        """Whether each refined rank's least fitting K is priced: K fits and K - 1 does not."""
+        for moves in self.moves:
+            for opts in moves.values():
+                if opts.one_kind is None:
+                    continue
+                fit = sorted(int(o[5:]) for row, (_, o) in zip(opts.rows, opts.choices)
+                             if o.startswith("full:") and memory[row] <= budget)
+                priced = {int(o[5:]) for _, o in opts.choices if o.startswith("full:")}
+                if fit and fit[0] > 1 and fit[0] - 1 not in priced:
+                    return False
+        return True
 
     def _build_interleaved(self, cands: _Candidates, index: int) -> bool:
         pp, v = self.pp, self.v
@@ -164,8 +211,17 @@ class _Problem:
                 fulls.append(sum(ranges[i][1][j] for i, j in enumerate(combo)))
                 sels.append(sum(ranges[i][2][j] for i, j in enumerate(combo)))
             rows = cands.add(index, r, held + self.ends(r), np.array(fulls), np.array(sels))
-            self.moves.append({(0, 0): (rows, patterns)})
+            self.moves.append({(0, 0): _Options(list(rows), patterns, None)})
         return True
+
+
+def _price(workload, base: PlanArrays, cands: _Candidates, c: Coefficients):
+    """Each candidate rank priced by `evaluate` (ranks=True): its micro-batch time, tail and peak memory."""
+    outer_idx, ranks, counts, full, sel = cands.arrays()
+    pa = PlanArrays({name: col[outer_idx] for name, col in base.columns.items() if name != "split"}
+                    | {"split": np.arange(len(ranks))}, RankTable(ranks, counts, full, sel))
+    res = evaluate(workload, pa, c, ranks=True)
+    return res["rank_per_mb"][:, 0], res["rank_tail"][:, 0], res["rank_memory"][:, 0]
 
 
 def _front(b, s, m, t) -> np.ndarray:
@@ -188,12 +244,13 @@ def _solve_one(problem: _Problem, per_mb, tail, fits):
     reduced: dict = {}  # the options of a rank's blocks that fit and are not dominated in (time, tail)
     for moves in problem.moves:
         src_b, dst_b, p, tl, choice = [], [], [], [], []
-        for (a, end), (rows, choices) in moves.items():
-            if id(rows) not in reduced:
-                ok = rows[fits[rows]]
-                front = _front(np.zeros(len(ok)), per_mb[ok], tail[ok], np.zeros(len(ok)))
-                reduced[id(rows)] = [(int(ok[j]), choices[int(np.flatnonzero(rows == ok[j])[0])]) for j in front]
-            for row, pick in reduced[id(rows)]:
+        for (a, end), opts in moves.items():
+            if id(opts) not in reduced:
+                rows = np.array(opts.rows)
+                ok = np.flatnonzero(fits[rows])
+                front = _front(np.zeros(len(ok)), per_mb[rows[ok]], tail[rows[ok]], np.zeros(len(ok)))
+                reduced[id(opts)] = [(int(rows[ok[j]]), opts.choices[ok[j]]) for j in front]
+            for row, pick in reduced[id(opts)]:
                 src_b.append(a)
                 dst_b.append(end)
                 p.append(per_mb[row])
@@ -247,13 +304,19 @@ def solve(workload, plans: list[Plan], coeffs: Coefficients | None = None) -> li
     out: list[Solved | None] = [None] * len(plans)
     if not cands.rank:
         return out
-    outer_idx, ranks, counts, full, sel = cands.arrays()
     base = PlanArrays.from_plans([p.plan if p else outer_of(plans[0]) for p in problems], profile)
-    pa = PlanArrays({name: col[outer_idx] for name, col in base.columns.items() if name != "split"}
-                    | {"split": np.arange(len(ranks))}, RankTable(ranks, counts, full, sel))
-    res = evaluate(workload, pa, c, ranks=True)
-    per_mb, tail = res["rank_per_mb"][:, 0], res["rank_tail"][:, 0]
-    fits = res["rank_memory"][:, 0] <= workload.memory_budget
+    budget = workload.memory_budget
+    priced = [_price(workload, base, cands, c)]
+    for everything in (False, True):  # the least K that fits, for the ranges of one kind (`_Problem.refine`)
+        memory = np.concatenate([p[2] for p in priced])
+        more = _Candidates(n_kinds, start=len(memory))
+        for i, problem in enumerate(problems):
+            if problem is not None and problem.v == 1 and (not everything or not problem.confirmed(memory, budget)):
+                problem.refine(more, i, memory, budget, everything)
+        if more.rank:
+            priced.append(_price(workload, base, more, c))
+    per_mb, tail, memory = (np.concatenate([p[j] for p in priced]) for j in range(3))
+    fits = memory <= budget
     # the last front of each plan: its points, whole plans, priced by evaluate itself (pipe's formula
     # is the schedule's own); the least is the optimum
     finals, owner = [], []
@@ -273,6 +336,25 @@ def solve(workload, plans: list[Plan], coeffs: Coefficients | None = None) -> li
             best = int(rows[np.argmin(times[rows])])
             out[i] = Solved(finals[best], float(times[best]), bool(res["fits"][best]))
     return out
+
+
+def lower_bound(pa: PlanArrays, res: dict) -> np.ndarray:
+    """(N,) a lower bound of the solver's optimum for each outer plan of `pa`, from `evaluate(workload,
+    pa, ranks=True)` of the plans without recompute (their split does not matter): memory ignored, no
+    recompute (which only adds time), and the blocks shared perfectly. Why it holds: a rank's GPU and host
+    times per micro-batch are linear in its blocks, so their sums over the ranks, G and H, are the same for
+    every split; its micro-batch takes the host_overlap-norm of the two, and a norm is subadditive, so the
+    ranks' sum is at least norm(G, H) (G + H ... max(G, H): at least max(G, H) whatever the norm) and the
+    slowest rank at least a pp-th of that; the pipe of `model._schedule` grows with both (1F1B, GPipe:
+    sum + (m - 1) slowest; interleaved: sum / v + (m - 1/v) slowest); the data-parallel tail is at least 0.
+    Plans the solver does not solve get +inf."""
+    g, h, mult = res["rank_gpu_mb"], res["rank_host_mb"], res["rank_mult"]
+    total = np.maximum((g * mult).sum(axis=1), (h * mult).sum(axis=1))
+    pp, m, v = (np.asarray(pa.columns[n], dtype=float) for n in ("pp", "num_micro_batches", "virtual_stages"))
+    slowest = total / pp
+    pipe = np.where(v > 1, total / v + (m - 1 / v) * slowest, total + (m - 1) * slowest)
+    solved = np.isin(np.asarray(pa.schedule), [SCHEDULES.index(s) for s in SOLVED_SCHEDULES])
+    return np.where(solved, pipe + res["rank_const"], np.inf)
 
 
 def _plan_of(problem: _Problem, choices: list) -> Plan:
