@@ -134,7 +134,7 @@ class ExhaustivePlanner(Planner):
                 queue.append(space.plan(int(outer[position])))
                 position += 1
             batch = [p for p in dict.fromkeys(stages.outer_of(p) for p in queue)
-                     if p not in seen and not (one_kind and p.pp == 1)]
+                     if p not in seen and stages.solvable(p) and not (one_kind and p.pp == 1)]
             queue = []
             if not batch:
                 if position >= len(outer) or bounds[position] >= best_time:
@@ -143,6 +143,8 @@ class ExhaustivePlanner(Planner):
             if self.solved >= MAX_OUTER:
                 self.exact = False
                 break
+            if len(batch) > MAX_OUTER - self.solved:
+                batch, self.exact = batch[:MAX_OUTER - self.solved], False
             seen.update(batch)
             for found in stages.solve(workload, batch, self.coeffs):
                 self.solved += 1
