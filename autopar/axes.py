@@ -397,18 +397,19 @@ declare_folded(FoldedAxis("ep", "expert", ("dp",) + tuple(a for a in ("cp",) if 
 
 
 def _shard_group_offered(workload, replicas: int, decided: dict) -> str | None:
-    """HSDP in the plan space: shard groups (dp x cp / replicas ranks) that span whole nodes, a
-    power of two of them (in the default mesh order a shard group and its tp ranks are contiguous),
-    of two ranks or more. That keeps the space small (a few degrees per dp); a plan may name any
-    divisor of dp."""
+    """HSDP in the plan space: the shard group (dp x cp / replicas ranks) spanning exactly one node
+    with its tp ranks (in the default mesh order a shard group and its tp ranks are contiguous), of
+    two ranks or more: ZeRO's collectives on the node's links, the replicas' all-reduce across
+    nodes, as torchtitan's and the FSDP papers' HSDP runs. One degree per dp keeps the space within
+    about twice its size without HSDP (every power of two of nodes made it 3-4x and the exhaustive
+    search as much slower); a plan may name any divisor of dp (`--dp-replicate`)."""
     if replicas == 1:
         return None
     shard = decided.get("dp", 1) * decided.get("cp", 1) // replicas
     span = shard * decided.get("tp", 1)
-    nodes, part = divmod(span, workload.cluster.gpus_per_node)
-    if shard < 2 or part or nodes & (nodes - 1):
+    if shard < 2 or span != workload.cluster.gpus_per_node:
         return (f"dp_replicate={replicas} leaves shard groups of {shard} ranks over {span} GPUs; the plan space "
-                f"offers shard groups of 1, 2, 4, ... whole nodes")
+                f"offers a shard group of one node ({workload.cluster.gpus_per_node} GPUs with its tp ranks)")
     return None
 
 
