@@ -23,12 +23,13 @@ from autopar.cost import model as cost_model
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.profile.cache import cache_dir
-from autopar.search import exhaustive, space
+from autopar.search import exhaustive, space, stages
 
 OOM_REWARD = -1.0
 INVALID_REWARD = -1.0  # a masked action taken anyway (only by policies that ignore the masks)
-# the oracle depends on their code: every module of autopar/cost/, and the space's declarations
-_CODE = (space, exhaustive, knobs, axes, capability)
+# the oracle depends on their code: every module of autopar/cost/, the space's declarations, the
+# searches, and this module (which says how the oracle searches)
+_CODE = (space, exhaustive, stages, knobs, axes, capability)
 
 
 class RewardBackend(Protocol):
@@ -37,7 +38,7 @@ class RewardBackend(Protocol):
 
 @functools.cache
 def _code_digest() -> str:
-    files = sorted(Path(cost_model.__file__).parent.glob("*.py")) + [Path(m.__file__) for m in _CODE]
+    files = sorted(Path(cost_model.__file__).parent.glob("*.py")) + [Path(m.__file__) for m in _CODE] + [Path(__file__)]
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
 
 
@@ -84,7 +85,8 @@ class OracleCache:
             return None
 
     def _compute(self, workload, key: str) -> tuple[float, Plan]:
-        planner = exhaustive.ExhaustivePlanner(self.coeffs)
+        # the policy decides the uniform knobs; the per-stage solver finishes its plans (policies/planner.py)
+        planner = exhaustive.ExhaustivePlanner(self.coeffs, per_stage=False)
         pa, res = planner.ranked(workload, 1)
         time, plan = float(res["iteration_time"][0]), pa.plan(0)
         if self.coeffs is None:

@@ -10,6 +10,12 @@ every plan the cost model saw: the masks' lean completions, the refinement's nei
 trades' completions and the ranking. The policy's confidence in each returned plan is kept:
 the product of the probabilities of its decisions and the least of them (none for a plan that
 refinement or simplification found and the policy did not decode).
+
+The policy decides the uniform knobs (degrees, micro-batching, one recompute setting, schedule...);
+the per-stage knobs (each stage's blocks and recompute) are the exact per-stage solver's
+(`autopar/search/stages.py`): it finishes the outer plans of the FINISH best distinct plans, and a
+finished plan leads when it beats the best uniform plan beyond the tie band (`simplicity.TIE`), as in
+the exhaustive search.
 """
 
 from __future__ import annotations
@@ -30,12 +36,15 @@ from autopar.policies.load import default_policy_path, load_policy
 from autopar.policies.refine import refine
 from autopar.policies.trade import policy_completion, trade
 from autopar.search.base import Planner
+from autopar.errors import PlanError
+from autopar.search import stages
 from autopar.search.exhaustive import memory_error, no_plan_error
-from autopar.search.simplicity import simpler_variants, simplest_first
+from autopar.search.simplicity import TIE, simpler_variants, simplest_first
 
 DECODERS = ("beam", "sample")
 BEAM = 8  # plans decoded by default, whatever k: the cost model ranks them
 REFINE_STARTS = 4  # decoded plans that coordinate descent starts from
+FINISH = 2  # distinct outer plans of the best plans that the per-stage solver finishes
 
 
 def starts(plans: list[Plan], times: np.ndarray) -> list[int]:
@@ -62,7 +71,7 @@ class RLPlanner(Planner):
     name = "rl"
 
     def __init__(self, policy=None, seed: int = 0, decode: str = "beam", beam: int = BEAM,
-                 refine: bool = True, trades: bool = True):
+                 refine: bool = True, trades: bool = True, per_stage: bool = True):
         super().__init__()
         if decode not in DECODERS:
             raise AutoparError(f"unknown decode {decode!r}; choose one of {list(DECODERS)}")
@@ -71,6 +80,7 @@ class RLPlanner(Planner):
         self.actor = load_policy(policy)  # checks the space signature: fail before any search
         self.stale_note = stale_note(self.actor.meta, policy or default_policy_path())
         self.seed, self.decode, self.beam, self.refine, self.trades = seed, decode, beam, refine, trades
+        self.per_stage = per_stage
         self.last_confidence: Confidence | None = None  # of the best plan of the last propose()
         self.confidences: list[Confidence | None] = []  # of every plan of the last propose(), in order
 
@@ -111,5 +121,27 @@ class RLPlanner(Planner):
         order = simplest_first(candidates, res["iteration_time"][keep])[:max(k, 1)]
         self.evaluations = space.evaluations + spent + len(plans) + len(variants)
         self.confidences = [confidences[keep[i]] if keep[i] < len(decoded) else None for i in order]
+        best = [candidates[i] for i in order]
+        staged = self._finish(workload, best, float(res["iteration_time"][keep][order[0]])) if self.per_stage else None
+        if staged is not None:
+            best = [staged] + best[:max(k, 1) - 1]
+            self.confidences = [None] + self.confidences[:max(k, 1) - 1]
         self.last_confidence = self.confidences[0]
-        return [candidates[i] for i in order]
+        return best
+
+    def _finish(self, workload, plans: list[Plan], best_time: float) -> Plan | None:
+        """The best per-stage plan from the outer plans of the FINISH best distinct plans, when it is
+        faster than `best_time` beyond the tie band and the runtime runs it; else None."""
+        if "recompute" in dict(getattr(workload, "fixed", ())):
+            return None  # a held recompute setting holds every stage's
+        outer = list(dict.fromkeys(stages.outer_of(p) for p in plans if stages.solvable(p)))[:FINISH]
+        found = [s for s in stages.solve(workload, outer) if s is not None and s.fits
+                 and s.iteration_time < best_time * (1 - TIE)]
+        self.evaluations += len(outer)
+        for s in sorted(found, key=lambda s: s.iteration_time):
+            try:
+                s.plan.validate(workload)  # what the runtime runs (capability rules)
+            except PlanError:
+                continue
+            return s.plan
+        return None
