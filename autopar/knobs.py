@@ -411,16 +411,15 @@ def _parse_stage_recompute(text: str) -> tuple[str, ...]:
 def _check_stage_recompute(plan) -> None:
     """Per-stage recompute replaces the uniform one: one valid entry per virtual stage (block counts
     are checked by `check_stage_blocks` where the split is known)."""
-    entries = plan.stage_recompute
-    if not entries:
+    if not plan.stage_recompute:
         return
     if plan.recompute != "none" or plan.recompute_blocks != 0:
         raise PlanError(f"recompute '{plan.recompute}' and stage_recompute both given; give either recompute "
                         f"(every pipeline rank alike) or stage_recompute (one entry per stage), not both")
-    if len(entries) != plan.pp * plan.virtual_stages:
-        raise PlanError(f"stage_recompute has {len(entries)} entries but pp x virtual_stages = "
+    if len(plan.stage_recompute) != plan.pp * plan.virtual_stages:
+        raise PlanError(f"stage_recompute has {len(plan.stage_recompute)} entries but pp x virtual_stages = "
                         f"{plan.pp * plan.virtual_stages}; give one entry per virtual stage")
-    for e in entries:
+    for e in plan.stage_recompute:
         _check_stage_entry(e)
 
 
