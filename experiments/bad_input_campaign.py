@@ -117,7 +117,7 @@ def plan_cases() -> list[Case]:
         "bucket_string": _plan(bucket_mb="25"), "mesh_order_number": _plan(mesh_order=5),
         "mesh_order_dupes": _plan(mesh_order=["dp", "dp", "tp"]), "precision_number": _plan(precision=7),
         "zero_five": _plan(zero=5), "schedule_list": _plan(schedule=["1f1b"]), "unknown_key": _plan(colour="red"),
-        "no_version": {k: v for k, v in _plan().items() if k != "schema_version"}, "version_2": _plan(schema_version=2),
+        "no_version": {k: v for k, v in _plan().items() if k != "schema_version"}, "version_3": _plan(schema_version=3),
         "missing_dp": {k: v for k, v in _plan().items() if k != "dp"}, "document_list": [1, 2],
         "sequence_parallel_string": _plan(sequence_parallel="yes")}
     base = ("estimate", "gpt", *TINY, "--cluster", "cpu", "--plan", "{d}/p.json")
