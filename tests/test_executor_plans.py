@@ -126,6 +126,8 @@ STAGES = {
 # HSDP 2 x 2 (issue 41): FSDP2 on the 2-D (replicate, shard) mesh; ZeRO-1's optimizer over the shard group
 HSDP = {f"hsdp 2x2 zero{z} fp32": Plan(**{**BASE, "dp": 4, "micro_batch_size": 1}, precision="fp32", dp_replicate=2,
                                        zero=z) for z in (1, 2, 3)}
+HSDP["hsdp dp2 cp2 zero2 fp32 (cp in the shard group)"] = Plan(**{**BASE, "dp": 2, "micro_batch_size": 2}, cp=2,
+                                                                precision="fp32", dp_replicate=2, zero=2)
 # zero-bubble (issue 41): torch's ScheduleZBVZeroBubble on stages placed in a V (rank 0 holds the embedding's
 # and the head's stage, the tied weights' two copies), ZeRO-2, per-stage full recompute, an embedding-only stage
 # (the space's covering cases run zb, zbv and dualpipev with the other knobs)
