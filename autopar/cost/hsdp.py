@@ -10,6 +10,8 @@
   optimizer with `num_distributed_optimizer_instances` = r reduce-scatters within an instance,
   all-reduces across the instances, all-gathers within.
 Optimizer states, sharded gradients and sharded weights are divided by the shard group's size.
+Routed experts keep their expert-data-parallel group as before (cost/moe.py: ep within dp x cp);
+autopar's executor does not run ep beside replicas (the capability rule of dp_replicate).
 The core model (`cost/model.py`'s `evaluate`) takes the shard group's size and links from here,
 and `replica_reduce` as the term every ZeRO reduction adds; r = 1 returns the whole gradient
 group and its links unchanged and adds 0 (the plans of before are priced exactly as before).
