@@ -111,7 +111,7 @@ def summary(results: list[dict], names: list[str]) -> list[dict]:
 COLUMNS = ("planner", "median", "p5", "min", "no plan", "evaluations", "wall s", "> rules")
 README_COLUMNS = ("planner", "median", "p5", "min", "cost-model evaluations (median)", "wall s (median)")
 README_NAMES = {  # planner -> its row in the README
-    "rl": "rl (default: 8 decoded, refined, degrees traded, ranked)",
+    "rl": "rl (8 decoded, refined, degrees traded, ranked, finished per stage)",
     "rl-no-trades": "rl without degree trades (8 decoded, refined, ranked)", "rl-top8": "rl top-8 (decoded, ranked)",
     "rl-greedy": "rl greedy (the policy alone)", "optuna-50": "optuna, 50 trials", "optuna-200": "optuna, 200 trials",
     "random-50": "random, 50", "random-200": "random, 200", "rules": "rules",
@@ -146,8 +146,8 @@ def readme_table(rows: list[dict], command: str, non_uniform: tuple[int, list[di
     lines += [line(r) for r in rows if r["planner"] != "oracle"] + [line(r) for r in rows if r["planner"] == "oracle"]
     if non_uniform is not None and non_uniform[0]:
         n, subset = non_uniform
-        lines += [line(r, f", on the {n} workloads with a non-uniform best plan") for r in subset
-                  if r["planner"] in ("rl", "oracle")]
+        lines += [line(r, f", on the {n} workloads with a non-uniform best plan")
+                  for name in ("rl", "oracle") for r in subset if r["planner"] == name]
     return "\n".join(lines + [MARKERS[1]])
 
 
