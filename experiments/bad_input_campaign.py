@@ -145,7 +145,7 @@ def flag_cases() -> list[Case]:
                                                                                               "--trials", "0"),
         "optuna_trials_zero": ("--method", "optuna", "--trials", "0"), "model_arg_no_equals": ("--model-arg", "size"),
         "profile_timeout_zero": ("--profile-timeout", "0"), "profile_timeout_nan": ("--profile-timeout", "nan"),
-        "policy_missing": ("--policy", "{d}/nope.zip"),
+        "policy_missing": ("--method", "rl", "--policy", "{d}/nope.zip"),
         "optuna_storage_bad": ("--method", "optuna", "--storage", "sqlite:////nonexistent/dir/s.db"),
     }
     search = ("search", "gpt", *TINY, "--cluster", "cpu")

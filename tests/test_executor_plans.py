@@ -90,7 +90,9 @@ def space() -> list[Plan]:
         w = workload("gpt", cluster="cpu", gpus_per_node=WORLD, global_batch=GLOBAL_BATCH, dtype=precision, **ARGS)
         arrays = enumerate_plans(w)
         out += [arrays.plan(i) for i in range(len(arrays)) if not arrays.compile[i]]
-    return out
+    # the zero-bubble schedules run as the named cases below (ZERO_BUBBLE) and in tests/test_zero_bubble.py:
+    # their pairs with every other knob made the covering set 18 cases (minutes) larger
+    return [p for p in out if p.schedule not in ("zb", "zbv", "dualpipev")]
 
 
 SPACE = space()
@@ -130,7 +132,6 @@ HSDP["hsdp dp2 cp2 zero2 fp32 (cp in the shard group)"] = Plan(**{**BASE, "dp": 
                                                                 precision="fp32", dp_replicate=2, zero=2)
 # zero-bubble (issue 41): torch's ScheduleZBVZeroBubble on stages placed in a V (rank 0 holds the embedding's
 # and the head's stage, the tied weights' two copies), ZeRO-2, per-stage full recompute, an embedding-only stage
-# (the space's covering cases run zb, zbv and dualpipev with the other knobs)
 ZERO_BUBBLE = {
     "zbv pp2 dp2 zero2, embedding-only first stage, per-stage full recompute":
         Plan(**{**BASE, "dp": 2, "pp": 2, "micro_batch_size": 2}, precision="fp32", schedule="zbv", virtual_stages=2,

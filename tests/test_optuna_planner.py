@@ -54,16 +54,17 @@ def test_every_valid_choice_has_its_own_position_in_0_1(model):
 
 def test_optuna_comes_near_the_oracle():
     """TPE is a sampler: the claim is about its typical run, so three seeds, their median near the
-    oracle (one seed alone can settle in a local optimum: 0.69-0.75 on this workload)."""
+    oracle (one seed alone can settle in a local optimum: 0.69-0.75 on this workload). 150 trials: the
+    space grew by HSDP's replicas and the zero-bubble schedules, and at 100 two seeds of three stayed at 0.70."""
     w = workload(size="gpt2-small", vocab=50304, global_batch=64)
     oracle = estimate(w, get_planner("exhaustive").propose(w, 1)[0]).iteration_time_s
     ratios = []
     for seed in range(3):
-        planner = optuna_planner(trials=100, seed=seed)
+        planner = optuna_planner(trials=150, seed=seed)
         ratios.append(oracle / estimate(w, planner.propose(w, 1)[0]).iteration_time_s)
         # the trials, then rounds of simpler variants of the best plans (one per knob away from its
         # default, and all), each round setting at least one more knob back to its default
-        assert 100 <= planner.evaluations <= 100 + (len(defaults()) + 1) ** 2
+        assert 150 <= planner.evaluations <= 150 + (len(defaults()) + 1) ** 2
     assert float(np.median(ratios)) >= 0.95 and min(ratios) >= 0.5, ratios
 
 
