@@ -231,3 +231,12 @@ def fake_tp_mesh():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=FAKE_TP)
     yield init_device_mesh("cpu", (FAKE_TP,))
     dist.destroy_process_group()
+
+
+def run_stages(stages, tokens):
+    """The stages of a cut model run one after another on `tokens` (what a pipeline computes in one process)."""
+    h = (tokens,)
+    for stage in stages:
+        out = stage(*h)
+        h = out if isinstance(out, tuple) else (out,)
+    return h[0]

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from autopar.cli import main
+from conftest import run_stages
+
 from autopar.errors import PlanError
 from autopar.executor.pipeline import cut_stages, held_blocks, rank_view
 from autopar.executor.tensor_parallel import StreamScatter, tp_styles
@@ -39,14 +41,6 @@ def own_gpt(tied: bool = False) -> nn.Module:
     if tied:
         model.out.weight = model.tok.weight
     return model
-
-
-def run_stages(stages, tokens):
-    h = (tokens,)
-    for stage in stages:
-        out = stage(*h)
-        h = out if isinstance(out, tuple) else (out,)
-    return h[0]
 
 
 def test_the_layout_comes_from_the_forward_not_the_names():

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from conftest import run_stages
+
 from autopar.errors import PlanError
 from autopar.executor.checkpointing import apply_ac
 from autopar.executor.pipeline import cut_stages, held_blocks, stage_ids
@@ -46,14 +48,6 @@ def stages_of(model, p: Plan) -> dict[int, torch.nn.Module]:
             for s, part in zip(stage_ids(p, rank), cut_stages(model, model.layers, p, rank, layout))}
 
 
-def run(stages, tokens):
-    h = (tokens,)
-    for stage in stages:
-        out = stage(*h)
-        h = out if isinstance(out, tuple) else (out,)
-    return h[0]
-
-
 @pytest.mark.parametrize("name, pp, split, v", [
     (str(OWN), 4, (0, 2, 2, 0), 1), (str(OWN), 2, (0, 3, 1, 0), 2), ("gpt", 4, (0, 2, 2, 0), 1), ("gpt", 2, (4, 0), 1)],
     ids=["graph stages pp4", "graph stages interleaved", "copied stages pp4", "copied stages head-only"])
@@ -63,7 +57,7 @@ def test_stages_of_no_block_compute_the_whole_model(name, pp, split, v):
     by_stage = stages_of(model, p)
     stages = [by_stage[s] for s in range(p.stages)]
     tokens = torch.randint(0, 256, (2, 32))
-    assert torch.allclose(run(stages, tokens), model(tokens), atol=1e-6)
+    assert torch.allclose(run_stages(stages, tokens), model(tokens), atol=1e-6)
     layout = forward_layout(model, model.layers)
     assert [len(held_blocks(s, layout)) for s in stages] == list(split)
     assert sorted(n for s in stages for n in s.state_dict()) == sorted(model.state_dict())  # each entry once
