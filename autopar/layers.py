@@ -13,7 +13,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the contracts: plan, workload, knobs and axes, data-file schemas, errors; the cluster
     ("contract", ("autopar.errors", "autopar.atomic", "autopar.schema", "autopar.axes", "autopar.capability",
                   "autopar.knobs", "autopar.plan", "autopar.replan", "autopar.runtime", "autopar.workload",
-                  "autopar.cluster")),
+                  "autopar.cluster", "autopar.mixed.plan", "autopar.mixed.workload")),
     # the model.py contract: loading a model file, the zoo, transformers configs (torch)
     ("model", ("autopar.modelfile", "autopar.hf", "autopar.hf_ref", "autopar.zoo", "autopar.layout")),
     # applies a plan with torch.distributed; knows no planner and no command line
@@ -23,6 +23,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cost", ("autopar.cost",)),
     # the plan space and the planners that walk it (the rl planner is registered by name)
     ("search", ("autopar.search",)),
+    # mixed GPU clusters: their cost, Why table and search, composing the homogeneous ones (its plan and
+    # workload are contracts, above)
+    ("mixed", ("autopar.mixed",)),
     # measured runs as trace records, and the cost model calibrated to them
     ("traces", ("autopar.traces", "autopar.calibrate")),
     # the Gymnasium environment and the trained policies (the rl planner, training from traces)

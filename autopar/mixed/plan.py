@@ -1,0 +1,277 @@
+"""A mixed plan: lanes of data-parallel replicas, each a pipeline whose stages may span GPU groups.
+
+A `Lane` is one homogeneous `Plan` (its knobs: dp, pp, micro-batching, layer split, recompute,
+ZeRO, precision, schedule, ...) whose pp stages are laid out, in pipeline order, as `Segment`s:
+`stages` consecutive stages on one group at that group's tensor-parallel degree. A lane's share
+of the global batch is its plan's dp x micro_batch_size x num_micro_batches; the lanes' shares add
+up to the global batch, and gradients are weighted by samples, so the update is the homogeneous
+one. JSON: {"mixed_plan_version": 1, "lanes": [{"segments": [{"group", "tp", "stages"}, ...],
+"plan": <a Plan's JSON>}, ...]} (docs/cost-model.md, "Mixed clusters"). Reading one runs no code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from autopar import axes, capability
+from autopar.atomic import write_text_atomic
+from autopar.errors import PlanError
+from autopar.knobs import check_stage_blocks, device_blocks
+from autopar.plan import Plan
+from autopar.schema import MAX_GPUS, loads, read_file
+
+MIXED_PLAN_VERSION = 1
+SPANNING_SCHEDULES = ("1f1b", "gpipe")  # what a pipeline across groups runs (the cost model prices these)
+
+
+def _count(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_GPUS:
+        raise PlanError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`stages` consecutive pipeline stages of one replica, on group `group`, at tensor-parallel degree `tp`."""
+
+    group: str
+    tp: int
+    stages: int
+
+    def __post_init__(self):
+        if not isinstance(self.group, str) or not self.group:
+            raise PlanError(f"a segment's group must be a group's name, got {self.group!r}")
+        _count(self.tp, f"segment {self.group}: tp")
+        _count(self.stages, f"segment {self.group}: stages")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"group": self.group, "tp": self.tp, "stages": self.stages}
+
+
+@dataclass(frozen=True)
+class Lane:
+    """dp replicas of one pipeline (`plan`), its stages laid out over groups by `segments`."""
+
+    segments: tuple[Segment, ...]
+    plan: Plan
+
+    def __post_init__(self):
+        object.__setattr__(self, "segments", tuple(self.segments))
+        if not self.segments or not all(isinstance(s, Segment) for s in self.segments):
+            raise PlanError("a lane needs at least one segment {\"group\", \"tp\", \"stages\"}")
+        if not isinstance(self.plan, Plan):
+            raise PlanError(f"a lane's plan must be a Plan, got {type(self.plan).__name__}")
+        stages = sum(s.stages for s in self.segments)
+        if self.plan.pp != stages:
+            raise PlanError(f"the lane's plan has pp={self.plan.pp} but its segments hold {stages} stages; "
+                            f"set pp to the sum of the segments' stages")
+        if self.plan.tp != self.segments[0].tp:
+            raise PlanError(f"the lane's plan has tp={self.plan.tp} but its first segment tp={self.segments[0].tp}; "
+                            f"the plan's tp is its first segment's")
+        if len(self.segments) > 1 and (self.plan.schedule not in SPANNING_SCHEDULES or self.plan.virtual_stages > 1):
+            raise PlanError(f"schedule {self.plan.schedule} (virtual_stages {self.plan.virtual_stages}) on a lane "
+                            f"spanning {len(self.segments)} segments; a pipeline across groups runs "
+                            f"{' or '.join(SPANNING_SCHEDULES)} with virtual_stages 1")
+
+    @property
+    def share(self) -> int:
+        """Samples per step this lane trains."""
+        return self.plan.dp * self.plan.micro_batch_size * self.plan.num_micro_batches
+
+    @property
+    def spans(self) -> bool:
+        return len(self.segments) > 1
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.group for s in self.segments))
+
+    def _others(self) -> int:
+        """Ranks per (dp, tp, pp) position: the product of the plan's other axes (cp)."""
+        return self.plan.world_size // (self.plan.dp * self.plan.tp * self.plan.pp)
+
+    def segment_gpus(self, segment: Segment) -> int:
+        return self.plan.dp * segment.tp * segment.stages * self._others()
+
+    def gpus(self, group: str | None = None) -> int:
+        """GPUs this lane holds on `group` (all groups: None)."""
+        return sum(self.segment_gpus(s) for s in self.segments if group is None or s.group == group)
+
+    def segment_plan(self, segment: Segment) -> Plan:
+        """The lane's plan at the segment's tensor-parallel degree: what the segment is priced with."""
+        if segment.tp == self.plan.tp:
+            return self.plan
+        try:
+            return self.plan.with_(tp=segment.tp)
+        except PlanError as e:
+            raise PlanError(f"segment on {segment.group} at tp={segment.tp}: {e}") from None
+
+    def stage_ranges(self) -> list[range]:
+        """The pipeline stages (ranks) each segment holds, in order."""
+        out, first = [], 0
+        for s in self.segments:
+            out.append(range(first, first + s.stages))
+            first += s.stages
+        return out
+
+    def describe(self) -> str:
+        where = " | ".join(f"{s.group} tp{s.tp} x{s.stages}" for s in self.segments)
+        return f"[{where}] {self.plan.describe()}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"segments": [s.to_dict() for s in self.segments], "plan": self.plan.to_dict()}
+
+
+@dataclass(frozen=True)
+class MixedPlan:
+    """The lanes that together train one global batch on a mixed cluster."""
+
+    lanes: tuple[Lane, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "lanes", tuple(self.lanes))
+        if not self.lanes or not all(isinstance(lane, Lane) for lane in self.lanes):
+            raise PlanError("a mixed plan needs at least one lane {\"segments\": [...], \"plan\": {...}}")
+
+    @property
+    def global_batch(self) -> int:
+        return sum(lane.share for lane in self.lanes)
+
+    def gpus(self, group: str | None = None) -> int:
+        return sum(lane.gpus(group) for lane in self.lanes)
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The groups the plan uses, in order of first use."""
+        return tuple(dict.fromkeys(g for lane in self.lanes for g in lane.groups))
+
+    def validate(self, mw) -> None:
+        """Raise PlanError (one line: what is wrong, how to fix it) unless the plan fits `mw`, a MixedWorkload."""
+        names = mw.cluster.group_names
+        for i, lane in enumerate(self.lanes, 1):
+            for s in lane.segments:
+                if s.group not in names:
+                    raise PlanError(f"lane {i}: unknown group {s.group!r}; the cluster's groups are {', '.join(names)}")
+                per_node = mw.cluster.group(s.group).gpus_per_node
+                if s.tp > per_node or per_node % s.tp:
+                    raise PlanError(f"lane {i}: tp={s.tp} on group {s.group} of {per_node} GPUs per node; use a tp "
+                                    f"dividing {per_node}")
+        for name in names:
+            have, used = mw.cluster.group(name).num_gpus, self.gpus(name)
+            if used > have:
+                raise PlanError(f"the plan puts {used} GPUs on group {name}, which has {have}; use fewer replicas, "
+                                f"stages or a smaller tp there")
+        if self.global_batch != mw.global_batch:
+            shares = " + ".join(str(lane.share) for lane in self.lanes)
+            raise PlanError(f"the lanes' shares {shares} = {self.global_batch} but the global batch is "
+                            f"{mw.global_batch}; make the lanes' dp x micro_batch_size x num_micro_batches add up")
+        for i, lane in enumerate(self.lanes, 1):
+            try:
+                _check_lane(lane, mw)
+            except PlanError as e:
+                raise PlanError(f"lane {i}: {e}") from None
+
+    # -- JSON ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"mixed_plan_version": MIXED_PLAN_VERSION, "lanes": [lane.to_dict() for lane in self.lanes]}
+
+    def to_json(self, path=None) -> str:
+        """The JSON text; with `path`, also written there atomically."""
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            write_text_atomic(path, text + "\n")
+        return text
+
+    def describe(self) -> str:
+        return "; ".join(f"lane {i} ({lane.share} samples): {lane.describe()}" for i, lane in enumerate(self.lanes, 1))
+
+    @classmethod
+    def from_dict(cls, d: Any) -> MixedPlan:
+        _keys(d, "mixed plan", ("mixed_plan_version", "lanes"))
+        if d["mixed_plan_version"] != MIXED_PLAN_VERSION:
+            raise PlanError(f"mixed_plan_version is {d['mixed_plan_version']!r}, this autopar reads "
+                            f"{MIXED_PLAN_VERSION}; re-create the plan with `autopar search --cluster A:n,B:m`")
+        if not isinstance(d["lanes"], list) or not d["lanes"]:
+            raise PlanError("mixed plan key 'lanes' must be a non-empty list of lanes")
+        lanes = []
+        for i, lane in enumerate(d["lanes"], 1):
+            try:
+                _keys(lane, "lane", ("segments", "plan"))
+                if not isinstance(lane["segments"], list):
+                    raise PlanError("'segments' must be a list of {\"group\", \"tp\", \"stages\"}")
+                segments = []
+                for s in lane["segments"]:
+                    _keys(s, "segment", ("group", "tp", "stages"))
+                    segments.append(Segment(s["group"], s["tp"], s["stages"]))
+                lanes.append(Lane(tuple(segments), Plan.from_dict(lane["plan"])))
+            except PlanError as e:
+                raise PlanError(f"lanes[{i - 1}]: {e}") from None
+        return cls(tuple(lanes))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> MixedPlan:
+        return cls.from_dict(loads(text, "mixed plan", PlanError))
+
+    @classmethod
+    def load(cls, path) -> MixedPlan:
+        text = read_file(path, "mixed plan file", PlanError)
+        try:
+            return cls.from_json(text)
+        except PlanError as e:
+            raise PlanError(f"{path}: {e}") from None
+
+    def save(self, path) -> None:
+        self.to_json(path)
+
+
+def is_mixed_plan_dict(d: Any) -> bool:
+    """Whether a plan document is a mixed plan (it carries mixed_plan_version)."""
+    return isinstance(d, dict) and "mixed_plan_version" in d
+
+
+def _keys(d: Any, what: str, required: tuple[str, ...]) -> None:
+    if not isinstance(d, dict):
+        raise PlanError(f"a {what} must be a JSON object, got {type(d).__name__}")
+    unknown = sorted(set(d) - set(required))
+    if unknown:
+        raise PlanError(f"unknown {what} key(s) {unknown}; valid keys are {list(required)}")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise PlanError(f"{what} is missing key(s) {missing}")
+
+
+def _check_lane(lane: Lane, mw) -> None:
+    """A lane on one group is the homogeneous plan on that group's part (Plan.validate, exactly); a
+    lane across groups passes every check of Plan.validate but the world size (a segment holds only
+    its own stages' ranks) on each segment's group, at that segment's tp."""
+    if not lane.spans:
+        s = lane.segments[0]
+        lane.plan.validate(mw.on_group(s.group, lane.gpus(), lane.share))
+        return
+    layers = mw.profile.num_layers
+    for s in lane.segments:
+        plan = lane.segment_plan(s)
+        workload = mw.spanning(s.group, plan.world_size, lane.share)
+        if plan.stages - sum(1 for n in plan.layer_split if n == 0) > layers:
+            raise PlanError(f"pp = {plan.stages} exceeds the model's {layers} blocks; use fewer pipeline stages")
+        plan.dims.check_workload(workload)
+        for folded in axes.FOLDED.values():
+            why = folded.allowed(workload, getattr(plan, folded.name))
+            if why:
+                raise PlanError(why)
+        try:
+            capability.check(plan, capability.Target.of(workload))
+        except PlanError as e:
+            raise PlanError(f"group {s.group}: {e}") from None
+    plan = lane.plan
+    if plan.layer_split and sum(plan.layer_split) != layers:
+        raise PlanError(f"layer_split sums to {sum(plan.layer_split)} but the model has {layers} blocks")
+    if plan.recompute == "full":
+        most = max(device_blocks(plan.split_for(layers), plan.pp, plan.schedule))
+        if plan.recompute_blocks > most:
+            raise PlanError(f"recompute_blocks={plan.recompute_blocks} exceeds the {most} blocks on the busiest "
+                            f"pipeline rank; use at most {most}")
+    if plan.stage_recompute:
+        check_stage_blocks(plan.stage_recompute, plan.split_for(layers))
