@@ -118,6 +118,21 @@ class SplitTable:
         key = (pp, v, split, stage_recompute, schedule)
         if key in self._index:
             return self._index[key]
+        counts, full, sel = self.per_rank(pp, split, stage_recompute, schedule)
+        reps, mult = [], {}
+        for d in range(pp):
+            sig = (counts[d].tobytes(), full[d].tobytes(), sel[d].tobytes(), d == 0, d == pp - 1)
+            if sig not in mult:
+                mult[sig] = 0
+                reps.append(d)
+            mult[sig] += 1
+        return self._append(key, pp, v, split, reps, counts, full, sel, list(mult.values()), bool(stage_recompute))
+
+    def per_rank(self, pp: int, split: tuple[int, ...], stage_recompute: tuple[str, ...] = (),
+                 schedule: str = "1f1b") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(pp, K) each pipeline rank's blocks by kind (ends included), and those recomputed fully and
+        selectively, before `add` folds ranks alike into classes (a mixed plan's lane prices every rank)."""
+        schedule = "zbv" if schedule in V_SCHEDULES else "1f1b"
         n_kinds = len(self.kinds)
         counts, full, sel = (np.zeros((pp, n_kinds)) for _ in range(3))
         start = 0
@@ -133,14 +148,7 @@ class SplitTable:
             start += n
         counts[0, 0] += 1  # embedding on the first rank
         counts[stage_rank(len(split) - 1, pp, schedule), -1] += 1  # head with the last stage (rank 0 in a V)
-        reps, mult = [], {}
-        for d in range(pp):
-            sig = (counts[d].tobytes(), full[d].tobytes(), sel[d].tobytes(), d == 0, d == pp - 1)
-            if sig not in mult:
-                mult[sig] = 0
-                reps.append(d)
-            mult[sig] += 1
-        return self._append(key, pp, v, split, reps, counts, full, sel, list(mult.values()), bool(stage_recompute))
+        return counts, full, sel
 
     def add_rank(self, pp: int, v: int, rank: int, counts: np.ndarray, full: np.ndarray, sel: np.ndarray) -> int:
         """One pipeline rank alone (multiplicity 1), with its blocks by kind (ends included) and those

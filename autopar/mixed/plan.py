@@ -149,16 +149,12 @@ class MixedPlan:
 
     def validate(self, mw) -> None:
         """Raise PlanError (one line: what is wrong, how to fix it) unless the plan fits `mw`, a MixedWorkload."""
-        names = mw.cluster.group_names
         for i, lane in enumerate(self.lanes, 1):
-            for s in lane.segments:
-                if s.group not in names:
-                    raise PlanError(f"lane {i}: unknown group {s.group!r}; the cluster's groups are {', '.join(names)}")
-                per_node = mw.cluster.group(s.group).gpus_per_node
-                if s.tp > per_node or per_node % s.tp:
-                    raise PlanError(f"lane {i}: tp={s.tp} on group {s.group} of {per_node} GPUs per node; use a tp "
-                                    f"dividing {per_node}")
-        for name in names:
+            try:
+                _check_groups(lane, mw)
+            except PlanError as e:
+                raise PlanError(f"lane {i}: {e}") from None
+        for name in mw.cluster.group_names:
             have, used = mw.cluster.group(name).num_gpus, self.gpus(name)
             if used > have:
                 raise PlanError(f"the plan puts {used} GPUs on group {name}, which has {have}; use fewer replicas, "
@@ -169,7 +165,7 @@ class MixedPlan:
                             f"{mw.global_batch}; make the lanes' dp x micro_batch_size x num_micro_batches add up")
         for i, lane in enumerate(self.lanes, 1):
             try:
-                _check_lane(lane, mw)
+                check_lane(lane, mw)
             except PlanError as e:
                 raise PlanError(f"lane {i}: {e}") from None
 
@@ -242,10 +238,28 @@ def _keys(d: Any, what: str, required: tuple[str, ...]) -> None:
         raise PlanError(f"{what} is missing key(s) {missing}")
 
 
-def _check_lane(lane: Lane, mw) -> None:
-    """A lane on one group is the homogeneous plan on that group's part (Plan.validate, exactly); a
-    lane across groups passes every check of Plan.validate but the world size (a segment holds only
-    its own stages' ranks) on each segment's group, at that segment's tp."""
+def _check_groups(lane: Lane, mw) -> None:
+    """Its groups exist, hold its tp degrees within a node, and hold its GPUs."""
+    names = mw.cluster.group_names
+    for s in lane.segments:
+        if s.group not in names:
+            raise PlanError(f"unknown group {s.group!r}; the cluster's groups are {', '.join(names)}")
+        per_node = mw.cluster.group(s.group).gpus_per_node
+        if s.tp > per_node or per_node % s.tp:
+            raise PlanError(f"tp={s.tp} on group {s.group} of {per_node} GPUs per node; use a tp dividing {per_node}")
+    for name in lane.groups:
+        have, used = mw.cluster.group(name).num_gpus, lane.gpus(name)
+        if used > have:
+            raise PlanError(f"the lane puts {used} GPUs on group {name}, which has {have}; use fewer replicas, "
+                            f"stages or a smaller tp there")
+
+
+def check_lane(lane: Lane, mw) -> None:
+    """One lane alone against the mixed workload (PlanError, one line). A lane on one group is the
+    homogeneous plan on that group's part (Plan.validate, exactly); a lane across groups passes every
+    check of Plan.validate but the world size (a segment holds only its own stages' ranks) on each
+    segment's group, at that segment's tp."""
+    _check_groups(lane, mw)
     if not lane.spans:
         s = lane.segments[0]
         lane.plan.validate(mw.on_group(s.group, lane.gpus(), lane.share))
