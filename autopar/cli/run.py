@@ -15,6 +15,7 @@ from rich.table import Table
 
 from autopar.cli.common import add_model_flags, add_profile_timeout_flag, add_seq_len_flag, parse_model_args
 from autopar.cli.elastic import add_elastic_flags, elastic_spec, show_replans
+from autopar.executor.mixed_layout import is_mixed_plan_file
 from autopar.executor.options import RunOptions, add_run_flags
 
 
@@ -23,7 +24,8 @@ def add_parser(sub) -> None:
                        description="Launch PLAN on MODEL with torchrun, train on the model's example batch, "
                                    "and print measured step time, throughput, peak memory and losses beside "
                                    "the cost model's prediction.")
-    p.add_argument("plan", metavar="plan.json", help="a plan file, as `autopar search -o` writes")
+    p.add_argument("plan", metavar="plan.json", help="a plan file, as `autopar search -o` writes (a mixed plan "
+                   "runs on gloo ranks labelled with their group; give its --cluster PRESET:NODES,PRESET:NODES)")
     add_model_flags(p)
     add_seq_len_flag(p)
     p.add_argument("--trace", metavar="traces.jsonl", help="append the run's trace record here")
@@ -71,6 +73,8 @@ def run(args) -> int:
     # a bad flag is refused before anything starts
     options = RunOptions.from_args(args, elastic=elastic_spec(args))
     model_args = parse_model_args(args.model_arg, args.seq_len)
+    if is_mixed_plan_file(args.plan):  # lanes over GPU groups (issue 42)
+        return _run_mixed(args, options, model_args)
     ran = run_plan(args.plan, args.model, model_args, options, cluster=args.cluster,
                    profile_timeout=args.profile_timeout, trace=args.trace)
 
@@ -89,3 +93,35 @@ def run(args) -> int:
     if record is not None and not record.measured.get("parity_ok", True):  # beyond the precision's tolerance
         return 1
     return 0
+
+
+def _run_mixed(args, options: RunOptions, model_args: dict) -> int:
+    """A mixed plan: its ranks by group, the measurement and the parity check; no trace record."""
+    from autopar.traces.run_mixed import run_mixed  # pulls torch: imported on first use
+
+    ran = run_mixed(args.plan, args.model, model_args, options, cluster=args.cluster,
+                    profile_timeout=args.profile_timeout, trace=args.trace)
+    console, launched = Console(), ran.launched
+    result = launched.result or {}
+    m = result.get("measured")
+    table = Table(title=f"autopar run (mixed plan): {launched.outcome} in {launched.wall_s:.1f} s", title_justify="left")
+    table.add_column("")
+    table.add_column("measured", justify="right")
+    for label in result.get("ranks", []):
+        table.add_row(f"rank {label['rank']}", f"group {label['group']}, lane {label['lane'] + 1}, segment "
+                      f"{label['segment'] + 1}, stage {label['stage']}, tp rank {label['tp_rank']}")
+    if m:
+        unit = "tokens/s" if result.get("seq_len", 1) > 1 else "samples/s"
+        table.add_row("median step", f"{m['median_step_s'] * 1e3:,.1f} ms")
+        table.add_row(f"throughput ({unit})", f"{m['tokens_per_s']:,.0f}")
+        table.add_row("loss per step", " ".join(f"{x:.4f}" for x in m["losses"]))
+        if "parity_max_rel_diff" in m:
+            table.add_row(f"parity vs 1 process ({m.get('parity_reference', 'cpu fp32')})", m["parity_verdict"])
+    console.print(table)
+    if ran.note:
+        console.print(ran.note, style="yellow", markup=False)
+    logs = f"; every rank's output and the launcher's log: {launched.logs}" if launched.logs else ""
+    if launched.outcome != "ok":
+        print(f"autopar: run failed ({launched.outcome}): {launched.error}{logs}", file=sys.stderr, flush=True)
+        return 1
+    return 0 if not m or m.get("parity_ok", True) else 1

@@ -28,9 +28,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from autopar.executor.mixed_layout import check_world, is_mixed_plan_file
 from autopar.executor.options import RunOptions, worker_argv
 from autopar.executor.outcome import is_oom, killed_by, oom_kills
 from autopar.executor.worker import LAUNCHER_PID, failure_note, heartbeat_file
+from autopar.mixed.plan import MixedPlan
 from autopar.plan import Plan
 
 AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's agent handles these (PContext.start)
@@ -321,7 +323,10 @@ def launch(plan_path, model, model_args: dict, options: RunOptions) -> LaunchRes
     from torch.distributed.elastic.rendezvous import RendezvousError  # torch: heavy, imported on first use
     from torch.distributed.run import get_args_parser, run  # torch: heavy, imported on first use
 
-    if not options.elastic:  # an elastic job re-plans for whatever world it gets
+    if is_mixed_plan_file(plan_path):  # lanes over GPU groups: the ranks of every lane
+        check_world(MixedPlan.load(plan_path), options.world_size, f"--nnodes {options.nnodes} x --nproc-per-node "
+                    f"{options.nproc_per_node}")
+    elif not options.elastic:  # an elastic job re-plans for whatever world it gets
         check_world_size(Plan.load(plan_path), options)
     started = time.perf_counter()
     logs = Path(tempfile.mkdtemp(prefix="autopar-run-logs-"))  # outlives the job when it failed (`_keep_logs`)

@@ -42,15 +42,16 @@ from autopar.executor.facts import model_layout
 from autopar.executor.mesh import init_distributed, release_meshes
 from autopar.executor.mixed_layout import (
     RankLabel,
+    check_world,
     data_parallel,
     executed_plan,
     loss_weight,
     rank_labels,
     rank_samples,
     stage_ranks,
-    world_size,
 )
 from autopar.executor.pipeline import cut_stages, held_blocks
+from autopar.executor.preflight import preflight
 from autopar.executor.precision import autocast, compile_blocks
 from autopar.executor.support import check_supported, target
 from autopar.executor.tensor_parallel import apply_tp
@@ -59,6 +60,10 @@ from autopar.executor.train_step import ParallelModel, _default_blocks, _split, 
 from autopar.executor.weights import build_skeleton, build_source, materialise, unsaved_buffers
 from autopar.layout import forward_layout
 from autopar.modelfile import resolve_tp_plan
+
+
+SPLIT_TIES = ("the model ties weights (one parameter under two names), which a lane spanning segments cannot "
+              "split between stages yet; untie them, or use data-parallel lanes")
 
 
 @dataclass(frozen=True)
@@ -315,9 +320,7 @@ def apply_mixed(mixed_plan, build_model: Callable[[], nn.Module], optimizer, los
     `local_batch`, `train_step`, `global_losses`, `close`, its `label` and every rank's `labels`."""
     device = init_distributed(backend, timeout_s)
     check_mixed(mixed_plan, target(dist.get_backend()))
-    world, ranks = dist.get_world_size(), world_size(mixed_plan)
-    if world != ranks:
-        raise PlanError(f"the mixed plan runs on {ranks} ranks but {world} were launched; launch {ranks}")
+    check_world(mixed_plan, dist.get_world_size(), "the ranks launched")
     labels = rank_labels(mixed_plan)
     label = labels[dist.get_rank()]
     if data_parallel(mixed_plan):
@@ -340,8 +343,7 @@ def _spanning(mixed_plan, labels, label, build_model, optimizer, loss_fn, tp_pla
         if tp > 1 and tp_plan is not None else {}
     check_supported(plan, dist.get_backend(), model_layout(model, block_list, tp_map))
     if tied_names(model):
-        raise PlanError("a lane spanning segments cannot split tied weights between stages yet; untie them "
-                        "or use data-parallel lanes")
+        raise PlanError(SPLIT_TIES)
     # every rank creates every stage's group (new_group is a collective of the world)
     groups = [dist.new_group(ranks) for ranks in stages]
     layout = forward_layout(model, block_list)
@@ -360,3 +362,18 @@ def _spanning(mixed_plan, labels, label, build_model, optimizer, loss_fn, tp_pla
     del source
     opt = optimizer(list(part.parameters()))
     return SpanningLane(summary(mixed_plan), lane.plan, label, labels, stages, part, opt, loss_fn, device, groups)
+
+
+def preflight_mixed(mixed_plan, model_file, model_args: dict, backend: str | None = None) -> None:
+    """Raise PlanError, before any process starts, when a rank of `apply_mixed` would: what the executor
+    cannot run of a mixed plan, then each lane's (each segment's) plan laid out on this model as
+    `preflight` lays out a homogeneous one."""
+    check_mixed(mixed_plan, target(backend))
+    if data_parallel(mixed_plan):
+        plans = [executed_plan(mixed_plan, i) for i in range(len(mixed_plan.lanes))]
+    else:
+        plans = [lane.segment_plan(seg) for lane in mixed_plan.lanes for seg in lane.segments]
+        if tied_names(model_file.build(**model_args)):
+            raise PlanError(SPLIT_TIES)
+    for plan in plans:
+        preflight(plan, model_file, model_args, backend)

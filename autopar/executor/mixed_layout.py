@@ -21,6 +21,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from autopar.errors import PlanError
 from autopar.mixed.plan import is_mixed_plan_dict
 from autopar.plan import Plan
 
@@ -75,6 +76,14 @@ def executed_plan(mixed_plan, lane: int) -> Plan:
 def world_size(mixed_plan) -> int:
     """The ranks a mixed plan runs on."""
     return sum(lane_ranks(lane) for lane in mixed_plan.lanes)
+
+
+def check_world(mixed_plan, world: int, given: str) -> None:
+    """Refuse `world` ranks (`given` says where the number comes from) for a plan of another size."""
+    ranks = world_size(mixed_plan)
+    if world != ranks:
+        raise PlanError(f"the mixed plan runs on {ranks} ranks but {given} = {world}; launch {ranks} processes "
+                        f"(--nproc-per-node {ranks})")
 
 
 def lane_ranks(lane) -> int:

@@ -20,7 +20,9 @@ from functools import partial
 
 from autopar.atomic import write_text_atomic
 from autopar.executor.lifeline import die_with_parent
+from autopar.executor.mixed_layout import is_mixed_plan_file
 from autopar.executor.options import OPTIMIZERS, WORKER, ElasticSpec, RunOptions, add_run_flags
+from autopar.mixed.plan import MixedPlan
 from autopar.plan import Plan
 
 
@@ -157,7 +159,8 @@ def _train(args: argparse.Namespace) -> None:
     from autopar.executor.train_step import apply  # pulls torch: imported on first use
     from autopar.modelfile import load_model_file  # pulls torch: imported on first use
 
-    plan = Plan.load(args.plan)
+    mixed = MixedPlan.load(args.plan) if is_mixed_plan_file(args.plan) else None  # lanes over GPU groups
+    plan = Plan.load(args.plan) if mixed is None else None
     model_file = load_model_file(args.model)
     model_args = json.loads(args.model_args)
     options = args.options
@@ -171,7 +174,12 @@ def _train(args: argparse.Namespace) -> None:
               "seed": options.seed, "backend": options.backend, "timeout_s": options.timeout_s}
     elastic = _elastic(args, model_file, model_args, build, optimizer, **kwargs) \
         if options.elastic else None  # trains all its steps itself
-    par = elastic.par if elastic else apply(plan, build, optimizer, model_file.loss_fn, **kwargs)
+    if mixed is not None:  # each rank labelled with its group, lane, segment, stage (autopar/executor/mixed.py)
+        from autopar.executor.mixed import apply_mixed  # pulls torch: imported on first use
+
+        par = apply_mixed(mixed, build, optimizer, model_file.loss_fn, **kwargs)
+    else:
+        par = elastic.par if elastic else apply(plan, build, optimizer, model_file.loss_fn, **kwargs)
     plan = par.plan
     torch.manual_seed(options.seed)
     inputs, targets = model_file.example_batch(plan.global_batch, device="cpu", **model_args)
@@ -189,6 +197,7 @@ def _train(args: argparse.Namespace) -> None:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (times[options.warmup:] or times[-1:], peak_memory_bytes(par.device)))
     rank, backend, device = dist.get_rank(), dist.get_backend(), par.device
+    labels = getattr(par, "labels", None)  # a mixed plan's ranks
     dist.barrier()  # no rank closes its connections while a peer still uses them
     # free the model (the reference needs the device's memory) and every reference to the process
     # groups (an elastic run holds `par` too), so that destroying them joins gloo's threads
@@ -210,6 +219,8 @@ def _train(args: argparse.Namespace) -> None:
                                                     plan.precision)
     result = {"measured": measured, "seq_len": tokens_per_sample(inputs), "backend": backend,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    if mixed is not None:
+        result["ranks"] = [label.to_dict() for label in labels]
     with open(args.result, "w", encoding="utf-8") as f:
         json.dump(result, f)
 

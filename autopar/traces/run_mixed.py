@@ -1,0 +1,83 @@
+"""One measured run of a mixed plan (issue 42), as a library call: check, launch, report.
+
+`autopar run mixed.json --cluster A:N,B:M` calls `run_mixed`. Everything refused is refused in one
+line before torchrun starts: the plan against the cluster and the model (`MixedPlan.validate`), what
+the executor cannot run (`autopar.capability.mixed`, then the cuts and tensor-parallel styles each
+rank would lay out: `preflight_mixed`), a launch of another number of ranks. The ranks run on gloo
+here; each is labelled with its group (`autopar.executor.mixed_layout.RankLabel`). No trace record:
+trace records hold homogeneous plans. The NCCL path of a mixed plan (each node of its own GPU type)
+is unverified: no mixed machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from autopar.cluster.mixed import MixedCluster, load_any_cluster
+from autopar.errors import AutoparError, ModelFileError
+from autopar.executor.launch import LaunchResult, launch
+from autopar.executor.mesh import resolve_backend
+from autopar.executor.mixed_layout import check_world, rank_labels
+from autopar.executor.mixed import preflight_mixed
+from autopar.executor.options import RunOptions
+from autopar.knobs import storage_dtype
+from autopar.mixed.plan import MixedPlan
+from autopar.mixed.workload import MixedWorkload
+from autopar.modelfile import load_model_file
+from autopar.profile import profile_model
+from autopar.profile.isolated import DEFAULT_PROFILE_TIMEOUT
+
+
+@dataclass(frozen=True)
+class MixedRun:
+    """How the run ended, the plan it ran, and a note when the plan was not checked against the model's profile."""
+
+    launched: LaunchResult
+    plan: MixedPlan
+    note: str = ""
+
+
+def check_options(options: RunOptions, cluster: str | None, trace) -> None:
+    """What a mixed run does not take, refused before anything is read."""
+    if options.elastic:
+        raise AutoparError("--elastic re-plans homogeneous plans only: a change of GPU mix is not re-planned yet; "
+                           "run the mixed plan without --elastic")
+    if trace:
+        raise AutoparError("--trace records homogeneous plans only; run the mixed plan without --trace")
+    if not cluster:
+        raise AutoparError("a mixed plan needs its cluster: add --cluster PRESET:NODES,PRESET:NODES (the groups its "
+                           "lanes name)")
+
+
+def run_mixed(plan_path, model, model_args: dict, options: RunOptions, *, cluster: str | None,
+              profile_timeout: float | None = None, trace=None) -> MixedRun:
+    """Check the mixed plan file, then run it on this node's ranks (one per GPU of the plan)."""
+    check_options(options, cluster, trace)
+    mixed = MixedPlan.load(plan_path)
+    where = load_any_cluster(cluster)
+    if not isinstance(where, MixedCluster):
+        raise AutoparError(f"--cluster {cluster} is one group, but the plan is a mixed plan; give the groups its "
+                           f"lanes name: --cluster PRESET:NODES,PRESET:NODES")
+    check_world(mixed, options.world_size, f"--nnodes {options.nnodes} x --nproc-per-node {options.nproc_per_node}")
+    options = replace(options, backend=resolve_backend(options.backend, options.nproc_per_node))
+    model_file = load_model_file(model)
+    precision = mixed.lanes[0].plan.precision
+    timeout = DEFAULT_PROFILE_TIMEOUT if profile_timeout is None else profile_timeout
+    note = ""
+    try:
+        profile = profile_model(model, model_args, dtype=storage_dtype(precision), timeout=timeout)
+    except ModelFileError:
+        raise
+    except AutoparError as e:
+        profile, note = None, f"not checked against the cluster: the model could not be profiled: {e}"
+    if profile is not None:
+        mixed.validate(MixedWorkload(profile, where, mixed.global_batch, fp8=precision == "fp8"))
+    preflight_mixed(mixed, model_file, model_args, options.backend)
+    launched = launch(plan_path, model, model_args, options)
+    return MixedRun(launched, mixed, note)
+
+
+def labels_text(mixed: MixedPlan) -> list[str]:
+    """One line per rank: its group, lane, segment, stage and tp rank."""
+    return [str(label) for label in rank_labels(mixed)]
+
