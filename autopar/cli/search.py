@@ -11,6 +11,7 @@ from rich.console import Console
 
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
 from autopar.cli.explain import add_plot_flag, check_plot, draw
+from autopar.cli.search_inventory import add_inventory_flags, check_inventory_flags, run_inventory
 from autopar.cost import estimate
 from autopar.cost.regime import json_notes, notes
 from autopar.errors import AutoparError
@@ -44,6 +45,7 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=5, metavar="K", help="plans to show (default 5)")
     p.add_argument("-o", "--output", metavar="plan.json", help="write the best plan here")
     add_plot_flag(p)
+    add_inventory_flags(p)
     p.set_defaults(func=run)
 
 
@@ -57,6 +59,9 @@ def planner_options(args) -> dict:
 
 
 def run(args) -> int:
+    if args.inventory:  # which nodes to rent, then the plan on them
+        return run_inventory(args)
+    check_inventory_flags(args)
     if args.top_k < 1:
         raise AutoparError(f"--top-k must be at least 1, got {args.top_k}")
     if not 0 <= args.seed < 2**32:
