@@ -8,9 +8,11 @@ import sys
 
 from autopar import capability
 from autopar.cluster import load_cluster
+from autopar.cluster.mixed import MixedCluster, load_any_cluster, single_spec
 from autopar.cost.coefficients import Coefficients
 from autopar.errors import AutoparError
 from autopar.knobs import PRECISIONS, default_precision, fp8_problem, storage_dtype
+from autopar.mixed.workload import MixedWorkload
 from autopar.profile import profile_model
 from autopar.profile.isolated import DEFAULT_PROFILE_TIMEOUT, check_timeout
 from autopar.schema import check_global_batch
@@ -25,8 +27,10 @@ def add_workload_flags(parser: argparse.ArgumentParser, batch_default: int | Non
     parser.add_argument("model", metavar="MODEL", help="path to a model.py (see the model.py contract)")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="keyword argument for build_model/example_batch, e.g. size=175b (repeatable)")
-    parser.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="PRESET|FILE.json",
-                        help=f"cluster preset or cluster JSON (default {DEFAULT_CLUSTER})")
+    parser.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="PRESET[:NODES,...]|FILE.json",
+                        help=f"cluster preset or cluster JSON (default {DEFAULT_CLUSTER}); PRESET:NODES sizes a preset, "
+                             "PRESET:NODES,PRESET:NODES is a mixed cluster of several GPU groups, as is a JSON with "
+                             "groups (README, Clusters)")
     parser.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the preset's)")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the preset's)")
     parser.add_argument("--global-batch", type=int, default=batch_default, metavar="B",
@@ -116,8 +120,9 @@ def _parse_value(text: str):
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
-def load_workload(args, nodes: int | None = None, global_batch: int | None = None):
-    """Profile the model (cached) and load the cluster; flags win over the given defaults."""
+def load_workload(args, nodes: int | None = None, global_batch: int | None = None, mixed: bool = False):
+    """Profile the model (cached) and load the cluster; flags win over the given defaults. A mixed
+    --cluster gives a MixedWorkload where the command plans for one (`mixed`), else is refused."""
 
     batch = args.global_batch if args.global_batch is not None else global_batch
     check_global_batch(batch)
@@ -127,11 +132,21 @@ def load_workload(args, nodes: int | None = None, global_batch: int | None = Non
             raise AutoparError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
     if not 0 <= args.memory_headroom < 1:
         raise AutoparError(f"--memory-headroom must be a fraction in [0, 1), got {args.memory_headroom}")
-    cluster = load_cluster(args.cluster, nodes=args.nodes or nodes, gpus_per_node=args.gpus_per_node)
-    Coefficients.from_dict(cluster.coefficients)  # a bad coefficient fails before the model is profiled
-    if args.precision is None:  # mixed precision only where the device runs it faster
-        args.precision = default_precision(cluster.gpu)
-    problem = fp8_problem(args.precision, cluster.gpu)
+    cluster = load_any_cluster(args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+    if isinstance(cluster, MixedCluster) and not mixed:
+        raise AutoparError(f"--cluster {args.cluster} is a mixed cluster of groups {', '.join(cluster.group_names)}; "
+                           "this command plans for one GPU type: give one preset or cluster JSON")
+    if not isinstance(cluster, MixedCluster) and args.nodes is None and nodes is not None \
+            and single_spec(args.cluster) is None:  # the command's own size, where --cluster gives none
+        cluster = load_cluster(args.cluster, nodes=nodes, gpus_per_node=args.gpus_per_node)
+    groups = cluster.groups if isinstance(cluster, MixedCluster) else (cluster,)
+    for group in groups:  # a bad coefficient fails before the model is profiled
+        Coefficients.from_dict(group.coefficients)
+    if args.precision is None:  # mixed precision only where the device (every group's) runs it faster
+        args.precision = (cluster.default_precision() if isinstance(cluster, MixedCluster)
+                          else default_precision(cluster.gpu))
+    problem = (cluster.precision_problem(args.precision) if isinstance(cluster, MixedCluster)
+               else fp8_problem(args.precision, cluster.gpu))
     if problem:  # before the model is profiled
         raise AutoparError(problem)
     profile = profile_model(args.model, parse_model_args(args.model_arg, args.seq_len),
@@ -140,9 +155,10 @@ def load_workload(args, nodes: int | None = None, global_batch: int | None = Non
     if imbalance != 1.0 and not profile.is_moe:
         raise AutoparError(f"--expert-imbalance {imbalance:g} applies to mixture-of-experts models, but {profile.name} "
                            f"is dense; leave it out")
-    return Workload(profile=profile, cluster=cluster, global_batch=batch, memory_headroom=args.memory_headroom,
-                    runtime=getattr(args, "runtime", "torch"), switches=tuple(getattr(args, "megatron", ())),
-                    expert_imbalance=imbalance, fp8=args.precision == "fp8")
+    kind = MixedWorkload if isinstance(cluster, MixedCluster) else Workload
+    return kind(profile=profile, cluster=cluster, global_batch=batch, memory_headroom=args.memory_headroom,
+                runtime=getattr(args, "runtime", "torch"), switches=tuple(getattr(args, "megatron", ())),
+                expert_imbalance=imbalance, fp8=args.precision == "fp8")
 
 
 def print_json(obj) -> None:

@@ -19,13 +19,17 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
-from autopar.cluster.graph import node_model
+import networkx as nx
+
+from autopar import capability
+from autopar.cluster.graph import FABRIC, node_model
 from autopar.cluster.hardware import NIC_KINDS, Link
 from autopar.cluster.io import _check_keys, _number, _object, _read_json, cluster_from_dict, load_cluster
 from autopar.cluster.topology import SCHEMA_VERSION, Cluster
-from autopar.errors import AutoparError, ClusterError
+from autopar.errors import AutoparError, ClusterError, PlanError
 from autopar.schema import MAX_GPUS, Anything, check
 
 MAX_GROUPS = 16  # groups of one mixed cluster: the mixed searches enumerate placements over them
@@ -61,9 +65,7 @@ class MixedCluster:
             if name in seen:
                 raise ClusterError(f"group name {name!r} is used twice; give each group its own name")
             seen.add(name)
-            if not group.node.nics:
-                raise ClusterError(f"group {name} has no NIC (node.nics 0): a group of a mixed cluster reaches the "
-                                   "others through its NICs; set node.nics")
+            _check_nics(name, group)
         if self.num_gpus > MAX_GPUS:
             raise ClusterError(f"the mixed cluster has {self.num_gpus} GPUs; autopar plans for at most {MAX_GPUS}")
         if self.link.kind not in NIC_KINDS:
@@ -89,6 +91,65 @@ class MixedCluster:
             return self.groups[key]
         return self.groups[self.index(key)]
 
+    @cached_property
+    def graph(self) -> nx.Graph:
+        """Every group's devices and links (labels prefixed "<group>/"), and the inter-group fabric:
+        a node "fabric" joined to every NIC of every group at the link's rate (a NIC's share of its
+        node's GPUs x the per-GPU rate, so each GPU gets `link.bandwidth`; half the hop latency per
+        edge), beside each group's own fabric "<group>/fabric"."""
+        graph = nx.Graph()
+        link = self.link
+        for name, group in zip(self.group_names, self.groups):
+            graph.update(nx.relabel_nodes(group.graph, lambda node, g=name: f"{g}/{node}"))
+            per_nic = link.bandwidth * group.gpus_per_node / group.node.nics
+            graph.add_edges_from(((f"{name}/n{n}.nic{j}", FABRIC) for n in range(group.nodes)
+                                  for j in range(group.node.nics)),
+                                 bandwidth=per_nic, latency=link.latency / 2, kind=link.kind)
+        return graph
+
+    # -- what each group's GPU can run: the capability declaration applied group by group ----------------
+    def target(self, group: str | int, runtime: str = "torch", layout: capability.Layout | None = None
+               ) -> capability.Target:
+        """The capability target of one group: its hardware under `runtime`, for the model `layout`."""
+        return capability.Target(runtime=runtime, layout=layout, cluster=self.group(group))
+
+    def refusals(self, plan, groups=None, runtime: str = "torch", layout: capability.Layout | None = None
+                 ) -> list[str]:
+        """Why `plan` (a homogeneous Plan: a lane's knobs) cannot run on each of `groups` (default all),
+        every reason naming its group and GPU."""
+        out = []
+        for name in self.group_names if groups is None else groups:
+            group = self.group(name)
+            out += [f"group {name} ({group.gpu.name}): {why}"
+                    for why in capability.refusals(plan, self.target(name, runtime, layout))]
+        return out
+
+    def check(self, plan, groups=None, runtime: str = "torch", layout: capability.Layout | None = None) -> None:
+        """PlanError with the first reason `plan` cannot run on one of `groups`."""
+        reasons = self.refusals(plan, groups, runtime, layout)
+        if reasons:
+            raise PlanError(reasons[0])
+
+    def precision_problem(self, precision: str, recipe: str | None = None, groups=None) -> str | None:
+        """Why a run in `precision` cannot use every one of `groups` (default all): one line naming
+        the first group whose GPU cannot (fp8 through the fp8_recipe rule, with `recipe` or
+        tensorwise, the recipe every fp8 GPU runs), or None."""
+        if precision != "fp8":
+            return None
+        for name in self.group_names if groups is None else groups:
+            group = self.group(name)
+            why = capability.refusal("fp8_recipe", self.target(name), recipe or "tensorwise")
+            if why:
+                return f"group {name} ({group.gpu.name}): {why}"
+        return None
+
+    def default_precision(self) -> str:
+        """The precision a mixed run trains in when none is asked for: the first of bf16 and fp16 that
+        every group's GPU runs faster than fp32 (A100 with V100: fp16), else fp32; each group alone
+        would take `autopar.knobs.default_precision` of its GPU."""
+        rates = [group.gpu.peak_flops for group in self.groups]
+        return next((p for p in ("bf16", "fp16") if all(r.get(p, 0.0) > r["fp32"] for r in rates)), "fp32")
+
     def to_dict(self) -> dict:
         """The cluster JSON with groups; each group complete, with its own calibrated coefficients."""
         groups = []
@@ -109,6 +170,12 @@ class MixedCluster:
         return "\n".join([head, *(f"  {group.describe()}" for group in self.groups)])  # a group's name is its label
 
 
+def _check_nics(name: str, group: Cluster) -> None:
+    if not group.node.nics:
+        raise ClusterError(f"group {name} has no NIC (node.nics 0): a group of a mixed cluster reaches the others "
+                           "through its NICs; set node.nics")
+
+
 def mixed_cluster(groups: list[Cluster] | tuple[Cluster, ...], names: list[str] | tuple[str, ...] | None = None,
                   link: Link | None = None, name: str | None = None) -> MixedCluster:
     """A MixedCluster from its groups: labels default to the groups' names ("name#2" for a repeat),
@@ -118,6 +185,8 @@ def mixed_cluster(groups: list[Cluster] | tuple[Cluster, ...], names: list[str] 
     if name is None:
         name = ",".join(f"{label}:{group.nodes}" for label, group in zip(names, groups))
     if link is None:
+        for label, group in zip(names, groups):
+            _check_nics(label, group)
         link = default_link(groups)
     return MixedCluster(name, groups, names, link)
 
@@ -257,6 +326,8 @@ def _mixed(d: object, source: str) -> MixedCluster:
     name = d.get("name")
     if name is not None and (not isinstance(name, str) or not name):
         raise ClusterError(f"name must be a non-empty string, got {name!r}")
+    for label, group in zip(names, groups):
+        _check_nics(label, group)
     link = default_link(groups)
     if "link" in d:
         link = _link(d["link"], link)
