@@ -12,6 +12,7 @@ from rich.console import Console
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
 from autopar.cli.explain import add_plot_flag, check_plot, draw
 from autopar.cli.search_inventory import add_inventory_flags, check_inventory_flags, run_inventory
+from autopar.cli.search_mixed import is_mixed, run_mixed
 from autopar.cost import estimate
 from autopar.cost.regime import json_notes, notes
 from autopar.errors import AutoparError
@@ -32,7 +33,8 @@ def add_parser(sub) -> None:
                                    "its estimate, the reasons for each choice, and the runners-up.")
     add_workload_flags(p)
     p.add_argument("--method", default=DEFAULT_METHOD,
-                   help=f"planner: exhaustive, rules, rl, optuna or random (default {DEFAULT_METHOD})")
+                   help=f"planner: exhaustive, rules, rl, optuna or random (default {DEFAULT_METHOD}); on a mixed "
+                        "cluster (--cluster A:N,B:M): exhaustive, metis or rl")
     p.add_argument("--policy", metavar="policy.zip", help="rl: a trained policy (default: the shipped one)")
     p.add_argument("--trials", type=int, default=200, help="optuna/random: cost-model evaluations (default 200)")
     p.add_argument("--storage", metavar="URL", help="optuna: study storage, e.g. sqlite:///study.db (resumable)")
@@ -43,7 +45,8 @@ def add_parser(sub) -> None:
                         "pp=4, recompute=full (repeatable; dp is derived from the GPU count); the plan file "
                         "records it, and elastic re-plans keep it")
     p.add_argument("--top-k", type=int, default=5, metavar="K", help="plans to show (default 5)")
-    p.add_argument("-o", "--output", metavar="plan.json", help="write the best plan here")
+    p.add_argument("-o", "--output", metavar="plan.json", help="write the best plan here (on a mixed cluster: the "
+                                                               "mixed plan)")
     add_plot_flag(p)
     add_inventory_flags(p)
     p.set_defaults(func=run)
@@ -62,6 +65,8 @@ def run(args) -> int:
     if args.inventory:  # which nodes to rent, then the plan on them
         return run_inventory(args)
     check_inventory_flags(args)
+    if is_mixed(args):  # several GPU types: lanes and segments (autopar/mixed/search.py)
+        return run_mixed(args)
     if args.top_k < 1:
         raise AutoparError(f"--top-k must be at least 1, got {args.top_k}")
     if not 0 <= args.seed < 2**32:

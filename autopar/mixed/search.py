@@ -1,0 +1,196 @@
+"""The search over mixed plans (issue 42): `search_mixed(mw, method)` -> the best MixedPlan found.
+
+Three kinds of plan are weighed, and the fastest (by `estimate_mixed`) is the answer:
+1. each group alone (its best homogeneous plan on all its GPUs at the whole batch: `single`), so the
+   answer is never slower than the best single group (the other groups then sit idle);
+2. data-parallel lanes, one per used group, each on all its group's GPUs, with uneven batch shares: a
+   lane's time at a share is its group's best homogeneous plan at that share (priced exactly as that
+   plan: autopar/mixed/cost.py), and the shares are solved on a grid by `shares.best_shares`;
+3. one pipeline spanning every group (autopar/mixed/spanning.py).
+
+What is exact and what is not (method "exhaustive", the oracle):
+- (1) and each lane's plan at a share are the exact homogeneous search (ExhaustivePlanner) on that
+  group's hardware: exact over the plan space, per-stage blocks and recompute included.
+- (2) is exact over shares that are multiples of `shares.quantum` (at most GRID units of the batch) and
+  over every set of used groups (up to MAX_SUBSETS_GROUPS groups; beyond, the fastest k groups for each
+  k), given that the cross-lane all-reduce depends only on which groups take part. Finer shares, or a
+  lane on part of a group, are not searched.
+- (3) is a heuristic: see spanning.py. A spanning lane beside data-parallel lanes is not searched.
+
+"metis" (Metis, Um et al., ATC'24): shares (and a spanning pipeline's blocks) proportional to each group's
+measured speed -- its single plan's tokens/s -- then each group's degrees and knobs by the exact
+homogeneous search at its share. "rl": today's policy (the homogeneous rl planner, greedy, finished by
+the per-stage solver; not retrained on mixed workloads) plans each group alone and at the shares on the
+grid next to the proportional one; the share DP finishes. Both price far fewer lanes than the oracle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+from autopar.cost import estimate
+from autopar.errors import AutoparError, NoValidPlanError, PlanError
+from autopar.mixed.cost import estimate_mixed
+from autopar.mixed.plan import Lane, MixedPlan, Segment
+from autopar.mixed.shares import GRID, best_shares, quantum
+from autopar.mixed.spanning import search_spanning
+from autopar.plan import Plan
+from autopar.search import get_planner
+from autopar.search.exhaustive import ExhaustivePlanner
+
+METHODS = ("exhaustive", "metis", "rl")
+MAX_SUBSETS_GROUPS = 6  # up to this many groups every set of used groups is tried (2^6 - 1 sets)
+RL_OPTIONS = {"beam": 1, "refine": False, "trades": False}  # the policy alone (greedy) + the per-stage finish
+
+
+@dataclass(frozen=True)
+class MixedResult:
+    plan: MixedPlan
+    estimate: object  # autopar.mixed.cost.MixedEstimate
+    single: dict  # group name -> (Plan, Estimate) of that group alone at the whole batch, or None (no plan)
+    seconds: float  # wall time of the search
+    method: str
+    exact: bool  # whether every part the method searches exactly was finished (no time limit hit)
+
+    @property
+    def best_single(self) -> tuple[str, Plan, object] | None:
+        """(group, plan, estimate) of the fastest group alone, or None when no group holds a plan alone."""
+        found = [(g, *v) for g, v in self.single.items() if v is not None]
+        return min(found, key=lambda x: x[2].iteration_time_s) if found else None
+
+    @property
+    def gain(self) -> float | None:
+        """Predicted tokens/s of the mixed plan over the best single group's (None: no single plan)."""
+        best = self.best_single
+        return None if best is None else self.estimate.tokens_per_s / best[2].tokens_per_s
+
+
+class _Lanes:
+    """Each group's best homogeneous plan at a share, memoised: (Plan, seconds) or None (no plan)."""
+
+    def __init__(self, mw, method: str, deadline: float):
+        self.mw, self.method, self.deadline = mw, method, deadline
+        self.planner = get_planner("rl", **RL_OPTIONS) if method == "rl" else ExhaustivePlanner()
+        self.memo: dict = {}
+        self.cut = False  # a share left unpriced for the time limit
+
+    def best(self, group: str, share: int, required: bool = False) -> tuple[Plan, float] | None:
+        key = (group, share)
+        if key in self.memo:
+            return self.memo[key]
+        if not required and time.perf_counter() > self.deadline:
+            self.cut = True
+            return None
+        workload = self.mw.on_group(group, self.mw.cluster.group(group).num_gpus, share)
+        try:
+            if isinstance(self.planner, ExhaustivePlanner):
+                pa, res = self.planner.ranked(workload, 1)
+                found = (pa.plan(0), float(res["iteration_time"][0]))
+            else:
+                plan = self.planner.propose(workload, 1)[0]
+                found = (plan, estimate(workload, plan).iteration_time_s)
+        except NoValidPlanError:
+            found = None
+        self.memo[key] = found
+        return found
+
+    def table(self, group: str, units: int, q: int, ks) -> list[float]:
+        """Lane times of `group` at k units (k in `ks`; inf elsewhere), index 0 unused."""
+        out = [math.inf] * (units + 1)
+        for k in ks:
+            found = self.best(group, k * q)
+            out[k] = math.inf if found is None else found[1]
+        return out
+
+
+def lane_of(group: str, plan: Plan) -> Lane:
+    """A lane of one group: the homogeneous plan on that group's GPUs."""
+    return Lane((Segment(group, plan.tp, plan.pp),), plan)
+
+
+def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None) -> MixedResult:
+    """The best mixed plan `method` finds for `mw` (a MixedWorkload); see the module docstring.
+    `time_limit` (seconds) stops pricing new shares once spent (the result then says exact=False);
+    each group alone is always priced. NoValidPlanError when no kind of plan fits."""
+    if method not in METHODS:
+        raise AutoparError(f"unknown mixed search method {method!r}; choose one of {', '.join(METHODS)}")
+    started = time.perf_counter()
+    deadline = math.inf if time_limit is None else started + time_limit
+    lanes = _Lanes(mw, method, deadline)
+    names, batch = mw.cluster.group_names, mw.global_batch
+    q = quantum(batch, GRID)
+    units = batch // q
+    single = {}
+    for g in names:
+        found = lanes.best(g, batch, required=True)
+        single[g] = None if found is None else (found[0], estimate(mw.on_group(g, _gpus(mw, g), batch), found[0]))
+    candidates = [MixedPlan((lane_of(g, v[0]),)) for g, v in single.items() if v is not None]
+    speed = {g: v[1].tokens_per_s for g, v in single.items() if v is not None}
+    if method == "exhaustive":
+        tables = {g: lanes.table(g, units, q, range(1, units + 1)) for g in names}
+    else:
+        near = _proportional(speed, names, units)
+        spread = (0,) if method == "metis" else (-1, 0, 1)
+        tables = {g: lanes.table(g, units, q, sorted({min(max(near[g] + d, 1), units) for d in spread}))
+                  for g in names}
+    candidates += _lane_plans(lanes, tables, names, units, q, speed)
+    spanning = search_spanning(mw, speed, exact=method == "exhaustive", deadline=deadline) \
+        if method != "rl" or not candidates else None
+    if spanning is not None:
+        candidates.append(MixedPlan((spanning,)))
+    best, best_est = None, None
+    for mp in candidates:
+        est = estimate_mixed(mw, mp)
+        if est.fits and (best_est is None or est.iteration_time_s < best_est.iteration_time_s):
+            best, best_est = mp, est
+    if best is None:
+        raise NoValidPlanError(f"{mw.profile.name} fits no plan on {mw.cluster.name}: no group alone, no "
+                               f"data-parallel lanes and no pipeline across the groups fit in memory; use more "
+                               f"GPUs, GPUs with more memory, or a smaller global batch")
+    return MixedResult(best, best_est, single, time.perf_counter() - started, method, not lanes.cut)
+
+
+def _gpus(mw, group: str) -> int:
+    return mw.cluster.group(group).num_gpus
+
+
+def _proportional(speed: dict, names, units: int) -> dict[str, int]:
+    """Units per group proportional to its speed (largest remainder, each group >= 1 unit where the
+    units allow); a group without a single plan gets the mean speed of the others (or 1)."""
+    mean = sum(speed.values()) / len(speed) if speed else 1.0
+    s = [speed.get(g, mean) for g in names]
+    raw = [units * x / sum(s) for x in s]
+    out = [max(1, int(r)) for r in raw]
+    while sum(out) < units:
+        i = max(range(len(out)), key=lambda i: raw[i] - out[i])
+        out[i] += 1
+    while sum(out) > units and max(out) > 1:
+        i = max(range(len(out)), key=lambda i: out[i] - raw[i] if out[i] > 1 else -math.inf)
+        out[i] -= 1
+    return dict(zip(names, out))
+
+
+def _subsets(names, speed: dict):
+    """The sets of used groups (two or more) the lanes are solved for: all of them up to
+    MAX_SUBSETS_GROUPS groups, else the fastest k groups for each k."""
+    if len(names) <= MAX_SUBSETS_GROUPS:
+        for r in range(2, len(names) + 1):
+            yield from itertools.combinations(names, r)
+        return
+    ranked = sorted(names, key=lambda g: -speed.get(g, 0.0))
+    for r in range(2, len(names) + 1):
+        yield tuple(g for g in names if g in ranked[:r])
+
+
+def _lane_plans(lanes: _Lanes, tables: dict, names, units: int, q: int, speed: dict) -> list[MixedPlan]:
+    """For each set of two or more used groups, the lanes with the shares minimising the slowest lane."""
+    out = []
+    for used in _subsets(names, speed):
+        slowest, split = best_shares([tables[g] for g in used], units)
+        if not math.isfinite(slowest):
+            continue
+        out.append(MixedPlan(tuple(lane_of(g, lanes.best(g, k * q)[0]) for g, k in zip(used, split))))
+    return out

@@ -1,0 +1,130 @@
+"""The mixed search (autopar/mixed/search.py, shares.py, spanning.py): the share DP against brute force,
+the mixed plan never slower than the best single group nor above the published-MFU bound, the oracle never
+worse than the heuristics, and `autopar search --cluster A:n,B:m` in-process."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from conftest import profile
+
+from autopar.cli import main
+from autopar.cluster import load_cluster
+from autopar.cluster.mixed import mixed_cluster
+from autopar.cost.published_mfu import best_published
+from autopar.cost.regime import attention_fused
+from autopar.mixed.plan import MixedPlan
+from autopar.mixed.search import search_mixed
+from autopar.mixed.shares import GRID, best_shares, brute_force_shares, quantum
+from autopar.mixed.workload import MixedWorkload
+
+A, H, R = "dgx-a100-80g", "dgx-h100", "pcie-4090x8"
+
+
+def test_quantum_leaves_at_most_grid_units():
+    assert quantum(256) == 32 and quantum(7) == 1 and quantum(34) == 17 and quantum(96) == 12
+    for batch in range(1, 200):
+        q = quantum(batch)
+        assert batch % q == 0 and batch // q <= GRID
+
+
+def test_share_dp_equals_brute_force():
+    rng = random.Random(7)
+    for _ in range(300):
+        groups, units = rng.randint(1, 4), rng.randint(1, 8)
+        times = [[math.inf] + [rng.choice([math.inf, rng.uniform(0.1, 10)]) for _ in range(units)]
+                 for _ in range(groups)]
+        value, split = best_shares(times, units)
+        assert value == brute_force_shares(times, units)
+        if math.isfinite(value):
+            assert sum(split) == units and all(k >= 1 for k in split)
+            assert max(times[g][k] for g, k in enumerate(split)) == value
+        else:
+            assert split == ()
+
+
+def mixed(specs, batch, model_args=None):
+    groups = [load_cluster(preset, nodes=1, gpus_per_node=n) for preset, n in specs]
+    return MixedWorkload(profile("gpt", **(model_args or {"size": "tiny"})), mixed_cluster(groups), batch)
+
+
+def random_workloads(count: int, seed: int = 42):
+    """Small mixed workloads: 2-3 groups of 1-2 GPUs of random types, a random batch."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        specs = [(rng.choice((A, H, R)), rng.choice((1, 2))) for _ in range(rng.choice((2, 2, 3)))]
+        yield specs, rng.choice((4, 6, 8, 12))
+
+
+@pytest.mark.parametrize("specs,batch", list(random_workloads(3)))
+def test_mixed_at_least_best_single_and_within_published_mfu(specs, batch):
+    mw = mixed(specs, batch)
+    result = search_mixed(mw)
+    result.plan.validate(mw)
+    best = result.best_single
+    assert best is not None and result.gain >= 1.0
+    assert result.estimate.tokens_per_s >= best[2].tokens_per_s
+    bound = 0.0  # every used GPU at its peak x the best published MFU for its type (its peak where none)
+    for g in result.plan.groups:
+        gpu = mw.cluster.group(g).gpu
+        w = mw.on_group(g, mw.cluster.group(g).num_gpus, batch)
+        row = best_published(gpu.name, w.runtime, mw.precision, "flash" if attention_fused(w) else "unfused")
+        bound += result.plan.gpus(g) * gpu.peak_flops[mw.precision] * (row.mfu if row else 1.0)
+    assert result.estimate.model_flops / result.estimate.iteration_time_s <= bound
+
+
+def test_two_equal_groups_split_the_batch():
+    """Two groups of the same GPUs: the lanes share the batch evenly and nearly double either group alone."""
+    result = search_mixed(mixed([(H, 1), (H, 1)], 64, {"size": "gpt2-small"}))
+    assert sorted(lane.share for lane in result.plan.lanes) == [32, 32] and result.gain > 1.5
+
+
+@pytest.fixture(scope="module")
+def a100_h100():
+    mw = mixed([(A, 1), (H, 1)], 32, {"size": "gpt2-small"})
+    return mw, search_mixed(mw, "exhaustive")
+
+
+def test_uneven_shares_follow_the_speeds(a100_h100):
+    mw, exact = a100_h100
+    shares = {lane.segments[0].group: lane.share for lane in exact.plan.lanes}
+    assert shares[H] > shares[A] > 0 and exact.gain > 1.2 and exact.exact
+
+
+@pytest.mark.parametrize("method", ["metis", "rl"])
+def test_the_exact_search_is_never_worse(a100_h100, method):
+    mw, exact = a100_h100
+    other = search_mixed(mw, method)
+    other.plan.validate(mw)
+    assert exact.estimate.iteration_time_s <= other.estimate.iteration_time_s * (1 + 1e-9)
+    assert other.estimate.tokens_per_s >= other.best_single[2].tokens_per_s
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_search_mixed_writes_the_plan(capsys, tmp_path):
+    path = tmp_path / "mixed.json"
+    code, out, err = run_cli(capsys, "search", "gpt", "--model-arg", "size=tiny", "--cluster", f"{A}:1,{H}:1",
+                             "--global-batch", "32", "--method", "metis", "-o", path)
+    assert code == 0, err
+    assert "best single group" in out and "tokens/s" in out
+    plan = MixedPlan.load(path)
+    assert plan.global_batch == 32
+    code, out, err = run_cli(capsys, "search", "gpt", "--model-arg", "size=tiny", "--cluster", f"{A}:1,{H}:1",
+                             "--global-batch", "32", "--method", "metis", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert MixedPlan.from_dict(doc["plan"]) == plan and doc["gain"] >= 1.0
+
+
+def test_cli_refuses_a_homogeneous_method_on_a_mixed_cluster(capsys):
+    code, out, err = run_cli(capsys, "search", "gpt", "--model-arg", "size=tiny", "--cluster", f"{A}:1,{H}:1",
+                             "--method", "optuna")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "exhaustive, metis or rl" in err
