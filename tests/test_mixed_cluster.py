@@ -157,6 +157,9 @@ def test_resizing_a_mixed_cluster_is_refused(tmp_path):
         load_any_cluster(str(path), nodes=2)
     with pytest.raises(ClusterError, match="give them once"):
         load_any_cluster("dgx-h100:2", nodes=4)
+    # where one homogeneous cluster is read, a document with groups is one line, not "unknown key"
+    with pytest.raises(ClusterError, match=r"mixed.json: groups: this is a mixed cluster of several GPU groups"):
+        load_cluster(str(path))
 
 
 def test_per_group_capability_names_the_group():

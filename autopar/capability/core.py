@@ -54,7 +54,7 @@ class Device:
 class Target:
     """What a plan would run on. `runtime`: autopar.runtime's name of what runs it (`autopar run`
     always asks for "torch", autopar's executor); `layout`: the model's facts; `cluster`: the
-    cluster (its GPU and links; one group of a mixed cluster later, one Target per group);
+    cluster (its GPU and links; of a mixed cluster, one Target per group: `MixedCluster.target`);
     `backend`: the executor's process-group backend; `device`: the executor's device."""
 
     runtime: str = "torch"

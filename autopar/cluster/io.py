@@ -62,6 +62,9 @@ def cluster_from_dict(d: object, source: str = "cluster JSON") -> Cluster:
 def _cluster(d: object) -> Cluster:
     check(d, Anything(), "the cluster document", ClusterError)  # depth and sizes, before any recursion
     d = _object(d, "the cluster document")
+    if "groups" in d:  # autopar/cluster/mixed.py reads those, where a command plans for several GPU types
+        raise ClusterError("groups: this is a mixed cluster of several GPU groups, which is not taken here; give one "
+                           "preset or a cluster JSON without groups")
     given_links = _object(d.get("links", {}), "links")
     if "preset" in d:
         d = _merge(_preset(d["preset"]), {k: v for k, v in d.items() if k != "preset"})
