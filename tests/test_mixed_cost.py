@@ -13,6 +13,7 @@ from conftest import profile
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from autopar.cli import main
 from autopar.cluster.mixed import parse_mixed_spec
 from autopar.cost import Coefficients, estimate
 from autopar.cost.published_mfu import best_published
@@ -21,6 +22,7 @@ from autopar.errors import PlanError
 from autopar.knobs import DTYPE_BYTES
 from autopar.mixed.cost import cross_sync, estimate_mixed, lane_time, price_lane
 from autopar.mixed.plan import Lane, MixedPlan, Segment
+from autopar.mixed.why import why_rows, why_table
 from autopar.mixed.workload import MixedWorkload
 from autopar.plan import Plan
 
@@ -167,3 +169,57 @@ def test_no_mixed_plan_beats_the_published_mfu_bound(small_mw, mp):
     assert est.model_flops / est.iteration_time_s <= bound
     assert est.tokens_per_s <= bound / (est.model_flops / mw.tokens_per_batch)  # the same, in tokens/s
     assert 0 < est.mfu < 1
+
+
+def test_why_rows_say_why_each_lane_got_its_share_and_why_a_group_is_idle():
+    mw = mixed(f"{A}:1,{H}:1,{R}:1")
+    a = Lane((Segment(A, 1, 1),), Plan(dp=8, tp=1, pp=1, micro_batch_size=1, num_micro_batches=2))
+    span = Lane((Segment(H, 1, 1), Segment(A, 1, 1)), Plan(dp=1, tp=1, pp=2, micro_batch_size=1, num_micro_batches=48))
+    mp = MixedPlan((a, span))
+    with pytest.raises(PlanError, match="puts 9 GPUs on group dgx-a100-80g"):
+        mp.validate(mw)
+    a = Lane((Segment(A, 1, 1),), Plan(dp=4, tp=1, pp=1, micro_batch_size=1, num_micro_batches=4))
+    mp = MixedPlan((a, span))
+    est = estimate_mixed(mw, mp)
+    rows = why_rows(mw, est, alone={R: 1234.0})
+    assert [(r.lane, r.group) for r in rows] == [("1", A), ("2", H), ("2", A), ("-", R)]
+    slowest = max(est.lanes, key=lambda lane: lane.iteration_time_s)
+    lane_of_slowest = str(est.lanes.index(slowest) + 1)
+    assert "it is the slowest lane" in next(r.why for r in rows if r.lane == lane_of_slowest)
+    assert "share 16/64 (25%)" in rows[0].why and "share 48/64 (75%)" in rows[1].why
+    assert "blocks over 1 stage" in rows[2].why and "send across the group boundary" in rows[2].why
+    idle = rows[3]
+    assert idle.share == "0" and "idle: a lane on its 8 GPUs would add" in idle.why and "1,234 tokens/s" in idle.why
+    table, lines = why_table(mw, est)
+    assert table.row_count == 4 and len(lines) == 4 and all("\n" not in line for line in lines)
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_estimate_of_a_mixed_plan(capsys, tmp_path, mw):
+    mp = MixedPlan((Lane((Segment(A, 1, 1),), Plan(dp=8, tp=1, pp=1, micro_batch_size=1, num_micro_batches=4)),
+                    Lane((Segment(H, 2, 1), Segment(A, 2, 1)),
+                         Plan(dp=2, tp=2, pp=2, micro_batch_size=2, num_micro_batches=8))))
+    path = tmp_path / "mixed.json"
+    mp.save(path)
+    cluster = ["--cluster", f"{A}:2,{H}:1"]
+    model = ["gpt", "--model-arg", "size=1.7b"]
+    code, out, err = run_cli(capsys, "estimate", *model, *cluster, "--plan", path)
+    assert code == 0, err
+    assert "cross-lane all-reduce" in out and "Why (mixed plan)" in out and "lane 2 dgx-h100:" in out
+    code, out, err = run_cli(capsys, "estimate", *model, *cluster, "--plan", path, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    est = estimate_mixed(replace(mw, global_batch=mp.global_batch), mp)
+    assert doc["tokens_per_s"] == pytest.approx(est.tokens_per_s, rel=1e-12)
+    assert MixedPlan.from_dict(doc["plan"]) == mp
+    for argv, match in [((*model, "--cluster", A, "--plan", path), "is a mixed plan over groups"),
+                        ((*model, *cluster, "--dp", "8", "--micro-batch-size", "1"), "give a mixed plan"),
+                        ((*model, *cluster, "--plan", path, "--global-batch", "8"), "but the global batch is 8"),
+                        ((*model, *cluster, "--plan", path, "--nodes", "2"), "cannot resize a mixed cluster")]:
+        code, out, err = run_cli(capsys, "estimate", *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and match in err, err

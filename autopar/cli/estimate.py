@@ -7,10 +7,15 @@ from rich.console import Console
 from autopar import axes
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
 from autopar.cluster import load_cluster
+from autopar.cluster.mixed import MixedCluster, load_any_cluster
 from autopar.cost import estimate
 from autopar.cost.regime import json_notes, notes
 from autopar.errors import PlanError
 from autopar.knobs import FP8_RECIPES, balanced_split, decisions, device_blocks, knob
+from autopar.mixed.cost import estimate_mixed
+from autopar.mixed.plan import MixedPlan, load_if_mixed
+from autopar.mixed.why import summary as mixed_summary
+from autopar.mixed.why import why_table
 from autopar.plan import Plan
 from autopar.report import print_estimate
 from autopar.schema import PLAN_RANGES, check
@@ -131,6 +136,12 @@ def plan_and_workload(args):
 
 
 def run(args) -> int:
+    mixed = load_if_mixed(args.plan) if args.plan else None
+    if mixed is not None:
+        return _run_mixed(args, mixed)
+    if isinstance(load_any_cluster(args.cluster), MixedCluster):
+        raise PlanError(f"--cluster {args.cluster} is a mixed cluster: give a mixed plan, --plan mixed.json "
+                        "(`autopar search MODEL --cluster A:n,B:m -o mixed.json` writes one)")
     plan, workload = plan_and_workload(args)
     est = estimate(workload, plan)
     if args.json:
@@ -142,4 +153,36 @@ def run(args) -> int:
     print_estimate(console, plan, est)
     for note in notes(workload, plan, est):
         console.print(f"[yellow]{note}[/yellow]")
+    return 0
+
+
+def _run_mixed(args, mp: MixedPlan) -> int:
+    """A mixed plan on a mixed --cluster: the mixed estimate and its Why table (autopar/mixed/)."""
+    if not isinstance(load_any_cluster(args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node),
+                      MixedCluster):
+        raise PlanError(f"{args.plan} is a mixed plan over groups {', '.join(mp.groups)}; give the mixed cluster "
+                        "it plans for, --cluster A:n,B:m or a cluster JSON with groups")
+    precisions = sorted({lane.plan.precision for lane in mp.lanes})
+    if len(precisions) > 1 or args.precision not in (None, precisions[0]):
+        raise PlanError(f"the mixed plan's lanes train in {', '.join(precisions)}"
+                        + (f" but --precision is {args.precision}" if args.precision else "")
+                        + "; every lane and the command must use one precision")
+    args.precision = precisions[0]
+    workload = load_workload(args, global_batch=mp.global_batch, mixed=True)
+    est = estimate_mixed(workload, mp)
+    if args.json:
+        print_json({**est.to_dict(), "plan": mp.to_dict(),
+                    "workload": {"model": workload.profile.name, "cluster": workload.cluster.name,
+                                 "groups": list(workload.cluster.group_names), "global_batch": workload.global_batch,
+                                 "seq_len": workload.profile.seq_len}})
+        return 0
+    console = Console()
+    console.print(f"[bold]{workload.describe()}[/bold]")
+    for i, lane in enumerate(mp.lanes, 1):
+        console.print(f"lane {i} ({lane.share} samples): {lane.describe()}", markup=False, highlight=False)
+    console.print(mixed_summary(est), highlight=False)
+    table, reasons = why_table(workload, est)
+    console.print(table)
+    for line in reasons:
+        console.print(line, markup=False, highlight=False)
     return 0

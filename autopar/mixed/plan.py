@@ -227,6 +227,15 @@ def is_mixed_plan_dict(d: Any) -> bool:
     return isinstance(d, dict) and "mixed_plan_version" in d
 
 
+def load_if_mixed(path) -> MixedPlan | None:
+    """The mixed plan in a plan file, or None when the file holds another plan (a homogeneous one)."""
+    try:
+        d = loads(read_file(path, "plan file", PlanError), "plan", PlanError)
+        return MixedPlan.from_dict(d) if is_mixed_plan_dict(d) else None
+    except PlanError as e:
+        raise PlanError(e.args[0] if str(path) in e.args[0] else f"{path}: {e}") from None
+
+
 def _keys(d: Any, what: str, required: tuple[str, ...]) -> None:
     if not isinstance(d, dict):
         raise PlanError(f"a {what} must be a JSON object, got {type(d).__name__}")
