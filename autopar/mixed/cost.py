@@ -14,7 +14,7 @@
 
 What is approximate, and says so: a spanning lane's tied-embedding all-reduce between its ends stays
 priced on the first segment's hardware; a boundary send's extra time is not hidden under the host's
-launches (a slight over-estimate where the host paces a rank). docs/cost-model.md, "Mixed clusters".
+launches (a slight over-estimate where the host paces a rank). docs/hardware.md, "Mixed clusters".
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ ZeRO, precision, schedule, ...) whose pp stages are laid out, in pipeline order,
 of the global batch is its plan's dp x micro_batch_size x num_micro_batches; the lanes' shares add
 up to the global batch, and gradients are weighted by samples, so the update is the homogeneous
 one. JSON: {"mixed_plan_version": 1, "lanes": [{"segments": [{"group", "tp", "stages"}, ...],
-"plan": <a Plan's JSON>}, ...]} (docs/cost-model.md, "Mixed clusters"). Reading one runs no code.
+"plan": <a Plan's JSON>}, ...]} (docs/hardware.md, "Mixed clusters"). Reading one runs no code.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The mixed twin of `autopar.workload.Workload`: one job over a cluster of several GPU groups.
 
-A mixed plan is priced by pricing homogeneous plans on each group's hardware (docs/cost-model.md,
+A mixed plan is priced by pricing homogeneous plans on each group's hardware (docs/hardware.md,
 "Mixed clusters"), so the one thing this type adds is `on_group`: the homogeneous workload a lane
 or a segment of a lane is priced on.
 """
