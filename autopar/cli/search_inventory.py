@@ -9,11 +9,13 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from autopar.cli.common import DEFAULT_CLUSTER, load_workload, print_json, workload_dict
+from autopar.cli.common import DEFAULT_CLUSTER, load_workload, print_json
 from autopar.cli.explain import check_plot
 from autopar.errors import AutoparError
-from autopar.mixed.inventory import OBJECTIVES, Goal, choose, common_precision, frontier, \
+from autopar.mixed.inventory import OBJECTIVES, Goal, check_budget, choose, common_precision, frontier, \
     load_inventory, plan_choices
+from autopar.mixed.plan import MixedPlan
+from autopar.mixed.search import METHODS, search_mixed
 from autopar.plots.frontier import frontier_figure
 from autopar.report import params_text, print_estimate
 
@@ -44,11 +46,12 @@ def check_inventory_flags(args) -> None:
                                "(see examples/inventory.json)")
         return
     for flag, bad in (("--cluster", args.cluster != DEFAULT_CLUSTER), ("--nodes", args.nodes is not None),
-                      ("--gpus-per-node", args.gpus_per_node is not None), ("--fix", bool(args.fix)),
-                      ("--method", args.method != "exhaustive")):
+                      ("--gpus-per-node", args.gpus_per_node is not None), ("--fix", bool(args.fix))):
         if bad:
-            raise AutoparError(f"--inventory chooses the cluster and plans each choice with the exact search; leave "
-                               f"out {flag}")
+            raise AutoparError(f"--inventory chooses the cluster (the nodes of each group); leave out {flag}")
+    if args.method not in METHODS:
+        raise AutoparError(f"--method {args.method} plans one GPU type; with --inventory (choices of several "
+                           f"groups) use {', '.join(METHODS[:-1])} or {METHODS[-1]}")
 
 
 def run_inventory(args) -> int:
@@ -57,6 +60,7 @@ def run_inventory(args) -> int:
     goal = Goal(args.objective or "time", args.budget_per_hour, args.deadline_hours, args.train_tokens)
     check_plot(args)  # a missing matplotlib or a directory fails before the search
     inventory = load_inventory(args.inventory)
+    check_budget(inventory, goal)  # before the model is profiled
     args.precision = common_precision(inventory.offers, args.precision)
     console = Console(stderr=args.json)
     with console.status("profiling the model"):
@@ -64,9 +68,10 @@ def run_inventory(args) -> int:
         args.cluster, args.nodes = first.preset, first.nodes  # the profile: any group's cluster will do
         base = dataclasses.replace(load_workload(args), cluster=first.cluster)
     with console.status("planning the choices") as status:
-        options, failed = plan_choices(base, inventory, mixed=None,
-                                       progress=lambda done, total: status.update(f"planned {done} of {total} choices"))
-    chosen = choose(options, goal)
+        options, failed = plan_choices(
+            base, inventory, mixed=lambda mw: _mixed(mw, args.method), goal=goal,
+            progress=lambda done, total: status.update(f"planned {done} of {total} choices ({args.method})"))
+    chosen = choose(options, goal, failed)
     front = frontier([o for o in options if goal.meets(o)])
     if args.output:
         chosen.plan.save(args.output)
@@ -78,7 +83,9 @@ def run_inventory(args) -> int:
                     "plan": chosen.plan.to_dict(), "estimate": chosen.estimate.to_dict(),
                     "frontier": [_option_dict(o, goal) for o in front],
                     "choices": len(options) + len(failed), "without_plan": failed,
-                    "workload": workload_dict(base), "wall_time_s": wall, "plot": args.plot})
+                    "cluster": chosen.workload.cluster.to_dict(), "model": base.profile.name,
+                    "global_batch": base.global_batch, "precision": base.precision, "method": args.method,
+                    "wall_time_s": wall, "plot": args.plot})
         return 0
     p = base.profile
     console.print(f"[bold]{p.name}[/bold] · {params_text(p.params)} parameters, global batch {base.global_batch}, "
@@ -86,15 +93,35 @@ def run_inventory(args) -> int:
                   + ", ".join(f"{o.name} ({o.nodes} x {o.cluster.gpus_per_node} {o.cluster.gpu.name}, "
                               f"${o.price_per_gpu_hour:g}/GPU-hour)" for o in inventory.offers), highlight=False)
     console.print(f"[bold]choice: {chosen.label}[/bold] ({_answer(chosen, goal)})", highlight=False)
-    print_estimate(console, chosen.plan, chosen.estimate)
+    if isinstance(chosen.plan, MixedPlan):
+        print_mixed(console, chosen.plan, chosen.estimate)
+    else:
+        print_estimate(console, chosen.plan, chosen.estimate)
     console.print(frontier_table(front, chosen, goal))
     for why, labels in _by_reason(failed).items():
-        console.print(f"no plan on {', '.join(labels)}: {why}", style="yellow", markup=False, highlight=False)
-    console.print(f"{len(options) + len(failed)} choices planned, {len(options)} with a plan, "
-                  f"{sum(goal.meets(o) for o in options)} meeting the goal, in {wall:.1f} s"
+        console.print(f"{', '.join(labels)}: {why}", style="yellow", markup=False, highlight=False)
+    console.print(f"{len(options) + len(failed)} choices of nodes, {len(options)} planned with a plan, "
+                  f"{sum(goal.meets(o) for o in options)} meeting the goal; {args.method} search for the choices of "
+                  f"several groups; {wall:.1f} s"
                   + (f"; plan written to {args.output}" if args.output else "")
                   + (f"; plot written to {args.plot}" if args.plot else ""), highlight=False)
     return 0
+
+
+def _mixed(mw, method: str):
+    """The mixed search's plan and estimate for a choice of several groups."""
+    result = search_mixed(mw, method)
+    return result.plan, result.estimate
+
+
+def print_mixed(console, plan, est) -> None:
+    """A mixed plan lane by lane (each lane's samples per step, its groups and knobs) and its prediction."""
+    for i, lane in enumerate(plan.lanes, 1):
+        console.print(f"lane {i}: {lane.share} samples per step on "
+                      + ", ".join(f"{s.group} ({lane.segment_gpus(s)} GPUs, tp{s.tp} x {s.stages} stages)"
+                                  for s in lane.segments) + f": {lane.plan.describe()}", markup=False, highlight=False)
+    console.print(f"predicted: {est.tokens_per_s:,.0f} tokens/s, {est.iteration_time_s:.3f} s per step, MFU "
+                  f"{est.mfu:.1%}", highlight=False)
 
 
 def _by_reason(failed: dict[str, str]) -> dict[str, list[str]]:

@@ -239,24 +239,29 @@ def mixed_twin(base, cluster: MixedCluster) -> MixedWorkload:
                          expert_imbalance=base.expert_imbalance, fp8=base.fp8)
 
 
-def plan_choices(base, inventory: Inventory, mixed=None, progress=None) -> tuple[list[Option], dict[str, str]]:
-    """Every choice of `inventory` with its best plan, and {label: why no plan} for the choices without one.
+def plan_choices(base, inventory: Inventory, mixed=None, goal: Goal | None = None,
+                 progress=None) -> tuple[list[Option], dict[str, str]]:
+    """Every choice of `inventory` with its best plan, and {label: why it has none} for the others.
 
     `base`: the Workload (model profile, batch, precision, runtime) every choice trains; a choice of one group
     plans `base` on that group's hardware at those nodes (`best_homogeneous`), a choice of several plans its
     MixedWorkload with `mixed(mixed_workload)` -> (plan, estimate) (None: such choices are left out, said so).
+    A choice over `goal`'s budget per hour (known before planning) is not planned.
     `progress(done, total)` is called after each choice."""
     options, failed = [], {}
     choices = inventory.choices()
     for done, nodes in enumerate(choices, 1):
-        label = inventory.label(nodes)
-        cluster = inventory.cluster(nodes)
+        label, price = inventory.label(nodes), inventory.price_per_hour(nodes)
         try:
+            if goal is not None and goal.budget_per_hour is not None and price > goal.budget_per_hour:
+                failed[label] = f"not planned: over the budget of ${goal.budget_per_hour:,.2f}/hour"
+                continue
+            cluster = inventory.cluster(nodes)
             if not isinstance(cluster, MixedCluster):
                 workload = dataclasses.replace(base, cluster=cluster)
                 plan, est = best_homogeneous(workload)
             elif mixed is None:
-                failed[label] = "the mixed search is not available"
+                failed[label] = "not planned: the mixed search is not available"
                 continue
             else:
                 workload = mixed_twin(base, cluster)
@@ -267,8 +272,7 @@ def plan_choices(base, inventory: Inventory, mixed=None, progress=None) -> tuple
         finally:
             if progress is not None:
                 progress(done, len(choices))
-        options.append(Option(nodes, label, cluster.num_gpus, inventory.price_per_hour(nodes), est.tokens_per_s,
-                              plan, est, workload))
+        options.append(Option(nodes, label, cluster.num_gpus, price, est.tokens_per_s, plan, est, workload))
     return options, failed
 
 
@@ -307,6 +311,17 @@ class Goal:
         return (o.dollars_per_mtoken, -o.tokens_per_s, o.gpus, o.label)
 
 
+def check_budget(inventory: Inventory, goal: Goal) -> None:
+    """A budget per hour no choice meets is one line naming the cheapest, before anything is planned."""
+    if goal.budget_per_hour is None:
+        return
+    nodes = min(inventory.choices(), key=inventory.price_per_hour)
+    if inventory.price_per_hour(nodes) > goal.budget_per_hour:
+        raise InventoryError(f"no choice costs at most ${goal.budget_per_hour:,.2f}/hour: the cheapest, "
+                             f"{inventory.label(nodes)}, costs ${inventory.price_per_hour(nodes):,.2f}/hour; raise "
+                             "--budget-per-hour")
+
+
 def frontier(options: list[Option]) -> list[Option]:
     """The options no other dominates, fastest first (of equal points, the one with fewer GPUs)."""
     out, cheapest = [], math.inf
@@ -317,11 +332,14 @@ def frontier(options: list[Option]) -> list[Option]:
     return out
 
 
-def choose(options: list[Option], goal: Goal) -> Option:
-    """The best option meeting the goal's limits; none meeting them is one line naming the nearest."""
+def choose(options: list[Option], goal: Goal, failed: dict[str, str] | None = None) -> Option:
+    """The best option meeting the goal's limits; none meeting them is one line naming the nearest (or, with
+    no option at all, the first of `failed`'s reasons)."""
     if not options:
-        raise InventoryError("no choice of the inventory has a plan that fits; see the reasons above, or add "
-                             "nodes or GPUs with more memory")
+        first = next(iter((failed or {}).items()), None)
+        why = "" if first is None else f" ({first[0]}: {first[1]}" + (
+            f"; and {len(failed) - 1} more)" if len(failed) > 1 else ")")
+        raise InventoryError(f"no choice of the inventory has a plan{why}; add nodes or GPUs with more memory")
     fits = [o for o in options if goal.meets(o)]
     if fits:
         return min(fits, key=goal.key)
@@ -329,13 +347,13 @@ def choose(options: list[Option], goal: Goal) -> Option:
     within = [o for o in options if budget is None or o.price_per_hour <= budget]
     if not within:
         nearest = min(options, key=lambda o: (o.price_per_hour, -o.tokens_per_s))
-        raise InventoryError(f"no choice costs at most ${budget:,.2f}/hour: the cheapest, {nearest.label} "
-                             f"({nearest.gpus} GPUs), costs ${nearest.price_per_hour:,.2f}/hour; raise "
-                             "--budget-per-hour")
+        raise InventoryError(f"no choice with a plan costs at most ${budget:,.2f}/hour: the cheapest, "
+                             f"{nearest.label} ({nearest.gpus} GPUs), costs ${nearest.price_per_hour:,.2f}/hour; "
+                             "raise --budget-per-hour")
     nearest = max(within, key=lambda o: (o.tokens_per_s, -o.dollars_per_mtoken))
     under = f" within ${budget:,.2f}/hour" if budget is not None else ""
     raise InventoryError(f"no choice{under} trains {tokens:,.4g} tokens in {deadline:g} hours: the fastest, "
                          f"{nearest.label} ({nearest.tokens_per_s:,.0f} tokens/s), takes "
                          f"{nearest.hours(tokens):,.1f} hours (${nearest.dollars(tokens):,.0f}); raise "
-                         f"--deadline-hours, lower --train-tokens" + (", or raise --budget-per-hour" if under else "")
+                         "--deadline-hours or lower --train-tokens" + (", raise --budget-per-hour" if under else "")
                          + " or add nodes to the inventory")
