@@ -117,6 +117,8 @@ def test_json_groups_as_preset_overrides_with_names_and_a_partial_link():
     ({"groups": [{"name": "a/b", "preset": "dgx-h100"}, {"preset": "dgx-a100-80g"}]}, "group name 'a/b'"),
     ({"groups": [{"preset": "dgx-h100", "node": {"nics": 0}}, {"preset": "dgx-a100-80g"}]}, "has no NIC"),
     ({"groups": [{"preset": "dgx-h100"}, {"preset": "dgx-a100-80g"}], "schema_version": 9}, "schema_version is 9"),
+    ({"groups": [{"preset": "dgx-h100", "gpus_per_node": 2000}, {"preset": "dgx-a100-80g"}]},
+     "groups[0] has 2000 GPUs per node"),
 ])
 def test_bad_documents_are_one_line_naming_the_key(doc, words):
     with pytest.raises(ClusterError) as e:

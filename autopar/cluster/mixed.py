@@ -30,7 +30,7 @@ from autopar.cluster.hardware import NIC_KINDS, Link
 from autopar.cluster.io import _check_keys, _number, _object, _read_json, cluster_from_dict, load_cluster
 from autopar.cluster.topology import SCHEMA_VERSION, Cluster
 from autopar.errors import AutoparError, ClusterError, PlanError
-from autopar.schema import MAX_GPUS, Anything, check
+from autopar.schema import MAX_GPUS, Anything, check, check_gpus
 
 MAX_GROUPS = 16  # groups of one mixed cluster: the mixed searches enumerate placements over them
 SPEC_FORM = "PRESET:NODES,PRESET:NODES (e.g. dgx-a100-80g:2,dgx-h100:2)"
@@ -293,7 +293,7 @@ def mixed_from_dict(d: object, source: str = "cluster JSON") -> MixedCluster:
     """Validate a cluster document with groups and build the MixedCluster; errors name `source` and the key."""
     try:
         return _mixed(d, source)
-    except ClusterError as e:
+    except AutoparError as e:
         message = str(e)
         raise ClusterError(message if message.startswith(f"{source}: ") else f"{source}: {message}") from None
 
@@ -315,8 +315,10 @@ def _mixed(d: object, source: str) -> MixedCluster:
         if "groups" in entry:
             raise ClusterError(f"groups[{i}] has groups of its own; a group is one homogeneous cluster")
         label = entry.get("name", entry.get("preset"))
-        groups.append(cluster_from_dict({**entry, "name": label} if "name" not in entry and label else entry,
-                                        f"{source}: groups[{i}]"))
+        group = cluster_from_dict({**entry, "name": label} if "name" not in entry and label else entry,
+                                  f"{source}: groups[{i}]")
+        check_gpus(group.nodes, group.gpus_per_node, f"groups[{i}]")  # as load_cluster bounds one cluster
+        groups.append(group)
         given.append("name" in entry)
     names = unique_names([group.name for group in groups])
     for i, (label, group) in enumerate(zip(names, groups)):
