@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from autopar.capability.mixed import check_mixed
 from autopar.cluster.mixed import MixedCluster, load_any_cluster
 from autopar.errors import AutoparError, ModelFileError
 from autopar.executor.launch import LaunchResult, launch
@@ -20,6 +21,7 @@ from autopar.executor.mesh import resolve_backend
 from autopar.executor.mixed_layout import check_world, rank_labels
 from autopar.executor.mixed import preflight_mixed
 from autopar.executor.options import RunOptions
+from autopar.executor.support import target
 from autopar.knobs import storage_dtype
 from autopar.mixed.plan import MixedPlan
 from autopar.mixed.workload import MixedWorkload
@@ -60,6 +62,7 @@ def run_mixed(plan_path, model, model_args: dict, options: RunOptions, *, cluste
                            f"lanes name: --cluster PRESET:NODES,PRESET:NODES")
     check_world(mixed, options.world_size, f"--nnodes {options.nnodes} x --nproc-per-node {options.nproc_per_node}")
     options = replace(options, backend=resolve_backend(options.backend, options.nproc_per_node))
+    check_mixed(mixed, target(options.backend))  # what the executor cannot run, before the profile's process
     model_file = load_model_file(model)
     precision = mixed.lanes[0].plan.precision
     timeout = DEFAULT_PROFILE_TIMEOUT if profile_timeout is None else profile_timeout
