@@ -37,7 +37,9 @@ def add_parser(sub) -> None:
                         "cluster (--cluster A:N,B:M): exhaustive, metis or rl")
     p.add_argument("--policy", metavar="policy.zip", help="rl: a trained policy (default: the shipped one)")
     p.add_argument("--trials", type=int, default=200, help="optuna/random: cost-model evaluations (default 200)")
-    p.add_argument("--storage", metavar="URL", help="optuna: study storage, e.g. sqlite:///study.db (resumable)")
+    p.add_argument("--storage", metavar="URL",
+                   help="optuna: study storage, resumable: sqlite:///study.db, or a database server that processes "
+                        "on several machines share, postgresql://user:password@host/db (docs/cluster.md)")
     p.add_argument("--study-name", help="optuna: study name within the storage")
     p.add_argument("--seed", type=int, default=0, help="optuna/random/rl sampling seed (default 0)")
     p.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",

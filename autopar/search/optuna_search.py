@@ -7,11 +7,13 @@ suggests a position in [0, 1] and the walk takes the valid choice nearest to it
 is a valid plan. Every
 trial suggests every knob, including the ones its plan ignores, so multivariate TPE models
 the knobs jointly. Plans that do not fit in memory are infeasible through a constraint (peak
-memory minus GPU memory). With a storage URL the study is resumable: `trials` is the study's
-total budget, so rerunning a killed search runs only the trials still missing, and processes
-sharing one study stop together at exactly the budget. Trials beat a heartbeat on the storage:
-one left RUNNING by a killed process is failed after GRACE_S and retried with its parameters
-(Optuna's RetryHeartbeatStaleTrialCallback, which replaced RetryFailedTrialCallback in 4.9).
+memory minus GPU memory). With a storage URL (SQLite's file, or a PostgreSQL server that
+processes on several machines share: autopar/search/study_storage.py) the study is resumable:
+`trials` is the study's total budget, so rerunning a killed search runs only the trials still
+missing, and processes sharing one study stop together at exactly the budget. Trials beat a
+heartbeat on the storage: one left RUNNING by a killed process is failed after GRACE_S and retried
+with its parameters (Optuna's RetryHeartbeatStaleTrialCallback, which replaced
+RetryFailedTrialCallback in 4.9).
 """
 
 from __future__ import annotations
@@ -35,10 +37,9 @@ from autopar.plan import Plan
 from autopar.search.base import Planner
 from autopar.search.sampling import best_distinct, check_space, nearest
 from autopar.search.space import sample
+from autopar.search.study_storage import GRACE_S, HEARTBEAT_S, RETRIES, open_storage, shown
 
 CONSTRAINT = "memory_over_gb"  # peak memory per GPU minus GPU memory: feasible when <= 0
-HEARTBEAT_S = 1  # a running trial's heartbeat on the study storage
-GRACE_S = 5  # a trial without a heartbeat this long was killed: failed, then retried
 OPEN_ATTEMPTS = 5  # opening a storage that another process is creating at the same moment
 ORPHAN_S = 20  # a trial RUNNING this long that never beat was killed before its first heartbeat
 
@@ -127,24 +128,24 @@ class OptunaPlanner(Planner):
         name = self.study_name or (f"autopar-{key}" if self.storage else None)
         for attempt in range(OPEN_ATTEMPTS):
             try:
-                storage = self.storage and _rdb_storage(optuna, self.storage)
+                storage = self.storage and open_storage(self.storage)
                 study = optuna.create_study(storage=storage, study_name=name, load_if_exists=True,
                                             direction="minimize")
                 break
-            except (SQLAlchemyError, ImportError) as e:  # a bad URL or file, a database driver missing
+            except SQLAlchemyError as e:  # a bad URL or file, a server that refuses the connection
                 first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 # processes started together on a new database race to create its tables and version row
                 # ("already exists", "UNIQUE constraint failed", "locked"): the loser retries
-                if isinstance(e, SQLAlchemyError) and attempt + 1 < OPEN_ATTEMPTS:
+                if attempt + 1 < OPEN_ATTEMPTS:
                     time.sleep(0.2 * (attempt + 1))
                     continue
-                raise AutoparError(f"cannot open Optuna storage {self.storage!r}: {first_line}") from None
+                raise AutoparError(f"cannot open Optuna storage {shown(self.storage)}: {first_line}") from None
         made_for = study.user_attrs.get("workload_key")
         if made_for is None and not study.trials:
             study.set_user_attr("workload_key", key)
             study.set_user_attr("workload", workload.describe())
         elif made_for != key or study.direction != optuna.study.StudyDirection.MINIMIZE:
-            raise AutoparError(f"study {name!r} in {self.storage} was made for another search "
+            raise AutoparError(f"study {name!r} in {shown(self.storage)} was made for another search "
                                f"({study.user_attrs.get('workload', 'not autopar')}); use another --study-name")
         # a resumed study must not replay the first run's random start-up trials: offset the seed
         seed = None if self.seed is None else self.seed + len(study.trials)
@@ -164,7 +165,7 @@ def _fail_orphans(study) -> None:
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if t.datetime_start is not None and (now - t.datetime_start).total_seconds() > ORPHAN_S:
             study.tell(t.number, state=TrialState.FAIL)
-            RetryHeartbeatStaleTrialCallback(max_retry=3)(study, study.trials[t.number])
+            RetryHeartbeatStaleTrialCallback(max_retry=RETRIES)(study, study.trials[t.number])
 
 
 def _within_budget(trial, budget: int) -> None:
@@ -206,31 +207,6 @@ def _study_key(workload) -> str:
         key.append([[name, repr(value)] for name, value in workload.fixed])
     text = json.dumps(key, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def _rdb_storage(optuna, url: str):
-    """Optuna commits some 25 times a trial; on SQLite each commit waited for the disk, and a
-    200-trial study took minutes. WAL mode without a sync per commit loses nothing that was
-    committed when the process is killed (a power cut may lose the last trials)."""
-    from optuna.storages import RetryHeartbeatStaleTrialCallback  # optuna: heavy, imported on first use
-
-    # heartbeats: a trial whose process was killed is failed once its beat is GRACE_S old (the next
-    # optimize call of any process on the study checks), and retried with the same parameters
-    storage = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-                                         heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
-    if storage.engine.dialect.name == "sqlite":
-        from sqlalchemy import event  # sqlalchemy: heavy, imported on first use
-
-        event.listen(storage.engine, "connect", _sqlite_wal)
-        storage.engine.dispose()  # reconnect with the pragmas
-    return storage
-
-
-def _sqlite_wal(connection, _record) -> None:
-    cursor = connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.close()
 
 
 def _import_optuna():
