@@ -57,6 +57,9 @@ def test_a_lane_on_one_group_is_the_homogeneous_estimate_exactly(mw, group, fiel
     assert priced.iteration_time_s == homogeneous.iteration_time_s
     assert priced.segments[0].peak_memory_bytes == homogeneous.peak_memory_bytes
     assert lane_time(mw, lane, lane.share) == (homogeneous.iteration_time_s if homogeneous.fits else math.inf)
+    alone = estimate_mixed(replace(mw, global_batch=lane.share), MixedPlan((lane,)))  # one lane: no cross sync
+    assert (alone.iteration_time_s, alone.tokens_per_s) == (homogeneous.iteration_time_s, homogeneous.tokens_per_s)
+    assert alone.mfu == pytest.approx(homogeneous.mfu, rel=1e-12)  # the same quotient, divided in another order
 
 
 def test_a_lane_split_into_segments_of_one_group_prices_as_the_whole(mw):
