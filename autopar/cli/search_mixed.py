@@ -11,6 +11,7 @@ from autopar.cli.common import load_workload, print_json
 from autopar.cluster.mixed import MixedCluster, load_any_cluster
 from autopar.errors import AutoparError
 from autopar.mixed.search import METHODS, search_mixed
+from autopar.mixed.why import summary, why_table
 from autopar.report import params_text
 
 HOMOGENEOUS_ONLY = ("fix", "policy", "storage", "study_name", "plot")  # flags the mixed search does not take
@@ -56,17 +57,18 @@ def run_mixed(args) -> int:
         return 0
     console.print(f"[bold]{mw.describe()}[/bold]  ·  {params_text(mw.profile.params)} parameters")
     for i, lane in enumerate(result.plan.lanes, 1):
-        console.print(f"lane {i}: {lane.share} samples per step on "
-                      + ", ".join(f"{s.group} ({lane.segment_gpus(s)} GPUs, tp{s.tp} x {s.stages} stages)"
-                                  for s in lane.segments), markup=False)
-        console.print(f"  {lane.plan.describe()}", markup=False)
-    console.print(f"predicted: {est.tokens_per_s:,.0f} tokens/s, {est.iteration_time_s:.3f} s per step, "
-                  f"MFU {est.mfu:.1%}")
+        console.print(f"lane {i}: {lane.describe()}", markup=False)
+    console.print(summary(est), markup=False)
     if best is None:
         console.print("best single group: none (no group alone fits the model at this batch)")
     else:
         console.print(f"best single group: {best[0]} alone, {best[2].tokens_per_s:,.0f} tokens/s "
-                      f"({best[1].describe()}); the mixed plan is {result.gain:.2f}x", markup=False)
+                      f"({best[1].describe()}): the mixed plan is {result.gain:.2f}x", markup=False)
+    alone = {g: v[1].tokens_per_s for g, v in result.single.items() if v is not None}
+    table, lines = why_table(mw, est, alone)
+    console.print(table)
+    for line in lines:
+        console.print(line, markup=False)
     console.print(f"{args.method} (mixed): {result.seconds:.2f} s searching, {wall:.2f} s in all"
                   + ("" if result.exact else "; the time limit cut the share grid short")
                   + (f"; plan written to {args.output}" if args.output else ""))

@@ -11,10 +11,13 @@ Three kinds of plan are weighed, and the fastest (by `estimate_mixed`) is the an
 What is exact and what is not (method "exhaustive", the oracle):
 - (1) and each lane's plan at a share are the exact homogeneous search (ExhaustivePlanner) on that
   group's hardware: exact over the plan space, per-stage blocks and recompute included.
-- (2) is exact over shares that are multiples of `shares.quantum` (at most GRID units of the batch) and
-  over every set of used groups (up to MAX_SUBSETS_GROUPS groups; beyond, the fastest k groups for each
-  k), given that the cross-lane all-reduce depends only on which groups take part. Finer shares, or a
-  lane on part of a group, are not searched.
+- (2) is exact over shares that are multiples of `shares.quantum` (at most GRID units of the batch), over
+  every set of used groups (up to MAX_SUBSETS_GROUPS groups; beyond, the fastest k groups for each k) and
+  over the width of the gradients the lanes all-reduce across groups (fp32 allowed, or every lane's in the
+  16-bit training dtype: the search held at that width, where it can beat the best found), because the
+  cross-lane all-reduce depends only on the groups used and that width. "Exact" inherits the homogeneous
+  search's 0.5% tie band (it returns the simplest plan within it). Finer shares, or a lane on part of a
+  group, are not searched.
 - (3) is a heuristic: see spanning.py. A spanning lane beside data-parallel lanes is not searched.
 
 "metis" (Metis, Um et al., ATC'24): shares (and a spanning pipeline's blocks) proportional to each group's
@@ -26,14 +29,16 @@ grid next to the proportional one; the share DP finishes. Both price far fewer l
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
 from dataclasses import dataclass
 
 from autopar.cost import estimate
-from autopar.errors import AutoparError, NoValidPlanError, PlanError
-from autopar.mixed.cost import estimate_mixed
+from autopar.errors import AutoparError, NoValidPlanError
+from autopar.knobs import storage_dtype
+from autopar.mixed.cost import cross_sync, estimate_mixed
 from autopar.mixed.plan import Lane, MixedPlan, Segment
 from autopar.mixed.shares import GRID, best_shares, quantum
 from autopar.mixed.spanning import search_spanning
@@ -69,22 +74,31 @@ class MixedResult:
 
 
 class _Lanes:
-    """Each group's best homogeneous plan at a share, memoised: (Plan, seconds) or None (no plan)."""
+    """Each group's best homogeneous plan at a share, memoised: (Plan, seconds) or None (no plan). With
+    `narrow`, the best whose gradients cross the lanes in the 16-bit training dtype (the knob held there)."""
 
     def __init__(self, mw, method: str, deadline: float):
         self.mw, self.method, self.deadline = mw, method, deadline
         self.planner = get_planner("rl", **RL_OPTIONS) if method == "rl" else ExhaustivePlanner()
         self.memo: dict = {}
         self.cut = False  # a share left unpriced for the time limit
+        dtype = storage_dtype(mw.precision)
+        self.narrow_dtype = None if dtype == "fp32" else dtype
 
-    def best(self, group: str, share: int, required: bool = False) -> tuple[Plan, float] | None:
-        key = (group, share)
+    def best(self, group: str, share: int, required: bool = False, narrow: bool = False) -> tuple[Plan, float] | None:
+        key = (group, share, narrow)
         if key in self.memo:
             return self.memo[key]
+        if narrow:
+            wide = self.best(group, share)
+            if wide is not None and wide[0].grad_comm_dtype == self.narrow_dtype:
+                return wide
         if not required and time.perf_counter() > self.deadline:
             self.cut = True
             return None
         workload = self.mw.on_group(group, self.mw.cluster.group(group).num_gpus, share)
+        if narrow:
+            workload = dataclasses.replace(workload, fixed=(("grad_comm_dtype", self.narrow_dtype),))
         try:
             if isinstance(self.planner, ExhaustivePlanner):
                 pa, res = self.planner.ranked(workload, 1)
@@ -97,12 +111,14 @@ class _Lanes:
         self.memo[key] = found
         return found
 
-    def table(self, group: str, units: int, q: int, ks) -> list[float]:
-        """Lane times of `group` at k units (k in `ks`; inf elsewhere), index 0 unused."""
+    def table(self, group: str, units: int, q: int, ks, narrow: bool = False, below: float = math.inf) -> list[float]:
+        """Lane times of `group` at k units (k in `ks` where the wide plan is faster than `below`; inf
+        elsewhere), index 0 unused."""
         out = [math.inf] * (units + 1)
         for k in ks:
-            found = self.best(group, k * q)
-            out[k] = math.inf if found is None else found[1]
+            wide = self.best(group, k * q)
+            found = wide if not narrow or wide is None or wide[1] >= below else self.best(group, k * q, narrow=True)
+            out[k] = math.inf if found is None or found[1] >= below else found[1]
         return out
 
 
@@ -130,22 +146,27 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
     candidates = [MixedPlan((lane_of(g, v[0]),)) for g, v in single.items() if v is not None]
     speed = {g: v[1].tokens_per_s for g, v in single.items() if v is not None}
     if method == "exhaustive":
-        tables = {g: lanes.table(g, units, q, range(1, units + 1)) for g in names}
+        ks = {g: range(1, units + 1) for g in names}
     else:
         near = _proportional(speed, names, units)
         spread = (0,) if method == "metis" else (-1, 0, 1)
-        tables = {g: lanes.table(g, units, q, sorted({min(max(near[g] + d, 1), units) for d in spread}))
-                  for g in names}
-    candidates += _lane_plans(lanes, tables, names, units, q, speed)
+        ks = {g: sorted({min(max(near[g] + d, 1), units) for d in spread}) for g in names}
+    wide = {g: lanes.table(g, units, q, ks[g]) for g in names}
+    candidates += [mp for _, mp in _lane_plans(lanes, wide, _subsets(names, speed), units, q)]
     spanning = search_spanning(mw, speed, exact=method == "exhaustive", deadline=deadline) \
         if method != "rl" or not candidates else None
     if spanning is not None:
         candidates.append(MixedPlan((spanning,)))
-    best, best_est = None, None
-    for mp in candidates:
-        est = estimate_mixed(mw, mp)
-        if est.fits and (best_est is None or est.iteration_time_s < best_est.iteration_time_s):
-            best, best_est = mp, est
+    best, best_est = _fastest(mw, candidates)
+    if lanes.narrow_dtype is not None:  # lanes whose gradients cross in 16 bits: a cheaper cross-lane all-reduce
+        for used in _subsets(names, speed):
+            bound = (math.inf if best_est is None else best_est.iteration_time_s) - cross_sync(
+                mw, [_probe(mw, g, lanes.narrow_dtype) for g in used])
+            if best_shares([wide[g] for g in used], units)[0] >= bound:
+                continue  # a held knob never makes a lane faster: these lanes cannot beat the best
+            narrow = {g: lanes.table(g, units, q, ks[g], narrow=True, below=bound) for g in used}
+            found = [mp for _, mp in _lane_plans(lanes, narrow, [used], units, q, narrow=True)]
+            best, best_est = _fastest(mw, found, best, best_est)
     if best is None:
         raise NoValidPlanError(f"{mw.profile.name} fits no plan on {mw.cluster.name}: no group alone, no "
                                f"data-parallel lanes and no pipeline across the groups fit in memory; use more "
@@ -185,12 +206,28 @@ def _subsets(names, speed: dict):
         yield tuple(g for g in names if g in ranked[:r])
 
 
-def _lane_plans(lanes: _Lanes, tables: dict, names, units: int, q: int, speed: dict) -> list[MixedPlan]:
-    """For each set of two or more used groups, the lanes with the shares minimising the slowest lane."""
+def _lane_plans(lanes: _Lanes, tables: dict, subsets, units: int, q: int, narrow: bool = False):
+    """For each set of used groups, (slowest lane, the lanes) with the shares minimising the slowest lane."""
     out = []
-    for used in _subsets(names, speed):
+    for used in subsets:
         slowest, split = best_shares([tables[g] for g in used], units)
-        if not math.isfinite(slowest):
-            continue
-        out.append(MixedPlan(tuple(lane_of(g, lanes.best(g, k * q)[0]) for g, k in zip(used, split))))
+        if math.isfinite(slowest):
+            plans = [lanes.best(g, k * q, narrow=narrow)[0] for g, k in zip(used, split)]
+            out.append((slowest, MixedPlan(tuple(lane_of(g, p) for g, p in zip(used, plans)))))
     return out
+
+
+def _fastest(mw, plans, best=None, best_est=None):
+    """The fastest of `plans` that fits (by `estimate_mixed`), or (best, best_est) when none beats them."""
+    for mp in plans:
+        est = estimate_mixed(mw, mp)
+        if est.fits and (best_est is None or est.iteration_time_s < best_est.iteration_time_s):
+            best, best_est = mp, est
+    return best, best_est
+
+
+def _probe(mw, group: str, dtype: str) -> Lane:
+    """A lane on all of `group`'s GPUs whose gradients cross in `dtype`: what `cross_sync` reads of a lane."""
+    n = _gpus(mw, group)
+    return Lane((Segment(group, 1, 1),), Plan(dp=n, tp=1, pp=1, micro_batch_size=1, num_micro_batches=1,
+                                               grad_comm_dtype=dtype))

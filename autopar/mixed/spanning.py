@@ -21,7 +21,7 @@ import math
 import time
 
 from autopar.errors import PlanError
-from autopar.knobs import balanced_split
+from autopar.knobs import FP8_RECIPES, balanced_split
 from autopar.mixed.cost import lane_time
 from autopar.mixed.plan import Lane, Segment
 from autopar.plan import Plan
@@ -140,6 +140,7 @@ def _price(mw, config, split) -> tuple[float, Lane] | None:
     for recompute in ("none", "full"):
         try:
             plan = Plan(dp=dp, tp=tps[0], pp=pp, precision=mw.precision,
+                        fp8_recipe=FP8_RECIPES[0] if mw.precision == "fp8" else "none",
                         micro_batch_size=mbs, num_micro_batches=mw.global_batch // (dp * mbs),
                         zero=1 if dp > 1 else 0, recompute=recompute,
                         recompute_blocks=max(layer_split) if recompute == "full" else 0,
