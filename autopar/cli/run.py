@@ -107,17 +107,23 @@ def _run_mixed(args, options: RunOptions, model_args: dict) -> int:
     table = Table(title=f"autopar run (mixed plan): {launched.outcome} in {launched.wall_s:.1f} s", title_justify="left")
     table.add_column("")
     table.add_column("measured", justify="right")
+    table.add_column("predicted", justify="right")
+    pred = ran.predicted
     for label in result.get("ranks", []):
-        table.add_row(f"rank {label['rank']}", f"group {label['group']}, lane {label['lane'] + 1}, segment "
-                      f"{label['segment'] + 1}, stage {label['stage']}, tp rank {label['tp_rank']}")
+        console.print(f"rank {label['rank']}: group {label['group']}, lane {label['lane'] + 1}, segment "
+                      f"{label['segment'] + 1}, stage {label['stage']}, tp rank {label['tp_rank']}", highlight=False)
     if m:
         unit = "tokens/s" if result.get("seq_len", 1) > 1 else "samples/s"
-        table.add_row("median step", f"{m['median_step_s'] * 1e3:,.1f} ms")
-        table.add_row(f"throughput ({unit})", f"{m['tokens_per_s']:,.0f}")
-        table.add_row("loss per step", " ".join(f"{x:.4f}" for x in m["losses"]))
+        table.add_row("median step", f"{m['median_step_s'] * 1e3:,.1f} ms",
+                      f"{pred['iteration_time_s'] * 1e3:,.1f} ms" if pred else "-")
+        table.add_row(f"throughput ({unit})", f"{m['tokens_per_s']:,.0f}", f"{pred['tokens_per_s']:,.0f}" if pred else "-")
+        table.add_row("loss per step", " ".join(f"{x:.4f}" for x in m["losses"]), "")
         if "parity_max_rel_diff" in m:
-            table.add_row(f"parity vs 1 process ({m.get('parity_reference', 'cpu fp32')})", m["parity_verdict"])
+            table.add_row(f"parity vs 1 process ({m.get('parity_reference', 'cpu fp32')})", m["parity_verdict"], "")
     console.print(table)
+    if pred:
+        console.print(f"predicted: on {args.cluster} (the ranks ran on this machine, {result.get('backend', '?')})",
+                      highlight=False, markup=False)
     if ran.note:
         console.print(ran.note, style="yellow", markup=False)
     logs = f"; every rank's output and the launcher's log: {launched.logs}" if launched.logs else ""

@@ -23,6 +23,7 @@ from autopar.executor.mixed import preflight_mixed
 from autopar.executor.options import RunOptions
 from autopar.executor.support import target
 from autopar.knobs import storage_dtype
+from autopar.mixed.cost import estimate_mixed
 from autopar.mixed.plan import MixedPlan
 from autopar.mixed.workload import MixedWorkload
 from autopar.modelfile import load_model_file
@@ -32,10 +33,12 @@ from autopar.profile.isolated import DEFAULT_PROFILE_TIMEOUT
 
 @dataclass(frozen=True)
 class MixedRun:
-    """How the run ended, the plan it ran, and a note when the plan was not checked against the model's profile."""
+    """How the run ended, the plan it ran, the cost model's figures for it on the named cluster, and a note
+    when there are none (the model could not be profiled, or the cost model refused)."""
 
     launched: LaunchResult
     plan: MixedPlan
+    predicted: dict | None = None  # the cost model's step and tokens/s on the named cluster (MixedEstimate.to_dict)
     note: str = ""
 
 
@@ -66,7 +69,7 @@ def run_mixed(plan_path, model, model_args: dict, options: RunOptions, *, cluste
     model_file = load_model_file(model)
     precision = mixed.lanes[0].plan.precision
     timeout = DEFAULT_PROFILE_TIMEOUT if profile_timeout is None else profile_timeout
-    note = ""
+    note, predicted = "", None
     try:
         profile = profile_model(model, model_args, dtype=storage_dtype(precision), timeout=timeout)
     except ModelFileError:
@@ -74,10 +77,15 @@ def run_mixed(plan_path, model, model_args: dict, options: RunOptions, *, cluste
     except AutoparError as e:
         profile, note = None, f"not checked against the cluster: the model could not be profiled: {e}"
     if profile is not None:
-        mixed.validate(MixedWorkload(profile, where, mixed.global_batch, fp8=precision == "fp8"))
+        workload = MixedWorkload(profile, where, mixed.global_batch, fp8=precision == "fp8")
+        mixed.validate(workload)
+        try:
+            predicted = estimate_mixed(workload, mixed).to_dict()
+        except AutoparError as e:
+            note = f"no prediction: the cost model cannot estimate this plan on {where.name}: {e}"
     preflight_mixed(mixed, model_file, model_args, options.backend)
     launched = launch(plan_path, model, model_args, options)
-    return MixedRun(launched, mixed, note)
+    return MixedRun(launched, mixed, predicted, note)
 
 
 def labels_text(mixed: MixedPlan) -> list[str]:
