@@ -151,6 +151,7 @@ class SpanningLane:
     device: torch.device
     groups: list = field(default_factory=list)
     _meta: list | None = None  # (shape, dtype) of the tensors crossing into this stage
+    _announced: bool = False  # the next stage knows the shapes of what this stage sends
 
     @property
     def first(self) -> bool:
@@ -211,7 +212,7 @@ class SpanningLane:
 
     def _announce(self, outputs: list[torch.Tensor]) -> None:
         """Before the first forward send: tell the next stage the shapes it receives."""
-        if self.last or not self._leader() or getattr(self, "_announced", False):
+        if self.last or not self._leader() or self._announced:
             return
         for dst in self._next():
             dist.send_object_list([[(tuple(t.shape), t.dtype) for t in outputs]], dst)
