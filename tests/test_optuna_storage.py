@@ -1,8 +1,9 @@
 """Optuna studies on a PostgreSQL server (issue 43): search processes share one study to its budget
 exactly, and one killed with SIGKILL loses no completed trial while its running trial is failed by
-its stale heartbeat and retried. The server is real: initdb and pg_ctl from the system's packages
-(.ci/run installs them), run as an unprivileged user (postgres refuses root) in a temporary
-folder on a free loopback port, stopped after the module."""
+its stale heartbeat and retried; processes sharing a study with one seed draw different plans. The
+server is real: initdb and pg_ctl from the system's packages (.ci/run installs them), run as an
+unprivileged user (postgres refuses root) in a temporary folder on a free loopback port, stopped
+after the module."""
 
 from __future__ import annotations
 
@@ -23,11 +24,9 @@ import pytest
 from conftest import workload
 
 from autopar.errors import AutoparError
-from autopar.search import get_planner
+from autopar.search import get_planner, optuna_search
 
 optuna = pytest.importorskip("optuna")
-psycopg = pytest.importorskip("psycopg", reason="the PostgreSQL driver: pip install -e '.[dev]'")
-pytestmark = pytest.mark.slow  # the server and the search processes are processes
 TESTS = Path(__file__).resolve().parent
 
 
@@ -49,6 +48,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def postgres():
     """A PostgreSQL server for the module; yields a function that creates a database and returns its URL."""
+    psycopg = pytest.importorskip("psycopg", reason="the PostgreSQL driver: pip install -e '.[dev]'")
     bindir = postgres_bin()
     if bindir is None:
         pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl): apt-get install postgresql (.ci/run does)")
@@ -152,6 +152,7 @@ def the_study(url):
     return optuna.load_study(study_name=name, storage=url)
 
 
+@pytest.mark.slow  # the server and the search processes
 def test_two_processes_share_one_study_to_its_budget_exactly(postgres, tmp_path):
     url, trials = postgres("budget"), 12
     children = start(tmp_path, ["one", "two"], url, trials)
@@ -166,6 +167,7 @@ def test_two_processes_share_one_study_to_its_budget_exactly(postgres, tmp_path)
     assert {t.state for t in study.trials} <= {optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED}
 
 
+@pytest.mark.slow
 def test_a_killed_process_loses_no_trial_and_its_running_trial_fails(postgres, tmp_path):
     url, trials = postgres("killed"), 10
     children = start(tmp_path, ["survivor", "victim"], url, trials)
@@ -193,6 +195,7 @@ def test_a_killed_process_loses_no_trial_and_its_running_trial_fails(postgres, t
     assert optuna.trial.TrialState.RUNNING not in {t.state for t in study.trials}
 
 
+@pytest.mark.slow
 def test_server_errors_are_one_line(postgres):
     """A server that refuses the connection, and a driver that is not installed: one line each, no password."""
     w = workload(size="tiny")
@@ -205,3 +208,15 @@ def test_server_errors_are_one_line(postgres):
         with pytest.raises(AutoparError, match=f"cannot open Optuna storage .*{why}") as e:
             get_planner("optuna", trials=2, storage=bad, progress=False).propose(w)
         assert "\n" not in str(e.value) and "secret" not in str(e.value), str(e.value)
+
+
+def test_processes_that_open_a_study_together_with_one_seed_draw_different_plans(tmp_path):
+    """Each trial of a stored study draws from the seed and its number: two searches that open an empty
+    study at the same moment with the default seed do not spend the budget on the same plans."""
+    w, url = workload(size="tiny"), f"sqlite:///{tmp_path}/study.db"
+    planners = [optuna_search.OptunaPlanner(trials=4, storage=url, progress=False) for _ in range(2)]
+    studies = [p._study(optuna, w) for p in planners]  # both open the study before either runs a trial
+    for planner, study in zip(planners, studies):
+        study.optimize(lambda trial: planner._objective(trial, w), n_trials=2)
+    drawn = [tuple(sorted(t.params.items())) for t in studies[0].trials]
+    assert len(drawn) == 4 and len(set(drawn)) == 4

@@ -99,6 +99,12 @@ class OptunaPlanner(Planner):
 
     def _objective(self, trial, workload) -> float:
         _within_budget(trial, self.trials)
+        if self.storage and self.seed is not None:
+            # a stored study draws each trial from the seed and its number: processes sharing the study
+            # with one --seed would otherwise draw the same plans, and a resumed run replay the first's
+            import optuna  # optuna: heavy, imported on first use
+
+            trial.study.sampler = optuna.samplers.TPESampler(multivariate=True, seed=self.seed + trial.number)
 
         constant = _constant_folded(workload)
 
@@ -147,9 +153,7 @@ class OptunaPlanner(Planner):
         elif made_for != key or study.direction != optuna.study.StudyDirection.MINIMIZE:
             raise AutoparError(f"study {name!r} in {shown(self.storage)} was made for another search "
                                f"({study.user_attrs.get('workload', 'not autopar')}); use another --study-name")
-        # a resumed study must not replay the first run's random start-up trials: offset the seed
-        seed = None if self.seed is None else self.seed + len(study.trials)
-        study.sampler = optuna.samplers.TPESampler(multivariate=True, seed=seed)
+        study.sampler = optuna.samplers.TPESampler(multivariate=True, seed=self.seed)
         return study
 
 
