@@ -29,8 +29,9 @@ def add_parser(sub) -> None:
     add_model_flags(p)
     add_seq_len_flag(p)
     p.add_argument("--trace", metavar="traces.jsonl", help="append the run's trace record here")
-    p.add_argument("--cluster", metavar="PRESET|FILE.json",
-                   help="the cluster to record and predict for (default: detected from this machine)")
+    p.add_argument("--cluster", metavar="PRESET|FILE.json|PRESET:NODES,...",
+                   help="the cluster to record and predict for (default: detected from this machine); a mixed "
+                        "plan's mixed cluster, whose groups its lanes name")
     add_run_flags(p)  # autopar/executor/options.py: steps, warm-up, ranks, backend, timeout, ...
     add_profile_timeout_flag(p)
     add_elastic_flags(p)
