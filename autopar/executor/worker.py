@@ -197,7 +197,7 @@ def _train(args: argparse.Namespace) -> None:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (times[options.warmup:] or times[-1:], peak_memory_bytes(par.device)))
     rank, backend, device = dist.get_rank(), dist.get_backend(), par.device
-    labels = getattr(par, "labels", None)  # a mixed plan's ranks
+    labels = par.labels if mixed is not None else None  # a mixed plan's ranks, by rank
     dist.barrier()  # no rank closes its connections while a peer still uses them
     # free the model (the reference needs the device's memory) and every reference to the process
     # groups (an elastic run holds `par` too), so that destroying them joins gloo's threads
