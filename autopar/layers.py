@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # Imported inside functions, where they are used, so `import autopar` and `autopar --help` stay light;
 # every other import sits at module level.
 LAZY_PACKAGES = ("torch", "stable_baselines3", "sb3_contrib", "optuna", "sqlalchemy", "transformers", "matplotlib",
-                 "megatron", "scipy", "torchao")
+                 "megatron", "scipy", "torchao", "submitit", "ray")
 
 
 def layer_of(module: str) -> int:

@@ -3,13 +3,23 @@ collect traces by running plans with the executor."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from rich.console import Console
 from rich.table import Table
 
+from autopar.atomic import check_output
 from autopar.cli.common import add_model_flags, parse_model_args, print_json
+from autopar.cli.launch_flags import add_launcher_flags, launcher_from_args
 from autopar.errors import AutoparError
 from autopar.executor.options import RunOptions, add_run_flags
+from autopar.cluster import detect, load_cluster
+from autopar.plan import Plan
+from autopar.profile import profile_model
 from autopar.traces.collect import collect
+from autopar.traces.launchers import RunSpec
+from autopar.traces.launchers.search import measured_search
+from autopar.workload import Workload
 from autopar.traces.record import check_trace_file
 from autopar.traces.summary import print_summary, summarize
 from autopar.traces.vtrain import CLUSTER as VTRAIN_CLUSTER
@@ -67,7 +77,33 @@ def add_parser(sub) -> None:
     col.add_argument("--seed", type=int, default=0, help="plan sampling seed (default 0)")
     col.add_argument("-o", "--output", required=True, metavar="traces.jsonl", help="trace file to append to")
     col.add_argument("--json", action="store_true", help="print the runs as JSON")
+    add_launcher_flags(col)  # autopar/cli/launch_flags.py
     col.set_defaults(func=run_collect)
+
+    srch = tsub.add_parser("search", help="a measured Optuna search: each trial a real run, appended as a trace",
+                           description="Search MODEL's plans on N ranks with Optuna (multivariate TPE), each trial "
+                                       "a real run through the launcher; the study holds the measured step times "
+                                       "(--storage: resumable, shared), every run is appended to the trace file. "
+                                       "With --launcher ray the trials are Ray Tune trials, Optuna the search "
+                                       "algorithm.")
+    add_model_flags(srch)
+    srch.add_argument("--trials", type=int, default=20, metavar="N",
+                      help="complete trials the study holds at the end (default 20)")
+    srch.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks per node (default 2)")
+    srch.add_argument("--global-batch", type=int, default=16, metavar="B", help="samples per step (default 16)")
+    srch.add_argument("--cluster", metavar="PRESET|FILE.json",
+                      help="cluster the plans are made for (default: the cpu preset on gloo, else detected)")
+    srch.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                      help="training precision (default fp32)")
+    add_run_flags(srch, COLLECT_RUN_FLAGS)
+    srch.add_argument("--storage", metavar="URL", help="Optuna storage of the study (sqlite:///f.db, postgresql://...)")
+    srch.add_argument("--study-name", help="study name within the storage (default autopar-measured-<key>)")
+    srch.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    srch.add_argument("-o", "--output", required=True, metavar="traces.jsonl", help="trace file to append to")
+    srch.add_argument("--plan-out", metavar="plan.json", help="write the best measured plan here")
+    srch.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_launcher_flags(srch, dry_run=False)
+    srch.set_defaults(func=run_search)
 
     show = tsub.add_parser("show", help="summarise a trace file",
                            description="Records by outcome, cluster and model; measured step times; the "
@@ -123,10 +159,16 @@ def run_collect(args) -> int:
         if getattr(args, flag) < 1:
             raise AutoparError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     err = Console(stderr=True)
+    say = lambda m: err.print(f"[dim]{m}[/dim]", markup=True, highlight=False)  # noqa: E731
+    launcher = launcher_from_args(args, say)  # a bad launcher flag fails before profiling
     runs = collect(args.model, parse_model_args(args.model_arg, None), args.global_batch, args.plans, nprocs,
                    cluster=args.cluster, precision=args.precision, output=args.output, options=options,
-                   seed=args.seed, repeats=args.repeats,
-                   progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+                   seed=args.seed, repeats=args.repeats, progress=say, launcher=launcher, nodes=args.nodes,
+                   dry_run=args.dry_run)
+    if args.dry_run:
+        for r in runs:
+            print(f"# plan on {r['ranks']} ranks: {r['plan']}\n{r['script']}")
+        return 0
     if args.json:
         print_json({"output": args.output, "runs": runs})
         return 0
@@ -138,4 +180,41 @@ def run_collect(args) -> int:
                       f"{r['measured_s'] * 1e3:.1f}" if r["measured_s"] else "-",
                       f"{r['predicted_s'] * 1e3:.1f}" if r["predicted_s"] else "-")
     Console().print(table)
+    return 0
+
+
+def run_search(args) -> int:
+    from autopar.executor.mesh import resolve_backend  # pulls torch: imported on first use
+
+    for flag in ("nproc", "global_batch"):
+        if getattr(args, flag) < 1:
+            raise AutoparError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.plan_out:
+        check_output(args.plan_out, "--plan-out")
+    err = Console(stderr=True)
+    launcher = launcher_from_args(args, lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
+    options = RunOptions.from_args(args, seed=0, nproc_per_node=args.nproc, nnodes=args.nodes)
+    options = dataclasses.replace(options, backend=resolve_backend(options.backend, args.nproc))
+    model_args = parse_model_args(args.model_arg, None)
+    profile = profile_model(args.model, model_args, dtype=args.precision)
+    base = load_cluster(args.cluster) if args.cluster else (load_cluster("cpu") if options.backend == "gloo"
+                                                           else detect())
+    workload = Workload(profile, base.with_nodes(args.nodes, args.nproc), args.global_batch)
+    spec = RunSpec(str(args.model), model_args, options, trace=args.output)
+    out = measured_search(workload, spec, launcher, args.trials, storage=args.storage, study_name=args.study_name,
+                          seed=args.seed, say=lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
+    if args.plan_out and out["best"]:
+        Plan.from_dict(out["best"]["plan"]).save(args.plan_out)
+    if args.json:
+        print_json(out)
+        return 0
+    table = Table(title=f"study {out['study']}: {out['trials']} trial(s); runs appended to {args.output}")
+    for col in ("trial", "plan", "outcome", "measured (ms)"):
+        table.add_column(col)
+    for r in out["runs"]:
+        table.add_row(str(r["trial"]), r["plan"], r["outcome"], f"{r['step_s'] * 1e3:.1f}" if r["step_s"] else "-")
+    Console().print(table)
+    best = out["best"]
+    Console().print(f"best measured: {Plan.from_dict(best['plan']).describe()} at {best['step_s'] * 1e3:.1f} ms per step"
+                    + (f"; written to {args.plan_out}" if args.plan_out else "") if best else "no trial ran a plan")
     return 0

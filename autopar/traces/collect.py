@@ -25,6 +25,7 @@ from autopar.plan import RECOMPUTE_MODES
 from autopar.profile import profile_model
 from autopar.search.exhaustive import ExhaustivePlanner, distinct
 from autopar.search.space import enumerate_plans
+from autopar.traces.launchers import RunSpec
 from autopar.workload import Workload
 
 STRUCTURE = ("dp", "tp", "pp", "micro_batch_size", "recompute", "zero")  # what calibration must see vary
@@ -62,13 +63,15 @@ def choose_plans(workload, k: int, seed: int = 0, backend: str = "gloo") -> list
 
 def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4), *, cluster=None,
             precision: str = "fp32", output, options=None, seed: int = 0, repeats: int = 1,
-            progress=None) -> list[dict]:
+            progress=None, launcher=None, nodes: int = 1, dry_run: bool = False) -> list[dict]:
     """Run `plans` plans spread over the process counts, `repeats` times each, append every record
     to `output`, and return one summary per run (plan, outcome, measured and predicted step time).
     Repeats go round by round (every plan once, then again), so a slow spell of a shared machine
     touches one run of many plans rather than every run of one; calibration takes the median of a
     plan's runs. `options`: the RunOptions of every run (default RunOptions()); its process count
-    is each of `nprocs` in turn."""
+    per node is each of `nprocs` in turn, on `nodes` nodes. `launcher`: where the runs run
+    (`autopar.traces.launchers`, default this machine); `dry_run`: submit nothing, and return each
+    plan's job script (in "script") instead."""
 
     from autopar.executor.mesh import resolve_backend  # pulls torch: imported on first use
     from autopar.traces.reward import MeasuredReward  # pulls torch: imported on first use
@@ -79,7 +82,8 @@ def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4
         raise AutoparError(f"need --plans >= 1, --repeats >= 1 and process counts >= 1, got {plans}, {repeats} "
                            f"and {nprocs}")
     options = options or RunOptions()
-    backend = resolve_backend(options.backend, max(nprocs))  # NCCL only with a GPU for every rank
+    # NCCL only with a GPU for every rank (of this machine: a scheduler's nodes need --backend nccl)
+    backend = resolve_backend(options.backend, max(nprocs))
     profile = profile_model(model, model_args, dtype=precision)
     base = load_cluster(cluster) if cluster else (load_cluster("cpu") if backend == "gloo" else detect())
     share = [plans // len(nprocs) + (1 if i < plans % len(nprocs) else 0) for i in range(len(nprocs))]
@@ -87,16 +91,21 @@ def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4
     for n, k in zip(nprocs, share):
         if k == 0:
             continue
-        workload = Workload(profile, base.with_nodes(1, n), global_batch)
+        workload = Workload(profile, base.with_nodes(nodes, n), global_batch)
         chosen = choose_plans(workload, k, seed, backend)
-        reward = MeasuredReward(model, model_args, replace(options, nproc_per_node=n, backend=backend),
-                                trace_path=output)
+        run_options = replace(options, nproc_per_node=n, nnodes=nodes, backend=backend)
+        if dry_run:
+            spec = RunSpec(str(model), model_args, run_options, trace=output)
+            runs += [{"ranks": n * nodes, "plan": plan.describe(), "script": launcher.script(plan, spec)}
+                     for plan in chosen]
+            continue
+        reward = MeasuredReward(model, model_args, run_options, trace_path=output, launcher=launcher)
         for j, plan in [*enumerate(chosen, start=1)] * repeats:  # round by round
-            say(f"{n} ranks, plan {j}/{len(chosen)}: {plan.describe()}")
+            say(f"{n * nodes} ranks, plan {j}/{len(chosen)}: {plan.describe()}")
             out = reward.run(plan)
             record = out["record"] or {}
             measured = (record.get("measured") or {}).get("median_step_s")
             predicted = (record.get("predicted") or {}).get("iteration_time_s")
-            runs.append({"ranks": n, "plan": plan.describe(), "outcome": record.get("outcome", "refused"),
+            runs.append({"ranks": n * nodes, "plan": plan.describe(), "outcome": record.get("outcome", "refused"),
                          "measured_s": measured, "predicted_s": predicted, "error": record.get("error")})
     return runs

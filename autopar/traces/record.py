@@ -5,7 +5,10 @@ reward backend. Schema version 1, every key always present:
 
     schema_version  int     TRACE_SCHEMA_VERSION; readers refuse other versions
     time            str     ISO 8601 UTC time the run ended, e.g. "2025-01-31T12:00:00+00:00"
-    cluster         object  name, nodes, gpus_per_node, gpu (device name, "cpu" on CPU), backend
+    cluster         object  name, nodes, gpus_per_node, gpu (device name, "cpu" on CPU), backend;
+                            and `job` when a scheduler ran it (`autopar.traces.launchers`): launcher
+                            ("slurm" or "ray"), id (the scheduler's job or run id), requeues (times
+                            the job was preempted and requeued before this record)
     model           object  name, path, digest (sha256 of model.py and its args), dims (hidden,
                             heads, layers, vocab, ... as known), params (parameter count)
     workload        object  global_batch (samples per step), seq_len (tokens per sample, 1 when
@@ -20,7 +23,9 @@ reward backend. Schema version 1, every key always present:
                             same workload and plan, when it was available
     outcome         str     "ok", "oom" (out of device memory), "timeout" (the job passed its time
                             bound, or a rank stopped beating), "rank_failed" (a rank raised, exited
-                            or was killed; `error` names it), or "error" (the launch itself failed)
+                            or was killed; `error` names it), "preempted" (the scheduler took the
+                            job's nodes back and it was not requeued again), or "error" (the launch
+                            itself failed)
     error           str|null  the failure message, null when outcome is "ok"
     versions        object  autopar, torch, python, backend
 
@@ -50,7 +55,7 @@ from autopar.schema import TRACE_SCHEMA, check, loads, read_file
 from autopar.traces.models import model_digest
 
 TRACE_SCHEMA_VERSION = 1
-OUTCOMES = ("ok", "oom", "timeout", "rank_failed", "error")
+OUTCOMES = ("ok", "oom", "timeout", "rank_failed", "preempted", "error")
 
 
 def _package_version(name: str) -> str:
@@ -139,16 +144,18 @@ def model_entry(model_file, model_args: dict, profile) -> dict[str, Any]:
             "profile": profile.to_dict() if profile else None}
 
 
-def run_record(plan: Plan, options, cluster, model: dict, predicted: dict | None, launched) -> TraceRecord:
+def run_record(plan: Plan, options, cluster, model: dict, predicted: dict | None, launched,
+               job: dict | None = None) -> TraceRecord:
     """The trace record of one run of `plan`: `options` the RunOptions it ran with, `cluster` the
     Cluster it is recorded for, `model` a `model_entry`, `predicted` the cost model's figures, and
     `launched` how the launch ended (outcome, error, and rank 0's result: measured, seq_len,
-    backend, device). What `autopar run` and the measured reward append alike."""
+    backend, device). What `autopar run` and the measured reward append alike; `job`: the
+    scheduler's job that ran it (cluster.job), when one did."""
     result = launched.result or {}
     backend = result.get("backend", options.backend)
     return TraceRecord(
         cluster={"name": cluster.name, "nodes": options.nnodes, "gpus_per_node": options.nproc_per_node,
-                 "gpu": result.get("device", cluster.gpu.name), "backend": backend},
+                 "gpu": result.get("device", cluster.gpu.name), "backend": backend, **({"job": job} if job else {})},
         model=model, workload={"global_batch": plan.global_batch,
                                "seq_len": result.get("seq_len", model["dims"].get("seq_len"))},
         plan=plan.to_dict(), outcome=launched.outcome, measured=result.get("measured", {}),

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tempfile
 from pathlib import Path
 
 from autopar.atomic import write_text_atomic
-from autopar.errors import AutoparError, PlanError
+from autopar.errors import AutoparError
 from autopar.executor.options import RunOptions
 from autopar.modelfile import load_model_file
 from autopar.plan import Plan
 from autopar.traces.measured_cache import read_cache
-from autopar.traces.run_plan import run_plan
+from autopar.traces.launchers import Launcher, LocalLauncher, RunSpec
 
 FAILURE_REWARD = -1000.0  # far below any real -step_time: an infeasible plan
 
@@ -33,13 +32,15 @@ class MeasuredReward:
 
     def __init__(self, model_path, model_args: dict | None = None, options: RunOptions | None = None, *,
                  cache_path=None, failure_reward: float = FAILURE_REWARD, trace_path=None,
-                 cluster: str | None = None):
+                 cluster: str | None = None, launcher: Launcher | None = None):
         self.model_path = str(model_path)
         self.model_args = dict(model_args or {})
-        self.options = options or RunOptions()  # every plan runs on one node of options.nproc_per_node ranks
-        if self.options.nnodes != 1:
-            raise AutoparError(f"the measured reward runs plans on one node, got --nnodes {self.options.nnodes}")
-        self.nproc = self.options.nproc_per_node
+        self.options = options or RunOptions()  # every plan runs on options.nnodes x options.nproc_per_node ranks
+        self.launcher = launcher or LocalLauncher()  # where the plans run (autopar.traces.launchers)
+        if self.options.nnodes != 1 and isinstance(self.launcher, LocalLauncher):
+            raise AutoparError(f"the local launcher runs plans on one node, got --nnodes {self.options.nnodes}; "
+                               f"use --launcher slurm or ray")
+        self.nproc = self.options.world_size
         self.failure_reward = failure_reward
         self.trace_path = trace_path  # every measurement is also appended here, when given
         self.cluster = cluster  # preset or JSON the records and predictions name (default: detected)
@@ -73,16 +74,10 @@ class MeasuredReward:
         return {**entry, "cached": False}
 
     def _measure(self, plan: Plan) -> dict | None:
-        """Run the plan; its trace record, or None when the plan was refused before it started."""
-        with tempfile.TemporaryDirectory(prefix="autopar-reward-") as tmp:
-            plan_path = Path(tmp) / "plan.json"
-            plan.save(plan_path)
-            try:
-                ran = run_plan(plan_path, self.model_path, self.model_args, self.options, cluster=self.cluster,
-                               trace=self.trace_path)
-            except PlanError:  # refused before anything ran: the executor cannot run it here
-                return None
-        return ran.record.to_dict()
+        """Run the plan through the launcher; its trace record, or None when the plan was refused
+        before it started."""
+        spec = RunSpec(self.model_path, self.model_args, self.options, self.cluster, self.trace_path)
+        return self.launcher.measure(plan, spec)
 
     def _save(self) -> None:
         """Write the cache atomically: a crash never leaves half a file."""

@@ -137,3 +137,17 @@ def run_plan(plan_path, model, model_args: dict, options: RunOptions, *, cluster
     if trace:
         append_record(trace, record)
     return PlanRun(launched, record, note)
+
+
+def unran_record(plan: Plan, model, model_args: dict, options: RunOptions, outcome: str, error: str, *,
+                 cluster: str | None = None, job: dict | None = None, trace=None) -> TraceRecord:
+    """The record of a run that ended outside `run_plan` (a scheduler's job preempted for good, or
+    lost with its node), built where the job was submitted, and appended to `trace`."""
+    options = prepare(plan, options)
+    where = resolve_cluster(cluster, options)
+    predicted, profile, _ = prediction(model, model_args, plan, where, DEFAULT_PROFILE_TIMEOUT)
+    entry = model_entry(load_model_file(model), model_args, profile)
+    record = run_record(plan, options, where, entry, predicted, LaunchResult(outcome, error), job)
+    if trace:
+        append_record(trace, record)
+    return record
