@@ -30,6 +30,20 @@ optuna = pytest.importorskip("optuna")
 TESTS = Path(__file__).resolve().parent
 
 
+# The quick test comes first: the server fixture is torn down after the module's last test, and a test
+# not marked slow may start no process (tests/conftest.py), pg_ctl stop included.
+def test_processes_that_open_a_study_together_with_one_seed_draw_different_plans(tmp_path):
+    """Each trial of a stored study draws from the seed and its number: two searches that open an empty
+    study at the same moment with the default seed do not spend the budget on the same plans."""
+    w, url = workload(size="tiny"), f"sqlite:///{tmp_path}/study.db"
+    planners = [optuna_search.OptunaPlanner(trials=4, storage=url, progress=False) for _ in range(2)]
+    studies = [p._study(optuna, w) for p in planners]  # both open the study before either runs a trial
+    for planner, study in zip(planners, studies):
+        study.optimize(lambda trial: planner._objective(trial, w), n_trials=2)
+    drawn = [tuple(sorted(t.params.items())) for t in studies[0].trials]
+    assert len(drawn) == 4 and len(set(drawn)) == 4
+
+
 def postgres_bin() -> Path | None:
     """initdb's folder: on PATH, or Debian's /usr/lib/postgresql/<version>/bin (not on PATH)."""
     found = shutil.which("initdb")
@@ -52,26 +66,29 @@ def postgres():
     bindir = postgres_bin()
     if bindir is None:
         pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl): apt-get install postgresql (.ci/run does)")
-    folder = Path(tempfile.mkdtemp(prefix="autopar-pg-"))  # under /tmp: the server's user must reach it
+    folder = Path(tempfile.mkdtemp(prefix="autopar-pg-"))  # not under tmp_path: the server's user must reach it
     run_as = {}
-    if os.geteuid() == 0:  # postgres refuses to run as root: as nobody, owning the folder
-        nobody = pwd.getpwnam("nobody")
-        os.chown(folder, nobody.pw_uid, nobody.pw_gid)
-        run_as = {"user": nobody.pw_uid, "group": nobody.pw_gid, "extra_groups": []}
+    if os.geteuid() == 0:  # postgres refuses to run as root: as the package's user (else nobody), owning the folder
+        users = {u.pw_name: u for u in pwd.getpwall()}
+        user = users.get("postgres") or users["nobody"]
+        os.chown(folder, user.pw_uid, user.pw_gid)
+        run_as = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
     env = {"PATH": os.environ.get("PATH", ""), "LC_ALL": "C"}
 
-    def pg(*args, check=True):
+    def pg(*args):
         return subprocess.run([str(bindir / args[0]), *args[1:]], capture_output=True, text=True, cwd=folder,
-                              env=env, check=check, timeout=120, **run_as)
+                              env=env, timeout=120, **run_as)
 
     data = folder / "data"
-    pg("initdb", "-D", data, "-U", "autopar", "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C")
+    made = pg("initdb", "-D", data, "-U", "autopar", "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C")
+    if made.returncode != 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        pytest.fail(f"initdb failed: {made.stderr[-1000:]}")
     for _ in range(3):  # another process may take the free port before the server binds it
         port = free_port()
         options = (f"-h 127.0.0.1 -p {port} -k {folder} -c fsync=off -c synchronous_commit=off "
                    f"-c full_page_writes=off -c max_connections=50")
-        started = pg("pg_ctl", "-D", data, "-l", folder / "server.log", "-w", "-t", "60", "-o", options, "start",
-                     check=False)
+        started = pg("pg_ctl", "-D", data, "-l", folder / "server.log", "-w", "-t", "60", "-o", options, "start")
         if started.returncode == 0:
             break
     else:
@@ -87,7 +104,7 @@ def postgres():
     try:
         yield database
     finally:
-        pg("pg_ctl", "-D", data, "-m", "immediate", "-w", "stop", check=False)
+        pg("pg_ctl", "-D", data, "-m", "immediate", "-w", "stop")
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -126,7 +143,18 @@ optuna_search.OptunaPlanner(trials={trials}, storage={url!r}, progress=False).pr
 """
 
 
-def start(tmp_path, names, url, trials):
+@pytest.fixture
+def spawned():
+    """The test's search processes; any still running when it ends (a failed assertion) are killed."""
+    children = []
+    yield children
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def start(tmp_path, names, url, trials, spawned):
     """The search processes, ready and then let go together."""
     children = {}
     for me in names:
@@ -134,6 +162,7 @@ def start(tmp_path, names, url, trials):
         script.write_text(textwrap.dedent(CHILD.format(tests=str(TESTS), me=me, folder=str(tmp_path), url=url,
                                                        trials=trials)))
         children[me] = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE)
+        spawned.append(children[me])
     deadline = time.monotonic() + 120
     while not all((tmp_path / f"{me}.ready").exists() for me in names):
         assert time.monotonic() < deadline and all(c.poll() is None for c in children.values()), \
@@ -153,9 +182,9 @@ def the_study(url):
 
 
 @pytest.mark.slow  # the server and the search processes
-def test_two_processes_share_one_study_to_its_budget_exactly(postgres, tmp_path):
+def test_two_processes_share_one_study_to_its_budget_exactly(postgres, tmp_path, spawned):
     url, trials = postgres("budget"), 12
-    children = start(tmp_path, ["one", "two"], url, trials)
+    children = start(tmp_path, ["one", "two"], url, trials, spawned)
     for child in children.values():
         finished(child)
     study = the_study(url)
@@ -168,9 +197,9 @@ def test_two_processes_share_one_study_to_its_budget_exactly(postgres, tmp_path)
 
 
 @pytest.mark.slow
-def test_a_killed_process_loses_no_trial_and_its_running_trial_fails(postgres, tmp_path):
+def test_a_killed_process_loses_no_trial_and_its_running_trial_fails(postgres, tmp_path, spawned):
     url, trials = postgres("killed"), 10
-    children = start(tmp_path, ["survivor", "victim"], url, trials)
+    children = start(tmp_path, ["survivor", "victim"], url, trials, spawned)
     deadline = time.monotonic() + 120
     while not (tmp_path / "hung").exists():
         assert time.monotonic() < deadline and children["victim"].poll() is None, \
@@ -209,14 +238,3 @@ def test_server_errors_are_one_line(postgres):
             get_planner("optuna", trials=2, storage=bad, progress=False).propose(w)
         assert "\n" not in str(e.value) and "secret" not in str(e.value), str(e.value)
 
-
-def test_processes_that_open_a_study_together_with_one_seed_draw_different_plans(tmp_path):
-    """Each trial of a stored study draws from the seed and its number: two searches that open an empty
-    study at the same moment with the default seed do not spend the budget on the same plans."""
-    w, url = workload(size="tiny"), f"sqlite:///{tmp_path}/study.db"
-    planners = [optuna_search.OptunaPlanner(trials=4, storage=url, progress=False) for _ in range(2)]
-    studies = [p._study(optuna, w) for p in planners]  # both open the study before either runs a trial
-    for planner, study in zip(planners, studies):
-        study.optimize(lambda trial: planner._objective(trial, w), n_trials=2)
-    drawn = [tuple(sorted(t.params.items())) for t in studies[0].trials]
-    assert len(drawn) == 4 and len(set(drawn)) == 4
