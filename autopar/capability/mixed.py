@@ -16,8 +16,43 @@ from collections.abc import Callable
 from autopar.capability.core import Target, refusals
 from autopar.errors import PlanError
 
+SPANNING_SCHEDULES = ("1f1b", "gpipe")  # what a pipeline across groups runs (the cost model prices these)
 LAYOUT_FREE = ("dp", "micro_batch_size", "num_micro_batches")  # what lanes of one layout may differ in
 SPANNING_PRECISIONS = ("fp32", "bf16")  # fp16's loss scaler and fp8's conversion are not wired across segments
+
+def lane_problem(lane) -> str | None:
+    """What makes a lane no plan at all: its plan's pp and tp are its segments' (pp the sum of their stages,
+    tp the first one's), and a pipeline across groups runs only the schedules priced for it."""
+    stages = sum(s.stages for s in lane.segments)
+    if lane.plan.pp != stages:
+        return (f"the lane's plan has pp={lane.plan.pp} but its segments hold {stages} stages; "
+                f"set pp to the sum of the segments' stages")
+    if lane.plan.tp != lane.segments[0].tp:
+        return (f"the lane's plan has tp={lane.plan.tp} but its first segment tp={lane.segments[0].tp}; "
+                f"the plan's tp is its first segment's")
+    if len(lane.segments) > 1 and (lane.plan.schedule not in SPANNING_SCHEDULES or lane.plan.virtual_stages > 1):
+        return (f"schedule {lane.plan.schedule} (virtual_stages {lane.plan.virtual_stages}) on a lane spanning "
+                f"{len(lane.segments)} segments; a pipeline across groups runs {' or '.join(SPANNING_SCHEDULES)} "
+                f"with virtual_stages 1")
+    return None
+
+
+def segment_tp_problem(segment, gpus_per_node: int) -> str | None:
+    """A segment's tensor-parallel group stays within one node of its group."""
+    if segment.tp > gpus_per_node or gpus_per_node % segment.tp:
+        return (f"tp={segment.tp} on group {segment.group} of {gpus_per_node} GPUs per node; use a tp dividing "
+                f"{gpus_per_node}")
+    return None
+
+
+def one_precision_problem(precisions: list[str], asked: str | None) -> str | None:
+    """A mixed plan trains in one precision, the one the command names if it names one."""
+    if len(precisions) > 1 or asked not in (None, precisions[0]):
+        return (f"the mixed plan's lanes train in {', '.join(precisions)}"
+                + (f" but --precision is {asked}" if asked else "") + "; every lane and the command must use one "
+                "precision")
+    return None
+
 
 MixedWhy = Callable[[Target, object], "str | None"]
 

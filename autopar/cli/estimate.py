@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from autopar import axes
+from autopar.capability.mixed import one_precision_problem
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
 from autopar.cluster import load_cluster
 from autopar.cluster.mixed import MixedCluster, load_any_cluster
@@ -163,10 +164,9 @@ def _run_mixed(args, mp: MixedPlan) -> int:
         raise PlanError(f"{args.plan} is a mixed plan over groups {', '.join(mp.groups)}; give the mixed cluster "
                         "it plans for, --cluster A:n,B:m or a cluster JSON with groups")
     precisions = sorted({lane.plan.precision for lane in mp.lanes})
-    if len(precisions) > 1 or args.precision not in (None, precisions[0]):
-        raise PlanError(f"the mixed plan's lanes train in {', '.join(precisions)}"
-                        + (f" but --precision is {args.precision}" if args.precision else "")
-                        + "; every lane and the command must use one precision")
+    problem = one_precision_problem(precisions, args.precision)
+    if problem:
+        raise PlanError(problem)
     args.precision = precisions[0]
     workload = load_workload(args, global_batch=mp.global_batch, mixed=True)
     est = estimate_mixed(workload, mp)

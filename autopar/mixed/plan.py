@@ -17,13 +17,13 @@ from typing import Any
 
 from autopar import axes, capability
 from autopar.atomic import write_text_atomic
+from autopar.capability.mixed import lane_problem, segment_tp_problem
 from autopar.errors import PlanError
 from autopar.knobs import check_stage_blocks, device_blocks
 from autopar.plan import Plan
 from autopar.schema import MAX_GPUS, loads, read_file
 
 MIXED_PLAN_VERSION = 1
-SPANNING_SCHEDULES = ("1f1b", "gpipe")  # what a pipeline across groups runs (the cost model prices these)
 
 
 def _count(value, what: str) -> int:
@@ -63,17 +63,8 @@ class Lane:
             raise PlanError("a lane needs at least one segment {\"group\", \"tp\", \"stages\"}")
         if not isinstance(self.plan, Plan):
             raise PlanError(f"a lane's plan must be a Plan, got {type(self.plan).__name__}")
-        stages = sum(s.stages for s in self.segments)
-        if self.plan.pp != stages:
-            raise PlanError(f"the lane's plan has pp={self.plan.pp} but its segments hold {stages} stages; "
-                            f"set pp to the sum of the segments' stages")
-        if self.plan.tp != self.segments[0].tp:
-            raise PlanError(f"the lane's plan has tp={self.plan.tp} but its first segment tp={self.segments[0].tp}; "
-                            f"the plan's tp is its first segment's")
-        if len(self.segments) > 1 and (self.plan.schedule not in SPANNING_SCHEDULES or self.plan.virtual_stages > 1):
-            raise PlanError(f"schedule {self.plan.schedule} (virtual_stages {self.plan.virtual_stages}) on a lane "
-                            f"spanning {len(self.segments)} segments; a pipeline across groups runs "
-                            f"{' or '.join(SPANNING_SCHEDULES)} with virtual_stages 1")
+        if problem := lane_problem(self):
+            raise PlanError(problem)
 
     @property
     def share(self) -> int:
@@ -253,9 +244,8 @@ def _check_groups(lane: Lane, mw) -> None:
     for s in lane.segments:
         if s.group not in names:
             raise PlanError(f"unknown group {s.group!r}; the cluster's groups are {', '.join(names)}")
-        per_node = mw.cluster.group(s.group).gpus_per_node
-        if s.tp > per_node or per_node % s.tp:
-            raise PlanError(f"tp={s.tp} on group {s.group} of {per_node} GPUs per node; use a tp dividing {per_node}")
+        if problem := segment_tp_problem(s, mw.cluster.group(s.group).gpus_per_node):
+            raise PlanError(problem)
     for name in lane.groups:
         have, used = mw.cluster.group(name).num_gpus, lane.gpus(name)
         if used > have:
