@@ -17,9 +17,11 @@ from autopar.cluster.mixed import mixed_cluster
 from autopar.cost.published_mfu import best_published
 from autopar.cost.regime import attention_fused
 from autopar.mixed.plan import MixedPlan
-from autopar.mixed.search import search_mixed
+from autopar.mixed.cost import estimate_mixed
+from autopar.mixed.search import lane_of, search_mixed
 from autopar.mixed.shares import GRID, best_shares, brute_force_shares, quantum
 from autopar.mixed.workload import MixedWorkload
+from autopar.search.exhaustive import ExhaustivePlanner
 
 A, H, R = "dgx-a100-80g", "dgx-h100", "pcie-4090x8"
 
@@ -83,20 +85,34 @@ def test_two_equal_groups_split_the_batch():
 
 
 @pytest.fixture(scope="module")
-def a100_h100():
-    mw = mixed([(A, 1), (H, 1)], 32, {"size": "gpt2-small"})
+def slow_link():
+    """4090 boxes (one 100 Gb/s NIC per 8 GPUs) beside A100s: the cross-lane all-reduce matters."""
+    mw = mixed([(R, 2), (A, 2)], 64, {"size": "gpt2-small"})
     return mw, search_mixed(mw, "exhaustive")
 
 
-def test_uneven_shares_follow_the_speeds(a100_h100):
-    mw, exact = a100_h100
+def test_uneven_shares_follow_the_speeds(slow_link):
+    mw, exact = slow_link
     shares = {lane.segments[0].group: lane.share for lane in exact.plan.lanes}
-    assert shares[H] > shares[A] > 0 and exact.gain > 1.2 and exact.exact
+    assert shares[A] > shares[R] > 0 and exact.gain > 1.1 and exact.exact
+
+
+def test_lanes_all_reduce_across_groups_in_16_bits_where_that_wins(slow_link):
+    """Each lane's fastest plan alone reduces in fp32 (the simplest within the tie band); held at bf16 the
+    lanes halve the cross-lane all-reduce and win: the search weighs both widths."""
+    mw, exact = slow_link
+    assert {lane.plan.grad_comm_dtype for lane in exact.plan.lanes} == {"bf16"}
+    wide = []
+    for lane in exact.plan.lanes:
+        g = lane.segments[0].group
+        plan = ExhaustivePlanner().propose(mw.on_group(g, mw.cluster.group(g).num_gpus, lane.share))[0]
+        wide.append(lane_of(g, plan))
+    assert exact.estimate.iteration_time_s < estimate_mixed(mw, MixedPlan(tuple(wide))).iteration_time_s
 
 
 @pytest.mark.parametrize("method", ["metis", "rl"])
-def test_the_exact_search_is_never_worse(a100_h100, method):
-    mw, exact = a100_h100
+def test_the_exact_search_is_never_worse(slow_link, method):
+    mw, exact = slow_link
     other = search_mixed(mw, method)
     other.plan.validate(mw)
     assert exact.estimate.iteration_time_s <= other.estimate.iteration_time_s * (1 + 1e-9)
@@ -112,19 +128,26 @@ def run_cli(capsys, *argv):
 def test_cli_search_mixed_writes_the_plan(capsys, tmp_path):
     path = tmp_path / "mixed.json"
     code, out, err = run_cli(capsys, "search", "gpt", "--model-arg", "size=tiny", "--cluster", f"{A}:1,{H}:1",
-                             "--global-batch", "32", "--method", "metis", "-o", path)
-    assert code == 0, err
-    assert "best single group" in out and "tokens/s" in out
-    plan = MixedPlan.load(path)
-    assert plan.global_batch == 32
-    code, out, err = run_cli(capsys, "search", "gpt", "--model-arg", "size=tiny", "--cluster", f"{A}:1,{H}:1",
-                             "--global-batch", "32", "--method", "metis", "--json")
+                             "--global-batch", "32", "--method", "metis", "-o", path, "--json")
     assert code == 0, err
     doc = json.loads(out)
-    assert MixedPlan.from_dict(doc["plan"]) == plan and doc["gain"] >= 1.0
+    plan = MixedPlan.load(path)
+    assert MixedPlan.from_dict(doc["plan"]) == plan and plan.global_batch == 32
+    assert doc["gain"] >= 1.0 and doc["best_single"] in (A, H) and doc["estimate"]["tokens_per_s"] > 0
 
 
-def test_cli_refuses_a_homogeneous_method_on_a_mixed_cluster(capsys):
-    code, out, err = run_cli(capsys, "search", "gpt", "--model-arg", "size=tiny", "--cluster", f"{A}:1,{H}:1",
-                             "--method", "optuna")
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "exhaustive, metis or rl" in err
+def test_cli_search_mixed_prints_the_plan_beside_the_best_single_group(capsys):
+    code, out, err = run_cli(capsys, "search", "gpt", "--model-arg", "size=gpt2-small", "--cluster", f"{A}:1,{H}:1",
+                             "--global-batch", "64", "--method", "metis")
+    assert code == 0, err
+    assert "best single group: dgx-h100 alone" in out and "Why (mixed plan)" in out and "lane 2" in out
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--cluster", f"{A}:1,{H}:1", "--method", "optuna"], "exhaustive, metis or rl"),
+    (["--cluster", f"{A}:1,{H}:1", "--fix", "pp=2"], "--fix applies to one GPU type"),
+    (["--cluster", A, "--method", "metis"], "--method metis plans mixed clusters"),
+])
+def test_cli_refuses_in_one_line(capsys, flags, says):
+    code, out, err = run_cli(capsys, "search", "gpt", "--model-arg", "size=tiny", *flags)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and says in err, err

@@ -69,6 +69,9 @@ def run(args) -> int:
     check_inventory_flags(args)
     if is_mixed(args):  # several GPU types: lanes and segments (autopar/mixed/search.py)
         return run_mixed(args)
+    if args.method == "metis":
+        raise AutoparError("--method metis plans mixed clusters (--cluster A:N,B:M); on one GPU type use exhaustive, "
+                           "rules, rl, optuna or random")
     if args.top_k < 1:
         raise AutoparError(f"--top-k must be at least 1, got {args.top_k}")
     if not 0 <= args.seed < 2**32:

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 
 from autopar.cost import estimate
-from autopar.errors import AutoparError, NoValidPlanError
+from autopar.errors import AutoparError, NoValidPlanError, PlanError
 from autopar.knobs import storage_dtype
 from autopar.mixed.cost import cross_sync, estimate_mixed
 from autopar.mixed.plan import Lane, MixedPlan, Segment
@@ -97,6 +97,10 @@ class _Lanes:
             self.cut = True
             return None
         workload = self.mw.on_group(group, self.mw.cluster.group(group).num_gpus, share)
+        if narrow and not isinstance(self.planner, ExhaustivePlanner):
+            found = self._narrowed(workload, wide)  # the policy's masks cannot hold this knob (see _narrowed)
+            self.memo[key] = found
+            return found
         if narrow:
             workload = dataclasses.replace(workload, fixed=(("grad_comm_dtype", self.narrow_dtype),))
         try:
@@ -110,6 +114,18 @@ class _Lanes:
             found = None
         self.memo[key] = found
         return found
+
+    def _narrowed(self, workload, wide) -> tuple[Plan, float] | None:
+        """The rl planner's plan with its gradients reduced in the 16-bit dtype (not a search held at that
+        width: the environment's lean completion of a held grad_comm_dtype fails on plans without dp)."""
+        if wide is None or wide[0].dp == 1:
+            return None
+        try:
+            plan = wide[0].with_(grad_comm_dtype=self.narrow_dtype)
+            est = estimate(workload, plan)
+        except PlanError:
+            return None
+        return (plan, est.iteration_time_s) if est.fits else None
 
     def table(self, group: str, units: int, q: int, ks, narrow: bool = False, below: float = math.inf) -> list[float]:
         """Lane times of `group` at k units (k in `ks` where the wide plan is faster than `below`; inf
