@@ -47,7 +47,10 @@ def launcher_from_args(args, say=lambda msg: None) -> Launcher:
     if args.launcher != "slurm" and (args.slurm_local or getattr(args, "dry_run", False)):
         raise AutoparError("--slurm-local and --dry-run go with --launcher slurm")
     if args.launcher == "slurm":
-        return SlurmLauncher(settings_from(args), say)
+        launcher = SlurmLauncher(settings_from(args), say)
+        if not getattr(args, "dry_run", False):
+            launcher.check_scheduler()
+        return launcher
     if args.launcher == "ray":
         return RayLauncher(args.ray_address, say)
     if args.nodes != 1:

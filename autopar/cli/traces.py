@@ -16,7 +16,7 @@ from autopar.executor.options import RunOptions, add_run_flags
 from autopar.cluster import detect, load_cluster
 from autopar.plan import Plan
 from autopar.profile import profile_model
-from autopar.traces.collect import collect
+from autopar.traces.collect import backend_for, collect
 from autopar.traces.launchers import RunSpec
 from autopar.traces.launchers.search import measured_search
 from autopar.workload import Workload
@@ -184,8 +184,6 @@ def run_collect(args) -> int:
 
 
 def run_search(args) -> int:
-    from autopar.executor.mesh import resolve_backend  # pulls torch: imported on first use
-
     for flag in ("nproc", "global_batch"):
         if getattr(args, flag) < 1:
             raise AutoparError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
@@ -194,7 +192,7 @@ def run_search(args) -> int:
     err = Console(stderr=True)
     launcher = launcher_from_args(args, lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
     options = RunOptions.from_args(args, seed=0, nproc_per_node=args.nproc, nnodes=args.nodes)
-    options = dataclasses.replace(options, backend=resolve_backend(options.backend, args.nproc))
+    options = dataclasses.replace(options, backend=backend_for(options.backend, args.nproc, args.cluster, launcher))
     model_args = parse_model_args(args.model_arg, None)
     profile = profile_model(args.model, model_args, dtype=args.precision)
     base = load_cluster(args.cluster) if args.cluster else (load_cluster("cpu") if options.backend == "gloo"

@@ -17,6 +17,7 @@ from dataclasses import replace
 import numpy as np
 
 from autopar.cluster import detect, load_cluster
+from autopar.cluster.measured import is_cpu
 from autopar.cost import PlanArrays, evaluate
 from autopar.errors import AutoparError
 from autopar.executor.options import RunOptions
@@ -61,6 +62,19 @@ def choose_plans(workload, k: int, seed: int = 0, backend: str = "gloo") -> list
     return [best] + [space.plan(i) for i in rows]
 
 
+def backend_for(backend: str, nproc: int, cluster: str | None, launcher=None) -> str:
+    """The backend the plans are chosen for and run on: 'auto' is NCCL when this machine has a GPU
+    for every rank; a scheduler's nodes are not this machine (a login node may have no GPU), so
+    there an explicit --backend stands and 'auto' is NCCL when --cluster names GPUs."""
+    from autopar.executor.mesh import resolve_backend  # pulls torch: imported on first use
+
+    if launcher is None or launcher.here:
+        return resolve_backend(backend, nproc)
+    if backend != "auto":
+        return backend
+    return "nccl" if cluster and not is_cpu(load_cluster(cluster)) else "gloo"
+
+
 def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4), *, cluster=None,
             precision: str = "fp32", output, options=None, seed: int = 0, repeats: int = 1,
             progress=None, launcher=None, nodes: int = 1, dry_run: bool = False) -> list[dict]:
@@ -73,7 +87,6 @@ def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4
     (`autopar.traces.launchers`, default this machine); `dry_run`: submit nothing, and return each
     plan's job script (in "script") instead."""
 
-    from autopar.executor.mesh import resolve_backend  # pulls torch: imported on first use
     from autopar.traces.reward import MeasuredReward  # pulls torch: imported on first use
 
     say = progress or (lambda msg: None)
@@ -82,8 +95,7 @@ def collect(model, model_args: dict, global_batch: int, plans: int, nprocs=(2, 4
         raise AutoparError(f"need --plans >= 1, --repeats >= 1 and process counts >= 1, got {plans}, {repeats} "
                            f"and {nprocs}")
     options = options or RunOptions()
-    # NCCL only with a GPU for every rank (of this machine: a scheduler's nodes need --backend nccl)
-    backend = resolve_backend(options.backend, max(nprocs))
+    backend = backend_for(options.backend, max(nprocs), cluster, launcher)
     profile = profile_model(model, model_args, dtype=precision)
     base = load_cluster(cluster) if cluster else (load_cluster("cpu") if backend == "gloo" else detect())
     share = [plans // len(nprocs) + (1 if i < plans % len(nprocs) else 0) for i in range(len(nprocs))]

@@ -42,6 +42,7 @@ class RunSpec:
 
 class Launcher(ABC):
     name = ""
+    here = False  # the runs run on this machine (its GPUs decide the backend 'auto')
 
     @abstractmethod
     def measure(self, plan: Plan, spec: RunSpec) -> dict | None:
@@ -57,6 +58,7 @@ class LocalLauncher(Launcher):
     """This machine, one node: torchrun's agent in this process (`run_plan`), as `autopar run`."""
 
     name = "local"
+    here = True
 
     def measure(self, plan: Plan, spec: RunSpec) -> dict | None:
         if spec.options.nnodes != 1:

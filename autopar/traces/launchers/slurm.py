@@ -120,6 +120,13 @@ class SlurmLauncher(Launcher):
     def __init__(self, settings: SlurmSettings | None = None, say=lambda msg: None):
         self.settings = settings or SlurmSettings()
         self.say = say
+        self.here = self.settings.local
+
+    def check_scheduler(self) -> None:
+        """Before any work: the Slurm commands submitit submits with are here (or --slurm-local)."""
+        if not self.settings.local and not (shutil.which("sbatch") and shutil.which("srun")):
+            raise AutoparError("--launcher slurm submits with sbatch and srun, which are not on PATH here; run it "
+                               "on the cluster's login node, or add --slurm-local (this machine) or --dry-run")
 
     def parameters(self, spec: RunSpec) -> dict:
         """The job's resources, in sbatch's terms: one task per node, its ranks' GPUs (NCCL) and cores."""
@@ -138,9 +145,7 @@ class SlurmLauncher(Launcher):
         submitit = _submitit()
         params = self.parameters(spec)
         if not self.settings.local:
-            if not shutil.which("sbatch") or not shutil.which("srun"):
-                raise AutoparError("--launcher slurm submits with sbatch and srun, which are not on PATH here; run it "
-                                   "on the cluster's login node, or add --slurm-local (this machine) or --dry-run")
+            self.check_scheduler()
             ex = submitit.SlurmExecutor(self.settings.folder, max_num_timeout=self.settings.max_requeues)
             ex.update_parameters(**params)
             return ex
