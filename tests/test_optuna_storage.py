@@ -32,6 +32,7 @@ TESTS = Path(__file__).resolve().parent
 
 # The quick test comes first: the server fixture is torn down after the module's last test, and a test
 # not marked slow may start no process (tests/conftest.py), pg_ctl stop included.
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the heartbeat's
 def test_processes_that_open_a_study_together_with_one_seed_draw_different_plans(tmp_path):
     """Each trial of a stored study draws from the seed and its number: two searches that open an empty
     study at the same moment with the default seed do not spend the budget on the same plans."""
