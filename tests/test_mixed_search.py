@@ -48,9 +48,9 @@ def test_share_dp_equals_brute_force():
             assert split == ()
 
 
-def mixed(specs, batch, model_args=None):
+def mixed(specs, batch, model_args=None, **kw):
     groups = [load_cluster(preset, nodes=1, gpus_per_node=n) for preset, n in specs]
-    return MixedWorkload(profile("gpt", **(model_args or {"size": "tiny"})), mixed_cluster(groups), batch)
+    return MixedWorkload(profile("gpt", **(model_args or {"size": "tiny"})), mixed_cluster(groups), batch, **kw)
 
 
 def random_workloads(count: int, seed: int = 42):
@@ -117,6 +117,17 @@ def test_the_exact_search_is_never_worse(slow_link, method):
     other.plan.validate(mw)
     assert exact.estimate.iteration_time_s <= other.estimate.iteration_time_s * (1 + 1e-9)
     assert other.estimate.tokens_per_s >= other.best_single[2].tokens_per_s
+
+
+def test_a_model_no_group_holds_alone_spans_the_groups():
+    """GPT-2 medium's weights and Adam state (5.7 GB) overflow one 4090 left 4.7 GB (80% headroom); two
+    single-4090 groups hold it as a pipeline across them."""
+    mw = mixed([(R, 1), (R, 1)], 8, {"size": "gpt2-medium"}, memory_headroom=0.8)
+    result = search_mixed(mw, "metis")
+    result.plan.validate(mw)
+    assert all(v is None for v in result.single.values()) and result.gain is None
+    (lane,) = result.plan.lanes
+    assert [s.group for s in lane.segments] == list(mw.cluster.group_names) and result.estimate.fits
 
 
 def run_cli(capsys, *argv):

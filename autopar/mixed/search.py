@@ -24,7 +24,9 @@ What is exact and what is not (method "exhaustive", the oracle):
 measured speed -- its single plan's tokens/s -- then each group's degrees and knobs by the exact
 homogeneous search at its share. "rl": today's policy (the homogeneous rl planner, greedy, finished by
 the per-stage solver; not retrained on mixed workloads) plans each group alone and at the shares on the
-grid next to the proportional one; the share DP finishes. Both price far fewer lanes than the oracle.
+grid next to the proportional one (its 16-bit lanes: its plans with bf16 gradients); the share DP finishes
+(rl skips the spanning pipeline unless no lane plan fits). Both price far fewer lanes than the oracle.
+`single` is each method's own homogeneous planner's plan (rl: the policy's).
 """
 
 from __future__ import annotations
