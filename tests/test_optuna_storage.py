@@ -13,6 +13,7 @@ import pwd
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,25 @@ def test_processes_that_open_a_study_together_with_one_seed_draw_different_plans
     drawn = [tuple(sorted(t.params.items())) for t in studies[0].trials]
     assert len(drawn) == 4 and len(set(drawn)) == 4
 
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")  # the orphan is made by ask(), on purpose
+def test_a_trial_that_never_beat_is_failed_on_the_waiting_process_clock(tmp_path, monkeypatch):
+    """A trial left RUNNING without a heartbeat by a worker on another machine whose clock is an hour
+    ahead (its start time lies in this process's future) is still failed and retried: the waiting
+    process times it on its own clock."""
+    monkeypatch.setattr(optuna_search, "ORPHAN_S", 1)
+    w, db = workload(size="tiny"), tmp_path / "study.db"
+    planner = optuna_search.OptunaPlanner(trials=3, storage=f"sqlite:///{db}", progress=False)
+    orphan = planner._study(optuna, w).ask()  # created, then its process died before the first heartbeat
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE trials SET datetime_start = datetime(datetime_start, '+1 hour') WHERE number = ?",
+                    (orphan.number,))
+    planner.propose(w, 1)
+    trials = optuna.load_study(study_name=planner._study(optuna, w).study_name, storage=f"sqlite:///{db}").trials
+    assert trials[orphan.number].state == optuna.trial.TrialState.FAIL
+    assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials) == 3
 
 def postgres_bin() -> Path | None:
     """initdb's folder: on PATH, or Debian's /usr/lib/postgresql/<version>/bin (not on PATH)."""

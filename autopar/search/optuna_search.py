@@ -18,7 +18,6 @@ RetryFailedTrialCallback in 4.9).
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import time
@@ -81,7 +80,7 @@ class OptunaPlanner(Planner):
         from optuna.storages import fail_stale_trials  # optuna: heavy, imported on first use
         from optuna.trial import TrialState  # optuna: heavy, imported on first use
 
-        idle_since = None
+        idle_since, watched = None, {}
         while True:
             fail_stale_trials(study)  # a no-op without heartbeats (an in-memory study)
             done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
@@ -94,7 +93,7 @@ class OptunaPlanner(Planner):
             idle_since = idle_since or time.monotonic()
             if time.monotonic() - idle_since > ORPHAN_S + GRACE_S:
                 return  # the other processes' trials never finished nor went stale
-            _fail_orphans(study)
+            _fail_orphans(study, watched)
             time.sleep(HEARTBEAT_S / 2)
 
     def _objective(self, trial, workload) -> float:
@@ -157,17 +156,19 @@ class OptunaPlanner(Planner):
         return study
 
 
-def _fail_orphans(study) -> None:
-    """Fail and retry trials RUNNING for ORPHAN_S without ever beating: a process killed between
-    creating a trial and its first heartbeat leaves one, and Optuna's stale check skips trials
-    without a heartbeat. A live trial beats within HEARTBEAT_S and lasts milliseconds."""
+def _fail_orphans(study, watched: dict[int, float]) -> None:
+    """Fail and retry trials this process has watched RUNNING for ORPHAN_S while it waited: a
+    process killed between creating a trial and its first heartbeat leaves one, and Optuna's stale
+    check skips trials without a heartbeat. A live trial beats within HEARTBEAT_S and lasts
+    milliseconds. Timed on this process's own clock (`watched`: trial number -> when first seen):
+    a trial's start time is its creator's clock, another machine's, maybe in another time zone."""
 
     from optuna.storages import RetryHeartbeatStaleTrialCallback  # optuna: heavy, imported on first use
     from optuna.trial import TrialState  # optuna: heavy, imported on first use
 
-    now = datetime.datetime.now()
+    now = time.monotonic()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if t.datetime_start is not None and (now - t.datetime_start).total_seconds() > ORPHAN_S:
+        if now - watched.setdefault(t.number, now) > ORPHAN_S:
             study.tell(t.number, state=TrialState.FAIL)
             RetryHeartbeatStaleTrialCallback(max_retry=RETRIES)(study, study.trials[t.number])
 
