@@ -119,6 +119,12 @@ def test_the_exact_search_is_never_worse(slow_link, method):
     assert other.estimate.tokens_per_s >= other.best_single[2].tokens_per_s
 
 
+def test_a_time_limit_keeps_the_best_single_group_and_says_so():
+    mw = mixed([(A, 1), (H, 1)], 8)
+    result = search_mixed(mw, time_limit=0)
+    assert not result.exact and result.estimate.tokens_per_s >= result.best_single[2].tokens_per_s
+
+
 def test_a_model_no_group_holds_alone_spans_the_groups():
     """GPT-2 medium's weights and Adam state (5.7 GB) overflow one 4090 left 4.7 GB (80% headroom); two
     single-4090 groups hold it as a pipeline across them."""

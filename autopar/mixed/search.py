@@ -189,7 +189,8 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
         raise NoValidPlanError(f"{mw.profile.name} fits no plan on {mw.cluster.name}: no group alone, no "
                                f"data-parallel lanes and no pipeline across the groups fit in memory; use more "
                                f"GPUs, GPUs with more memory, or a smaller global batch")
-    return MixedResult(best, best_est, single, time.perf_counter() - started, method, not lanes.cut)
+    ended = time.perf_counter()
+    return MixedResult(best, best_est, single, ended - started, method, not lanes.cut and ended <= deadline)
 
 
 def _gpus(mw, group: str) -> int:

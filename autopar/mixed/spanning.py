@@ -38,22 +38,14 @@ def search_spanning(mw, speed: dict, exact: bool = True, deadline: float = math.
     names = mw.cluster.group_names
     blocks = mw.profile.num_layers
     rate = _rates(mw, speed)
-    ranked = []  # (seconds, config) by Metis's split
-    for order in _orders(names, rate):
-        for dp, tps in _degrees(mw, order):
-            stages = [mw.cluster.group(g).num_gpus // (dp * tp) for g, tp in zip(order, tps)]
-            if sum(stages) > blocks:
-                continue
-            for mbs in MICRO_BATCHES:
-                if mw.global_batch % (dp * mbs):
-                    continue
-                config = (order, dp, tuple(tps), tuple(stages), mbs)
-                split = _metis_split(blocks, [rate[g] for g in order], stages)
-                found = _price(mw, config, split)
-                if found is not None:
-                    ranked.append((found[0], config, split, found[1]))
-                if time.perf_counter() > deadline:
-                    break
+    ranked = []  # (seconds, config, split, lane) by Metis's split
+    for config in _configs(mw, _orders(names, rate), blocks):
+        if time.perf_counter() > deadline and ranked:
+            break
+        split = _metis_split(blocks, [rate[g] for g in config[0]], config[3])
+        found = _price(mw, config, split)
+        if found is not None:
+            ranked.append((found[0], config, split, found[1]))
     if not ranked:
         return None
     ranked.sort(key=lambda r: r[0])
@@ -64,10 +56,24 @@ def search_spanning(mw, speed: dict, exact: bool = True, deadline: float = math.
         for split in _splits(blocks, config[3], metis):
             if split == metis:
                 continue
+            if time.perf_counter() > deadline:
+                return best
             found = _price(mw, config, split)
             if found is not None and found[0] < best_time:
                 best_time, best = found
     return best
+
+
+def _configs(mw, orders, blocks: int):
+    """(order, dp, per-group tp, per-group stages, micro-batch size) of every spanning lane walked."""
+    for order in orders:
+        for dp, tps in _degrees(mw, order):
+            stages = tuple(mw.cluster.group(g).num_gpus // (dp * tp) for g, tp in zip(order, tps))
+            if sum(stages) > blocks:
+                continue
+            for mbs in MICRO_BATCHES:
+                if mw.global_batch % (dp * mbs) == 0:
+                    yield order, dp, tuple(tps), stages, mbs
 
 
 def _rates(mw, speed: dict) -> dict[str, float]:
