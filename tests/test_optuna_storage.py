@@ -28,6 +28,7 @@ from autopar.errors import AutoparError
 from autopar.search import get_planner, optuna_search
 
 optuna = pytest.importorskip("optuna")
+psycopg = pytest.importorskip("psycopg", reason="the PostgreSQL driver: pip install -e '.[dev]'")
 TESTS = Path(__file__).resolve().parent
 
 
@@ -83,7 +84,6 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def postgres():
     """A PostgreSQL server for the module; yields a function that creates a database and returns its URL."""
-    psycopg = pytest.importorskip("psycopg", reason="the PostgreSQL driver: pip install -e '.[dev]'")
     bindir = postgres_bin()
     if bindir is None:
         pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl): apt-get install postgresql (.ci/run does)")
@@ -259,3 +259,28 @@ def test_server_errors_are_one_line(postgres):
             get_planner("optuna", trials=2, storage=bad, progress=False).propose(w)
         assert "\n" not in str(e.value) and "secret" not in str(e.value), str(e.value)
 
+
+
+@pytest.mark.slow
+def test_a_server_lost_mid_search_is_one_line_and_keeps_the_completed_trials(postgres, monkeypatch):
+    """The database stops accepting connections after two trials (as when its server goes down or
+    the network to it fails): the search stops with one line, and the trials it completed are there."""
+    url, w = postgres("lost"), workload(size="tiny")
+    admin = url.rsplit("/", 1)[0] + "/postgres"
+    evaluate, count = optuna_search.evaluate, [0]
+
+    def cut(*args, **kwargs):
+        count[0] += 1
+        if count[0] == 3:
+            with psycopg.connect(admin, autocommit=True) as con:
+                con.execute("ALTER DATABASE lost ALLOW_CONNECTIONS false")
+                con.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = 'lost'")
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(optuna_search, "evaluate", cut)
+    with pytest.raises(AutoparError, match="failed mid-search: .*not currently accepting connections.* rerun") as e:
+        get_planner("optuna", trials=10, storage=url, progress=False).propose(w)
+    assert "\n" not in str(e.value)
+    with psycopg.connect(admin, autocommit=True) as con:
+        con.execute("ALTER DATABASE lost ALLOW_CONNECTIONS true")
+    assert len(the_study(url).get_trials(states=(optuna.trial.TrialState.COMPLETE,))) == 2

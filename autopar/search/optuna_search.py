@@ -63,7 +63,11 @@ class OptunaPlanner(Planner):
             complete = (optuna.trial.TrialState.COMPLETE,)
             done = len(study.get_trials(deepcopy=False, states=complete))
             with _progress_bar(self.progress, done, self.trials) as advance:
-                self._fill_budget(study, lambda trial: self._objective(trial, workload), advance)
+                try:
+                    self._fill_budget(study, lambda trial: self._objective(trial, workload), advance)
+                except Exception as e:
+                    _storage_failed(self.storage, e)
+                    raise
             trials = study.get_trials(deepcopy=False, states=complete)
         plans = [Plan.from_dict(t.user_attrs["plan"]) for t in trials]
         result = {"iteration_time": [t.value for t in trials],
@@ -171,6 +175,23 @@ def _fail_orphans(study, watched: dict[int, float]) -> None:
         if now - watched.setdefault(t.number, now) > ORPHAN_S:
             study.tell(t.number, state=TrialState.FAIL)
             RetryHeartbeatStaleTrialCallback(max_retry=RETRIES)(study, study.trials[t.number])
+
+
+def _storage_failed(url: str | None, error: BaseException) -> None:
+    """One line when the study's database failed mid-search (a server down, unreachable, refusing
+    the database): Optuna surfaces it as its StorageInternalError, or as an UnboundLocalError from
+    its own trial loop, with SQLAlchemy's error in the chain. Nothing completed is lost there."""
+    from sqlalchemy.exc import SQLAlchemyError  # sqlalchemy: heavy, imported on first use
+
+    seen, cause = set(), error
+    while cause is not None and id(cause) not in seen and not isinstance(cause, SQLAlchemyError):
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    if url is None or not isinstance(cause, SQLAlchemyError):
+        return
+    first_line = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    raise AutoparError(f"the Optuna storage {shown(url)} failed mid-search: {first_line}; its completed trials "
+                       f"are kept: rerun the same command to resume") from None
 
 
 def _within_budget(trial, budget: int) -> None:
