@@ -189,12 +189,13 @@ def finetune(model, space: RestrictedSpace, backend, cfg: MeasuredConfig, say=la
 
 def train_measured(model: str, model_args: dict, *, cluster: str, gpus_per_node: int | None, global_batch: int,
                    restrict: dict, budget: int, options: RunOptions | None = None, cache: str | None = None,
-                   output: str = "policy.zip", seed: int = 0, console=None, backend=None) -> dict:
+                   output: str = "policy.zip", seed: int = 0, console=None, backend=None, launcher=None) -> dict:
     """`autopar train measured`: the restricted space of the workload, the shipped policy
     as the start (the cost-model prior), `finetune` within the budget inside `policies.train.train`
     (which loads the start, writes the policy and its sidecar; no PPO on the cost model and no
     imitation of its oracle here). backend: the measured backend (default `MeasuredReward` with
-    `options` on the workload's ranks, cached in `cache`). Returns the metadata; its `measured`
+    `options` on the workload's ranks, cached in `cache`, run through `launcher`: default this
+    machine, `autopar.traces.launchers`). Returns the metadata; its `measured`
     section is the summary."""
     if budget < 1:
         raise AutoparError(f"--budget must be at least 1 real run, got {budget}")
@@ -204,7 +205,8 @@ def train_measured(model: str, model_args: dict, *, cluster: str, gpus_per_node:
     console.print(f"{workload.describe()}: restricted space of {len(space.prefixes)} plans", soft_wrap=True)
     options = replace(options or RunOptions(), nproc_per_node=workload.world_size)
     if backend is None:
-        backend = MeasuredReward(model, model_args, options, cache_path=cache or default_cache(), cluster=cluster)
+        backend = MeasuredReward(model, model_args, options, cache_path=cache or default_cache(), cluster=cluster,
+                                 launcher=launcher)
     start = default_policy_path()
     check_signature(read_meta(start), start)
     cfg = TrainConfig(timesteps=0, workloads="0", output=output, seed=seed, eval_workloads=0, imitation_epochs=0,

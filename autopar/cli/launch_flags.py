@@ -11,13 +11,14 @@ from autopar.traces.launchers.ray_cluster import RayLauncher
 from autopar.traces.launchers.slurm import SlurmLauncher, SlurmSettings, read_settings
 
 
-def add_launcher_flags(parser, dry_run: bool = True) -> None:
+def add_launcher_flags(parser, dry_run: bool = True, nodes: bool = True) -> None:
     g = parser.add_argument_group("launcher", "where the plans run (docs/cluster.md)")
     g.add_argument("--launcher", choices=LAUNCHERS, default="local",
                    help="local: this machine (default); slurm: a job per plan through submitit; ray: a Ray Train "
                         "job per plan on a running Ray cluster")
-    g.add_argument("--nodes", type=int, default=1, metavar="N",
-                   help="nodes per run, each with the run's ranks per node (slurm and ray; default 1)")
+    if nodes:
+        g.add_argument("--nodes", type=int, default=1, metavar="N",
+                       help="nodes per run, each with the run's ranks per node (slurm and ray; default 1)")
     g.add_argument("--slurm-config", metavar="FILE.json",
                    help="Slurm settings (partition, account, qos, time_min, cpus_per_task, folder, max_requeues, "
                         "setup); the --slurm-* flags win")
@@ -42,8 +43,9 @@ def add_launcher_flags(parser, dry_run: bool = True) -> None:
 
 def launcher_from_args(args, say=lambda msg: None) -> Launcher:
     """The launcher the flags name; scheduler flags without their launcher are refused."""
-    if args.nodes < 1:
-        raise AutoparError(f"--nodes must be at least 1, got {args.nodes}")
+    nodes = getattr(args, "nodes", 1)
+    if nodes < 1:
+        raise AutoparError(f"--nodes must be at least 1, got {nodes}")
     if args.launcher != "slurm" and (args.slurm_local or getattr(args, "dry_run", False)):
         raise AutoparError("--slurm-local and --dry-run go with --launcher slurm")
     if args.launcher == "slurm":
@@ -53,8 +55,8 @@ def launcher_from_args(args, say=lambda msg: None) -> Launcher:
         return launcher
     if args.launcher == "ray":
         return RayLauncher(args.ray_address, say)
-    if args.nodes != 1:
-        raise AutoparError(f"the local launcher runs on this machine alone, got --nodes {args.nodes}; use "
+    if nodes != 1:
+        raise AutoparError(f"the local launcher runs on this machine alone, got --nodes {nodes}; use "
                            f"--launcher slurm or ray")
     return LocalLauncher()
 

@@ -15,6 +15,7 @@ from rich.console import Console
 
 from autopar.atomic import check_output
 from autopar.cli.common import add_model_flags, add_trace_model_flags, model_sources, parse_model_args
+from autopar.cli.launch_flags import add_launcher_flags, launcher_from_args
 from autopar.envs.restricted import DEFAULT_RESTRICT, restrictable
 from autopar.errors import AutoparError
 from autopar.executor.options import RunOptions, add_run_flags
@@ -85,6 +86,7 @@ def add_parser(sub) -> None:
     m.add_argument("--restrict", action="append", default=[], metavar="KNOB=V1,V2",
                    help=f"values a knob (a plan field) may take (repeatable; KNOB=* frees it). Defaults: {RESTRICT_HELP}")
     add_run_flags(m, MEASURED_RUN_FLAGS)  # autopar/executor/options.py
+    add_launcher_flags(m, dry_run=False, nodes=False)  # each plan on one node: local, a Slurm job or a Ray job
     m.add_argument("--cache", default=None, metavar="FILE.json",
                    help="measurement cache (default: measured-rewards.json in the autopar cache directory)")
     _add_output_flags(m)
@@ -234,11 +236,12 @@ def run_measured(args) -> int:
         raise AutoparError(f"--gpus-per-node must be positive, got {args.gpus_per_node}")
     options = RunOptions.from_args(args, backend="gloo")  # the measured ranks share this machine's CPUs
     restrict = parse_restrictions(args.restrict)  # an unknown knob fails here, before any profiling
+    launcher = launcher_from_args(args)  # and a bad launcher flag
     console = Console()
     meta = train_measured(args.model, parse_model_args(args.model_arg, None), cluster=args.cluster,
                           gpus_per_node=args.gpus_per_node, global_batch=args.global_batch, restrict=restrict,
                           budget=args.budget, options=options, cache=args.cache, output=args.output, seed=args.seed,
-                          console=console)
+                          console=console, launcher=launcher)
     m = meta["measured"]
     pick, prior = m["pick"], m["prior_pick"]
     console.print(f"restricted space: {m['space']['plans']} plans, varying "

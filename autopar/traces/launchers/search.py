@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -133,9 +134,11 @@ def _tune(workload, spec: RunSpec, launcher, study, store, trials: int, failed_s
     from ray.tune.search.optuna import OptunaSearch  # ray: heavy, imported on first use
 
     connect(launcher.address)
-    searcher = OptunaSearch(space=lambda trial: {"plan": trial_plan(trial, workload).to_dict()}, metric=METRIC,
-                            mode="min", study_name=study.study_name, storage=store,
-                            sampler=optuna.samplers.TPESampler(multivariate=True, seed=seed + len(study.trials)))
+    with warnings.catch_warnings():  # Optuna: "heartbeat ... supposed to be used with Study.optimize" (Tune asks)
+        warnings.simplefilter("ignore")
+        searcher = OptunaSearch(space=TrialSpace(workload), metric=METRIC, mode="min", study_name=study.study_name,
+                                storage=store,
+                                sampler=optuna.samplers.TPESampler(multivariate=True, seed=seed + len(study.trials)))
     o = spec.options
     resources = {"GPU" if o.backend == "nccl" else "CPU": o.nproc_per_node if o.nnodes == 1 else 0}
     trainable = tune.with_resources(tune.with_parameters(_trial, spec=spec, failed_s=failed_s), resources)
@@ -143,7 +146,19 @@ def _tune(workload, spec: RunSpec, launcher, study, store, trials: int, failed_s
                                                               max_concurrent_trials=1),
                        run_config=tune.RunConfig(storage_path=launcher.storage, name="autopar-measured-search",
                                                  verbose=0))
-    tuner.fit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tuner.fit()
+
+
+class TrialSpace:
+    """OptunaSearch's define-by-run space: the trial's plan (Tune pickles its searcher's state)."""
+
+    def __init__(self, workload):
+        self.workload = workload
+
+    def __call__(self, trial) -> dict:
+        return {"plan": trial_plan(trial, self.workload).to_dict()}
 
 
 def _trial(config: dict, spec: RunSpec, failed_s: float) -> None:
