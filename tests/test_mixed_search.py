@@ -18,6 +18,7 @@ from autopar.cost.published_mfu import best_published
 from autopar.cost.regime import attention_fused
 from autopar.mixed.plan import MixedPlan
 from autopar.mixed.cost import estimate_mixed
+from autopar.mixed import search as mixed_search
 from autopar.mixed.search import lane_of, search_mixed
 from autopar.mixed.shares import GRID, best_shares, brute_force_shares, quantum
 from autopar.mixed.workload import MixedWorkload
@@ -117,6 +118,21 @@ def test_the_exact_search_is_never_worse(slow_link, method):
     other.plan.validate(mw)
     assert exact.estimate.iteration_time_s <= other.estimate.iteration_time_s * (1 + 1e-9)
     assert other.estimate.tokens_per_s >= other.best_single[2].tokens_per_s
+
+
+def test_pruning_two_groups_shares_changes_no_answer(monkeypatch):
+    """With two groups the exact search skips a split once one lane of it takes the best step found; pricing
+    every split instead finds a plan no faster."""
+    mw = mixed([(A, 1), (H, 1)], 32, {"size": "gpt2-small"})
+    pruned = search_mixed(mw)
+    assert len(pruned.plan.lanes) == 2
+
+    def every_split(lanes, names, units, q, single, upper):
+        return {g: lanes.table(g, units, q, range(1, units + 1)) for g in names}
+
+    monkeypatch.setattr(mixed_search, "_pair_tables", every_split)
+    full = search_mixed(mw)
+    assert pruned.estimate.iteration_time_s == pytest.approx(full.estimate.iteration_time_s, rel=1e-12)
 
 
 def test_a_time_limit_keeps_the_best_single_group_and_says_so():

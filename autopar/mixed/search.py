@@ -163,13 +163,20 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
         single[g] = None if found is None else (found[0], estimate(mw.on_group(g, _gpus(mw, g), batch), found[0]))
     candidates = [MixedPlan((lane_of(g, v[0]),)) for g, v in single.items() if v is not None]
     speed = {g: v[1].tokens_per_s for g, v in single.items() if v is not None}
+    near = _proportional(speed, names, units)
     if method == "exhaustive":
         ks = {g: range(1, units + 1) for g in names}
     else:
-        near = _proportional(speed, names, units)
         spread = (0,) if method == "metis" else (-1, 0, 1)
         ks = {g: sorted({min(max(near[g] + d, 1), units) for d in spread}) for g in names}
-    wide = {g: lanes.table(g, units, q, ks[g]) for g in names}
+    if method == "exhaustive" and len(names) == 2:  # the proportional shares first: a bound that prunes pairs
+        first = {g: lanes.table(g, units, q, [near[g]]) for g in names}
+        _, upper = _fastest(mw, candidates + [mp for _, mp in _lane_plans(lanes, first, [names], units, q)])
+        floor = cross_sync(mw, [_probe(mw, g, lanes.narrow_dtype or "fp32") for g in names])
+        wide = _pair_tables(lanes, names, units, q, single,
+                            math.inf if upper is None else upper.iteration_time_s - floor)
+    else:
+        wide = {g: lanes.table(g, units, q, ks[g]) for g in names}
     candidates += [mp for _, mp in _lane_plans(lanes, wide, _subsets(names, speed), units, q)]
     spanning = search_spanning(mw, speed, exact=method == "exhaustive", deadline=deadline) \
         if method != "rl" or not candidates else None
@@ -182,7 +189,8 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
                 mw, [_probe(mw, g, lanes.narrow_dtype) for g in used])
             if best_shares([wide[g] for g in used], units)[0] >= bound:
                 continue  # a held knob never makes a lane faster: these lanes cannot beat the best
-            narrow = {g: lanes.table(g, units, q, ks[g], narrow=True, below=bound) for g in used}
+            narrow = {g: lanes.table(g, units, q, [k for k in ks[g] if wide[g][k] < bound], narrow=True, below=bound)
+                      for g in used}
             found = [mp for _, mp in _lane_plans(lanes, narrow, [used], units, q, narrow=True)]
             best, best_est = _fastest(mw, found, best, best_est)
     if best is None:
@@ -223,6 +231,26 @@ def _subsets(names, speed: dict):
     ranked = sorted(names, key=lambda g: -speed.get(g, 0.0))
     for r in range(2, len(names) + 1):
         yield tuple(g for g in names if g in ranked[:r])
+
+
+def _pair_tables(lanes: _Lanes, names, units: int, q: int, single: dict, upper: float) -> dict[str, list[float]]:
+    """The two groups' lane times on the grid, leaving out what cannot help: a split (k, units - k) whose
+    lane priced first (the one the singles predict slower) takes `upper` or more cannot beat the best plan
+    found (the step is at least its slowest lane plus the least cross-lane all-reduce), so its other lane is
+    not priced. Exact: every split that could win is priced whole."""
+    out = {g: [math.inf] * (units + 1) for g in names}
+
+    def guess(g, k):
+        return math.inf if single[g] is None else single[g][1].iteration_time_s * k / units
+
+    for k in range(1, units):
+        pair = sorted([(names[0], k), (names[1], units - k)], key=lambda gk: -guess(*gk))
+        for g, units_g in pair:
+            found = lanes.best(g, units_g * q)
+            out[g][units_g] = math.inf if found is None else found[1]
+            if out[g][units_g] >= upper:
+                break
+    return out
 
 
 def _lane_plans(lanes: _Lanes, tables: dict, subsets, units: int, q: int, narrow: bool = False):
