@@ -17,7 +17,8 @@ What is exact and what is not (method "exhaustive", the oracle):
   16-bit training dtype: the search held at that width, where it can beat the best found), because the
   cross-lane all-reduce depends only on the groups used and that width. "Exact" inherits the homogeneous
   search's 0.5% tie band (it returns the simplest plan within it). Finer shares, or a lane on part of a
-  group, are not searched.
+  group, are not searched. With two groups a split is skipped once one of its lanes is known to take the
+  best step found (`_pair_tables`), which changes no answer.
 - (3) is a heuristic: see spanning.py. A spanning lane beside data-parallel lanes is not searched.
 
 "metis" (Metis, Um et al., ATC'24): shares (and a spanning pipeline's blocks) proportional to each group's
