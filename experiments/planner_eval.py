@@ -68,13 +68,35 @@ def make_planners(names: list[str], seed: int, policy: str | None, console: Cons
 def oracle(workload, cache: dict) -> dict:
     """The exhaustive oracle's best time, with its evaluations and wall time (cached by workload)."""
     key = workload_key(workload)
-    if key not in cache:
+    if key not in cache or "pp" not in cache[key]:  # (entries before pp was kept: asked again)
         planner, started = get_planner("exhaustive"), time.perf_counter()
         plan = planner.propose(workload, 1)[0]
         cache[key] = {"time_s": estimate(workload, plan).iteration_time_s, "plan": plan.describe(),
                       "evaluations": planner.evaluations, "wall_s": time.perf_counter() - started,
-                      "non_uniform": bool(plan.stage_recompute or plan.layer_split)}
+                      "non_uniform": bool(plan.stage_recompute or plan.layer_split), "pp": plan.pp}
     return cache[key]
+
+
+def per_stage_set(args, cache: dict, cache_path: Path, console: Console) -> list:
+    """The held-out set with at least `args.per_stage` workloads whose best plan has pp >= 4 and is not
+    uniform (issue 41's policy check): the standard set's such workloads, more of them from further
+    draws of the same held-out stream (`--pool`), then the standard set's other workloads in order up
+    to --limit. A stratified set, said as such: the standard one holds few (9 of 64)."""
+    pool = heldout_workloads(seed=args.heldout_seed, n=args.pool, progress=True, family=args.family)
+    staged, others = [], []
+    for i, w in enumerate(track(pool, description="the oracle on the pool", console=console, transient=True)):
+        best = oracle(w, cache)
+        cache_path.write_text(json.dumps(cache, indent=1))
+        if best["non_uniform"] and best["pp"] >= 4:
+            staged.append(w)
+        elif i < args.limit:
+            others.append(w)
+        if len(staged) >= args.per_stage and i >= args.limit - 1:
+            break
+    if len(staged) < args.per_stage:
+        console.print(f"[yellow]only {len(staged)} of {len(pool)} pool workloads have a non-uniform best plan "
+                      f"at pp >= 4 (wanted {args.per_stage}); raise --pool[/yellow]")
+    return staged[:args.per_stage] + others[:args.limit - min(len(staged), args.per_stage)]
 
 
 def run(planner, k: int, workload, oracle_time: float) -> dict:
@@ -215,6 +237,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the rl, optuna and random planners")
     parser.add_argument("--policy", help="rl policy file (default: the shipped one)")
     parser.add_argument("--family", help=f"held-out workloads of one zoo family only, of {list(families())}")
+    parser.add_argument("--per-stage", type=int, default=0, metavar="N",
+                        help="a stratified set: N workloads whose best plan has pp >= 4 and is not uniform, the rest "
+                             "of --limit from the standard set (draws past it from --pool)")
+    parser.add_argument("--pool", type=int, default=4 * HELDOUT_SIZE, metavar="M",
+                        help="with --per-stage: how many held-out draws to look through")
     parser.add_argument("--readme", type=Path, metavar="FILE", help="rewrite the planner table in FILE (README.md)")
     args = parser.parse_args()
     unknown = set(args.planners.split(",")) - set(PLANNERS)
@@ -229,7 +256,8 @@ def main() -> None:
     cache_path = args.out / "oracle.json"
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
 
-    workloads = heldout_workloads(seed=args.heldout_seed, n=args.limit, progress=True, family=args.family)
+    workloads = (per_stage_set(args, cache, cache_path, console) if args.per_stage else
+                 heldout_workloads(seed=args.heldout_seed, n=args.limit, progress=True, family=args.family))
     results = []
     for w in track(workloads, description="planning", console=console, transient=True):
         best = oracle(w, cache)
@@ -239,7 +267,8 @@ def main() -> None:
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
 
     rows = summary(results, names)
-    title = (f"{len(results)} held-out {args.family + ' ' if args.family else ''}workloads (seed {args.heldout_seed}), planner seed {args.seed}: ratio of "
+    stratified = f" ({args.per_stage} with a non-uniform best plan at pp >= 4)" if args.per_stage else ""
+    title = (f"{len(results)}{stratified} held-out {args.family + ' ' if args.family else ''}workloads (seed {args.heldout_seed}), planner seed {args.seed}: ratio of "
              f"predicted throughput to the oracle's (median, p5, min); median evaluations and wall time; "
              f"share of workloads where the planner beats the rules")
     table = Table(title=title)
