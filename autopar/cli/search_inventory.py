@@ -151,15 +151,23 @@ def frontier_table(front, chosen, goal: Goal) -> Table:
     columns += ["hours", "$"] if goal.train_tokens else ["$ per M tokens"]
     columns += ["plan"]
     for col in columns:
-        t.add_column(col, justify="left" if col in ("", "nodes", "plan") else "right")
+        t.add_column(col, justify="left" if col in ("", "nodes", "plan") else "right", overflow="fold")
     for o in front:
         cells = ["*" if o is chosen else "", o.label, str(o.gpus), f"{o.tokens_per_s:,.0f}", f"{o.price_per_hour:,.2f}"]
         if goal.train_tokens:
             cells += [f"{o.hours(goal.train_tokens):,.1f}", f"{o.dollars(goal.train_tokens):,.0f}"]
         else:
             cells += [f"{o.dollars_per_mtoken:,.3f}"]
-        t.add_row(*cells, o.plan.describe())
+        t.add_row(*cells, short(o.plan))
     return t
+
+
+def short(plan) -> str:
+    """A plan in a table cell: a homogeneous plan's label; a mixed plan's samples per step on each lane's groups
+    (the chosen one is printed in full above)."""
+    if not isinstance(plan, MixedPlan):
+        return plan.describe()
+    return " | ".join(f"{lane.share} on {'+'.join(s.group for s in lane.segments)}" for lane in plan.lanes)
 
 
 def _option_dict(o, goal: Goal) -> dict:

@@ -10,8 +10,9 @@ The inventory is data, never code: `{"name": ..., "groups": [{"preset": "dgx-h10
 so a few groups make tens of choices, not the product of every count.
 
 A choice of one group is planned by the exact homogeneous search (ExhaustivePlanner, the same plan
-`autopar search --cluster PRESET --nodes N` gives); a choice of several groups by the mixed search
-(autopar/mixed/search.py `search_mixed`) on the mixed cluster of those groups.
+`autopar search --cluster PRESET --nodes N` gives, about a second); a choice of several groups by the mixed
+search (autopar/mixed/search.py `search_mixed`) on the mixed cluster of those groups, tens of seconds each,
+so those are searched only where an optimistic estimate of their speed says they could win (`plan_choices`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ _GROUP_OPTIONAL = ("name", "gpu", "gpus_per_node", "node", "links", "coefficient
 _KEYS = ("groups",)
 _OPTIONAL = ("name", "link", "schema_version")
 MAX_GROUPS = 8  # the choices grow as the product of each group's node counts
+ROOMY = 1e18  # bytes of GPU memory in `relaxed_speed`: no plan is refused for memory
+OPTIMISM = 1.1  # slack on the sum of the groups' relaxed speeds before a choice of several is passed over
 
 
 class InventoryError(AutoparError):
@@ -239,40 +242,98 @@ def mixed_twin(base, cluster: MixedCluster) -> MixedWorkload:
                          expert_imbalance=base.expert_imbalance, fp8=base.fp8)
 
 
+def relaxed_speed(workload) -> float:
+    """Tokens/s of the best plan on `workload`'s hardware with its memory treated as unlimited: what its GPUs
+    could add to a mixed plan where holding only part of the model (a pipeline across groups) spares them the
+    recompute, sharding or offload they need alone. inf when no plan divides the batch (then no bound)."""
+    roomy = dataclasses.replace(workload.cluster, gpu=dataclasses.replace(workload.cluster.gpu, memory_bytes=ROOMY))
+    try:
+        return best_homogeneous(dataclasses.replace(workload, cluster=roomy))[1].tokens_per_s
+    except NoValidPlanError:
+        return math.inf
+
+
 def plan_choices(base, inventory: Inventory, mixed=None, goal: Goal | None = None,
                  progress=None) -> tuple[list[Option], dict[str, str]]:
-    """Every choice of `inventory` with its best plan, and {label: why it has none} for the others.
+    """The choices of `inventory` with their best plans, and {label: why it has none} for the others.
 
     `base`: the Workload (model profile, batch, precision, runtime) every choice trains; a choice of one group
     plans `base` on that group's hardware at those nodes (`best_homogeneous`), a choice of several plans its
     MixedWorkload with `mixed(mixed_workload)` -> (plan, estimate) (None: such choices are left out, said so).
-    A choice over `goal`'s budget per hour (known before planning) is not planned.
+    With a `goal`, a choice over its budget per hour is not planned, and a choice of several groups (whose
+    search takes far longer) is searched only when its optimistic point -- OPTIMISM x the sum of its groups'
+    `relaxed_speed` at those nodes, at its price -- could still meet the deadline and is not dominated by a
+    choice already planned that meets the goal (most promising first); the rest are named with the reason.
+    The optimistic speed is an estimate, not a proof: the cost model of a mixed plan composes each group's
+    own, and lanes or a pipeline across groups add at most what each group does alone, less the link.
     `progress(done, total)` is called after each choice."""
     options, failed = [], {}
     choices = inventory.choices()
-    for done, nodes in enumerate(choices, 1):
+    single = [c for c in choices if sum(1 for n in c if n) == 1]
+    several = [c for c in choices if sum(1 for n in c if n) > 1]
+    done = 0
+
+    def plan(nodes) -> None:
+        nonlocal done
         label, price = inventory.label(nodes), inventory.price_per_hour(nodes)
+        cluster = inventory.cluster(nodes)
         try:
-            if goal is not None and goal.budget_per_hour is not None and price > goal.budget_per_hour:
-                failed[label] = f"not planned: over the budget of ${goal.budget_per_hour:,.2f}/hour"
-                continue
-            cluster = inventory.cluster(nodes)
             if not isinstance(cluster, MixedCluster):
                 workload = dataclasses.replace(base, cluster=cluster)
-                plan, est = best_homogeneous(workload)
-            elif mixed is None:
-                failed[label] = "not planned: the mixed search is not available"
-                continue
+                best, est = best_homogeneous(workload)
             else:
                 workload = mixed_twin(base, cluster)
-                plan, est = mixed(workload)
+                best, est = mixed(workload)
+            options.append(Option(nodes, label, cluster.num_gpus, price, est.tokens_per_s, best, est, workload))
         except NoValidPlanError as e:
             failed[label] = str(e)
-            continue
-        finally:
-            if progress is not None:
-                progress(done, len(choices))
-        options.append(Option(nodes, label, cluster.num_gpus, price, est.tokens_per_s, plan, est, workload))
+
+    def skip(nodes) -> str | None:
+        """Why a choice needs no planning for the goal (None: plan it)."""
+        price = inventory.price_per_hour(nodes)
+        if goal is None:
+            return None
+        if goal.budget_per_hour is not None and price > goal.budget_per_hour:
+            return f"not planned: over the budget of ${goal.budget_per_hour:,.2f}/hour"
+        if sum(1 for n in nodes if n) == 1:
+            return None
+        fastest = OPTIMISM * sum(speed(i, n) for i, n in enumerate(nodes) if n)
+        if goal.deadline_hours is not None and goal.train_tokens / fastest / 3600 > goal.deadline_hours:
+            return (f"not searched: even at an optimistic {fastest:,.0f} tokens/s it misses the deadline of "
+                    f"{goal.deadline_hours:g} hours")
+        cheapest = price / 3600 / fastest * 1e6
+        better = [o for o in options if goal.meets(o) and o.tokens_per_s >= fastest and o.dollars_per_mtoken <= cheapest]
+        if better:
+            return (f"not searched: {better[0].label} is faster and cheaper than even an optimistic "
+                    f"{fastest:,.0f} tokens/s here")
+        return None
+
+    speeds: dict[tuple[int, int], float] = {}
+
+    def speed(i: int, n: int) -> float:
+        if (i, n) not in speeds:
+            speeds[i, n] = relaxed_speed(dataclasses.replace(base, cluster=inventory.offers[i].at(n)))
+        return speeds[i, n]
+
+    if mixed is None:
+        for nodes in several:
+            failed[inventory.label(nodes)] = "not planned: the mixed search is not available"
+        several = []
+
+    def promise(nodes):  # the optimistic point's place in the goal's order
+        fastest = sum(speed(i, n) for i, n in enumerate(nodes) if n)
+        price = inventory.price_per_hour(nodes)
+        return (-fastest, price / fastest) if goal is None or goal.objective == "time" else (price / fastest, -fastest)
+
+    for nodes in single + (sorted(several, key=promise) if goal is not None else several):
+        why = skip(nodes)
+        if why is None:
+            plan(nodes)
+        else:
+            failed[inventory.label(nodes)] = why
+        done += 1
+        if progress is not None:
+            progress(done, len(choices))
     return options, failed
 
 
