@@ -74,17 +74,21 @@ def test_node_choices_are_bounded():
     assert len(node_choices(1000)) == 12  # 0, 1, 2, ..., 512, 1000
 
 
-def test_cheapest_meeting_the_deadline_is_brute_forces(base, planned):
+@pytest.mark.parametrize("tight", [False, True])
+def test_cheapest_meeting_the_deadline_is_brute_forces(base, planned, tight):
     inventory, (options, failed) = planned
     assert len(options) + len(failed) == len(inventory.choices()) == 5
-    hours = sorted(o.hours(TOKENS) for o in options)
+    fastest = min(o.hours(TOKENS) for o in options)
     cheapest = min(options, key=lambda o: o.dollars_per_mtoken)
-    deadline = (hours[0] + cheapest.hours(TOKENS)) / 2  # the cheapest overall misses it: a real trade
+    # the cheapest overall misses the deadline (a real trade); a tight one leaves only the fastest choices
+    deadline = fastest * 1.03 if tight else (fastest + cheapest.hours(TOKENS)) / 2
     assert cheapest.hours(TOKENS) > deadline
     goal = Goal("cost", deadline_hours=deadline, train_tokens=TOKENS)
     dollars, nodes = brute_force(base, goal)
-    # planning for the goal passes over choices that cannot win: the answer is the same
-    for chosen in (choose(options, goal), choose(plan_choices(base, inventory, mixed=_mixed, goal=goal)[0], goal)):
+    # planning for the goal passes over choices that cannot win (a tight deadline: some): the answer is the same
+    for_goal, passed = plan_choices(base, inventory, mixed=_mixed, goal=goal)
+    assert any(why.startswith("not searched") for why in passed.values()) == tight
+    for chosen in (choose(options, goal), choose(for_goal, goal)):
         assert chosen.nodes == nodes
         assert chosen.dollars(TOKENS) == pytest.approx(dollars, rel=1e-12)
         assert chosen.hours(TOKENS) <= deadline
