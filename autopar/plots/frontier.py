@@ -35,8 +35,8 @@ def frontier_figure(options, front, chosen, goal, path) -> None:
     if goal.deadline_hours is not None:
         ax.axvline(goal.deadline_hours, color="black", linestyle="--", linewidth=1,
                    label=f"deadline {goal.deadline_hours:g} h")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    ax.set_xscale("log")  # choices span orders of magnitude in time, less in cost
+    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:,.4g}"))
     if tokens:
         ax.set_xlabel(f"hours to train {tokens:,.4g} tokens")
         ax.set_ylabel("dollars")
