@@ -14,8 +14,10 @@ land in the study either way.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -143,10 +145,10 @@ def _tune(workload, spec: RunSpec, launcher, study, store, trials: int, failed_s
     resources = {"GPU" if o.backend == "nccl" else "CPU": o.nproc_per_node if o.nnodes == 1 else 0}
     trainable = tune.with_resources(tune.with_parameters(_trial, spec=spec, failed_s=failed_s), resources)
     tuner = tune.Tuner(trainable, tune_config=tune.TuneConfig(search_alg=searcher, num_samples=trials,
-                                                              max_concurrent_trials=1),
+                                                              max_concurrent_trials=1, reuse_actors=True),
                        run_config=tune.RunConfig(storage_path=launcher.storage, name="autopar-measured-search",
                                                  verbose=0))
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):  # Tune's tables: not on --json's stdout
         warnings.simplefilter("ignore")
         tuner.fit()
 
