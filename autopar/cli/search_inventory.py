@@ -100,7 +100,7 @@ def run_inventory(args) -> int:
     console.print(frontier_table(front, chosen, goal))
     for why, labels in _by_reason(failed).items():
         console.print(f"{', '.join(labels)}: {why}", style="yellow", markup=False, highlight=False)
-    console.print(f"{len(options) + len(failed)} choices of nodes, {len(options)} planned with a plan, "
+    console.print(f"{len(options) + len(failed)} choices of nodes, {len(options)} with a plan, "
                   f"{sum(goal.meets(o) for o in options)} meeting the goal; {args.method} search for the choices of "
                   f"several groups; {wall:.1f} s"
                   + (f"; plan written to {args.output}" if args.output else "")
@@ -157,7 +157,7 @@ def frontier_table(front, chosen, goal: Goal) -> Table:
         if goal.train_tokens:
             cells += [f"{o.hours(goal.train_tokens):,.1f}", f"{o.dollars(goal.train_tokens):,.0f}"]
         else:
-            cells += [f"{o.dollars_per_mtoken:,.3f}"]
+            cells += [f"{o.dollars_per_mtoken:,.4g}"]
         t.add_row(*cells, short(o.plan))
     return t
 
