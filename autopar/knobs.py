@@ -672,7 +672,7 @@ for _k in (
     Knob("grad_comm_dtype", (Field("grad_comm_dtype", str, "fp32", COMM_DTYPES),), _comm_choices, ("dp",),
          label="gradient reduction dtype", text=lambda c: f"gradients reduced in {c}",
          short=lambda c: f"comm={c}" if c != "fp32" else None, slots=COMM_DTYPES,
-         lean=lambda c: [min(c, key=DTYPE_BYTES.get)], detail=True,
+         lean=lambda c: sorted(c, key=DTYPE_BYTES.get)[:1], detail=True,  # (none where a held value rules all out)
          flag_help="dtype of the data-parallel gradient reduction"),
     Knob("offload_optimizer", (Field("offload_optimizer", bool, False),), _offload_choices, ("zero",),
          label="optimizer offload", text=_bool_text("CPU offload"), short=lambda v: "offload" if v else None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 from conftest import ZOO, workload
 
@@ -83,6 +84,22 @@ def test_every_planner_returns_only_plans_with_the_held_values(method):
     for p in plans:  # recompute=full: every block of the busiest rank (2 of 4 on pp2)
         assert (p.pp, p.recompute, p.recompute_blocks, p.schedule, p.micro_batch_size) == (2, "full", 2, "gpipe", 2)
         p.validate(w)
+
+
+def test_a_held_value_some_layouts_cannot_take_leaves_the_rl_masks_working():
+    """grad_comm_dtype held at bf16: a layout without data parallelism offers no gradient dtype then, so
+    the policy's lean completion of that layout has none (it crashed on min() of nothing). Every step of
+    the fastest path through the masks is priced, down to a plan with the held value."""
+    from autopar.envs.knobs import PlanSpace
+
+    space = PlanSpace(with_fixes(workload("gpt", global_batch=16, size="tiny"), parse_fixes(["grad_comm_dtype=bf16"])))
+    prefix = ()
+    while len(prefix) < len(space.names):
+        info = space.step(prefix)
+        assert info.allowed.any()
+        prefix += (info.values[int(np.argmin(np.where(info.allowed, info.time, np.inf)))],)
+    plan = space.plan(prefix)
+    assert plan.grad_comm_dtype == "bf16" and plan.dp > 1
 
 
 def test_unheld_the_planners_choose_otherwise():
