@@ -133,16 +133,17 @@ def test_autopar_run_refuses_before_launch(tmp_path, capsys):
     """One line, exit 2, and nothing launched (the quick tier fails a test that starts a process)."""
     path = tmp_path / "mixed.json"
     MixedPlan((lane(A100, micro_batch_size=2), lane(H100, tp=2, micro_batch_size=2))).to_json(path)
-    run = ["run", str(path), "gpt", "--cluster", CLUSTER, "--backend", "gloo"]
-    cases = [(["--nproc-per-node", "3"], "autopar: error: lanes of different layouts"),
-             (["--nproc-per-node", "2"], "autopar: error: the mixed plan runs on 3 ranks but --nnodes 1 x "
-                                         "--nproc-per-node 2 = 2"),
-             (["--nproc-per-node", "3", "--cluster", A100], "autopar: error: --cluster dgx-a100-80g is one group")]
+    run = ["run", str(path), "gpt", "--cluster", CLUSTER]
+    cases = [(["--nproc-per-node", "3", "--backend", "gloo"], "autopar: error: lanes of different layouts"),
+             (["--nproc-per-node", "2", "--backend", "gloo"], "autopar: error: the mixed plan runs on 3 ranks but "
+                                                              "--nnodes 1 x --nproc-per-node 2 = 2"),
+             (["--nproc-per-node", "3", "--backend", "gloo", "--cluster", A100],
+              "autopar: error: --cluster dgx-a100-80g is one group")]
     for flags, line in cases:
         assert main([*run, *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(line), err
-    assert main(["run", str(path), "gpt", "--nproc-per-node", "3"]) == 2
+    assert main(["run", str(path), "gpt", "--nproc-per-node", "3", "--backend", "gloo"]) == 2
     assert "needs its cluster: add --cluster" in capsys.readouterr().err
 
 
