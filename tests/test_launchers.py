@@ -141,3 +141,62 @@ def test_a_job_killed_mid_run_is_requeued_once_and_its_record_says_so(tmp_path, 
     assert "this job is preempted" in Path(job.paths.stderr).read_text()  # submitit's handler caught it
     attempts = [line for line in Path(job.paths.stdout).read_text().splitlines() if line.startswith("autopar: node 0")]
     assert [a.split("(")[1].split(")")[0] for a in attempts] == ["requeues 0", "requeues 1"]  # both ran `autopar run`
+
+
+# -- Ray: one local cluster of 2 CPUs for this module -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster (2 CPUs) in this process; the launchers join it. Token authentication off:
+    it writes its token under HOME."""
+    import shutil
+    import tempfile
+
+    import ray
+
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's sockets live under it
+    started = time.perf_counter()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp, logging_level="ERROR")
+    print(f"local Ray cluster started in {time.perf_counter() - started:.0f} s")
+    yield
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+    if saved is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = saved
+
+
+@pytest.mark.slow
+def test_ray_collect_writes_the_local_launchers_records(ray_cluster, tmp_path):
+    out = tmp_path / "traces.jsonl"
+    started = time.perf_counter()
+    assert main(["traces", "collect", *TINY, "--plans", "4", "--nproc", "2", "--launcher", "ray", *QUICK,
+                 "-o", str(out)]) == 0
+    print(f"ray collect of 4 plans: {time.perf_counter() - started:.0f} s")
+    check_records(out, tiny_plans(4), "ray")
+
+
+@pytest.mark.slow
+def test_a_measured_optuna_search_through_ray_tune_lands_every_trial_in_the_study(ray_cluster, tmp_path, capsys):
+    import optuna
+
+    out, db = tmp_path / "traces.jsonl", tmp_path / "study.db"
+    started = time.perf_counter()
+    assert main(["traces", "search", *TINY, "--trials", "6", "--nproc", "2", "--launcher", "ray", *QUICK,
+                 "--storage", f"sqlite:///{db}", "--study-name", "tune", "--plan-out", str(tmp_path / "best.json"),
+                 "-o", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    print(f"ray tune search of 6 trials: {time.perf_counter() - started:.0f} s")
+    study = optuna.load_study(study_name="tune", storage=f"sqlite:///{db}")
+    trials = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    assert len(study.trials) == len(trials) == 6 and result["trials"] == 6
+    records, problems = read_records(out)
+    assert problems == [] and len(records) == 6
+    assert all(r.cluster["job"]["launcher"] == "ray" and r.cluster["job"]["id"].startswith("tune-") for r in records)
+    # each trial's value is its run's measured step: the study holds what the trace file holds
+    measured = sorted(r.measured["median_step_s"] for r in records if r.outcome == "ok")
+    assert sorted(t.value for t in trials if t.value < 10 * RunOptions().timeout_s) == pytest.approx(measured)
+    assert json.loads((tmp_path / "best.json").read_text()) == result["best"]["plan"]

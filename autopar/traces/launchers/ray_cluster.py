@@ -10,6 +10,7 @@ taken back) is recorded here as `preempted`, any other failure of the job itself
 
 from __future__ import annotations
 
+import functools
 import socket
 import tempfile
 import uuid
@@ -67,7 +68,11 @@ class RayLauncher(Launcher):
     def __init__(self, address: str = "auto", say=lambda msg: None):
         self.address = address
         self.say = say
-        self.storage = tempfile.mkdtemp(prefix="autopar-ray-train-")  # Ray Train's run state (no checkpoints)
+
+    @functools.cached_property
+    def storage(self) -> str:
+        """Ray Train's and Tune's run state (no checkpoints), made when the first job starts."""
+        return tempfile.mkdtemp(prefix="autopar-ray-train-")
 
     def trainer(self, plan: Plan, spec: RunSpec, name: str):
         from ray.train import RunConfig, ScalingConfig  # ray: heavy, imported on first use
