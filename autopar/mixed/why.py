@@ -37,7 +37,9 @@ class WhyRow:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.1f}"
+    """Milliseconds to 0.1, or to two significant digits below 1 (a tiny model's all-reduce is 0.028, not 0.0)."""
+    ms = seconds * 1e3
+    return f"{ms:,.1f}" if ms >= 1 or ms == 0 else f"{ms:.2g}"
 
 
 def _layout(s) -> str:
