@@ -4,6 +4,7 @@ collect traces by running plans with the executor."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -198,7 +199,10 @@ def run_search(args) -> int:
     base = load_cluster(args.cluster) if args.cluster else (load_cluster("cpu") if options.backend == "gloo"
                                                            else detect())
     workload = Workload(profile, base.with_nodes(args.nodes, args.nproc), args.global_batch)
-    spec = RunSpec(str(args.model), model_args, options, trace=args.output)
+    # absolute: a Ray Tune trial runs in its own folder (ray's RAY_CHDIR_TO_TRIAL_DIR), where a relative
+    # trace file or model file would name another file
+    model = str(Path(args.model).absolute()) if Path(args.model).exists() else str(args.model)
+    spec = RunSpec(model, model_args, options, trace=str(Path(args.output).absolute()))
     out = measured_search(workload, spec, launcher, args.trials, storage=args.storage, study_name=args.study_name,
                           seed=args.seed, say=lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
     if args.plan_out and out["best"]:

@@ -7,6 +7,8 @@ same one-line errors. Optuna and SQLAlchemy are heavy: imported on first use.
 
 from __future__ import annotations
 
+import re
+
 from autopar.errors import AutoparError
 
 HEARTBEAT_S = 1  # a running trial's heartbeat on the study storage
@@ -31,7 +33,11 @@ def open_storage(url: str):
     from optuna.storages import RetryHeartbeatStaleTrialCallback  # optuna: heavy, imported on first use
     from sqlalchemy.engine import make_url  # sqlalchemy: heavy, imported on first use
 
-    parsed, address = make_url(url), url  # a malformed URL: sqlalchemy's ArgumentError, reported by the caller
+    try:
+        parsed, address = make_url(url), url  # a malformed URL: sqlalchemy's ArgumentError, reported by the caller
+    except ValueError as e:  # e.g. a port that is no number (sqlalchemy's int() of it)
+        raise AutoparError(f"cannot open Optuna storage {shown(url)}: {e}; give a URL like "
+                           f"postgresql://USER:PASSWORD@HOST:PORT/DATABASE") from None
     if parsed.drivername == "postgresql":  # SQLAlchemy 2.0 would load psycopg2, 2.1 psycopg
         address = parsed.set(drivername=f"postgresql+{POSTGRES_DRIVER}").render_as_string(hide_password=False)
     kwargs = {}
@@ -66,11 +72,8 @@ def _sqlite_wal(connection, _record) -> None:
 
 
 def shown(url: str) -> str:
-    """The URL as messages print it: a server's password masked."""
-    from sqlalchemy.engine import make_url  # sqlalchemy: heavy, imported on first use
-    from sqlalchemy.exc import ArgumentError  # sqlalchemy: heavy, imported on first use
-
-    try:
-        return repr(make_url(url).render_as_string(hide_password=True))
-    except ArgumentError:  # not a URL at all: nothing to mask
-        return repr(url)
+    """The URL as messages print it: a server's password masked, read from the text itself (a password
+    holding an unescaped @, or a URL sqlalchemy cannot read, must not leak either): user:password@ up to
+    the last @ becomes user:***@, and a password query parameter ***."""
+    text = re.sub(r"(//[^:/@]*):.*@", r"\1:***@", url)
+    return repr(re.sub(r"(password=)[^&]*", r"\1***", text))

@@ -27,10 +27,10 @@ import numpy as np
 from autopar.errors import AutoparError
 from autopar.knobs import decisions
 from autopar.plan import Plan
-from autopar.search.optuna_search import _constant_folded, _suggest
+from autopar.search.optuna_search import _constant_folded, _storage_failed, _suggest
 from autopar.search.sampling import check_space, nearest
 from autopar.search.space import sample
-from autopar.search.study_storage import open_storage
+from autopar.search.study_storage import open_storage, shown
 from autopar.traces.launchers import Launcher, RunSpec, node_record, run_argv, with_job
 from autopar.traces.launchers.ray_cluster import RayLauncher, connect
 
@@ -67,7 +67,9 @@ def score(record: dict | None, failed_s: float) -> tuple[float, str]:
 def study_key(workload, spec: RunSpec) -> str:
     """What a measured study's values depend on: the model, the run's ranks and options."""
     text = json.dumps([workload.profile.digest, workload.global_batch, spec.options.nnodes, spec.options.nproc_per_node,
-                       spec.options.steps, spec.options.warmup, spec.options.backend], sort_keys=True)
+                       spec.options.steps, spec.options.warmup, spec.options.backend,
+                       spec.options.timeout_s],  # a failed trial scores 10 x the timeout: one study per timeout
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -75,10 +77,16 @@ def open_study(workload, spec: RunSpec, storage: str | None, study_name: str | N
     """Create or load the measured study ("autopar-measured-<key>" by default); its storage object."""
     import optuna  # optuna: heavy, imported on first use
 
-    store = open_storage(storage) if storage else optuna.storages.InMemoryStorage()
+    from sqlalchemy.exc import SQLAlchemyError  # sqlalchemy: heavy, imported on first use
+
     name = study_name or f"autopar-measured-{study_key(workload, spec)}"
-    study = optuna.create_study(storage=store, study_name=name, load_if_exists=True, direction="minimize",
-                                sampler=optuna.samplers.TPESampler(multivariate=True, seed=seed))
+    try:
+        store = open_storage(storage) if storage else optuna.storages.InMemoryStorage()
+        study = optuna.create_study(storage=store, study_name=name, load_if_exists=True, direction="minimize",
+                                    sampler=optuna.samplers.TPESampler(multivariate=True, seed=seed))
+    except SQLAlchemyError as e:  # a server down or unreachable, a database refused
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise AutoparError(f"cannot open Optuna storage {shown(storage)}: {first_line}") from None
     made_for = study.user_attrs.get("measured_key")
     if made_for is None and not study.trials:
         study.set_user_attr("measured_key", study_key(workload, spec))
@@ -106,17 +114,11 @@ def measured_search(workload, spec: RunSpec, launcher: Launcher, trials: int, *,
     study, store = open_study(workload, spec, storage, study_name, seed)
     missing = trials - len(complete(study))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    if missing > 0 and launcher.name == "ray":
-        _tune(workload, spec, launcher, study, store, missing, failed_s, seed)
-    elif missing > 0:
-        def objective(trial) -> float:
-            plan = trial_plan(trial, workload)
-            say(f"trial {trial.number}: {plan.describe()}")
-            value, outcome = score(launcher.measure(plan, spec), failed_s)
-            trial.set_user_attr("outcome", outcome)
-            return value
-
-        study.optimize(objective, n_trials=missing)
+    try:
+        _run_trials(workload, spec, launcher, study, store, missing, failed_s, seed, say)
+    except Exception as e:
+        _storage_failed(storage, e)  # the database lost mid-search: one line
+        raise
     done = complete(study)
     ok = [t for t in done if t.value < failed_s]
     best = min(ok, key=lambda t: t.value) if ok else None
@@ -179,3 +181,19 @@ def _trial(config: dict, spec: RunSpec, failed_s: float) -> None:
         record = RayLauncher().measure(plan, spec)
     value, outcome = score(record, failed_s)
     tune.report({METRIC: value, "outcome": outcome})
+
+
+def _run_trials(workload, spec: RunSpec, launcher: Launcher, study, store, missing: int, failed_s: float, seed: int,
+                say) -> None:
+    """The missing trials: Ray Tune trials under the ray launcher, else Optuna's own loop."""
+    if missing > 0 and launcher.name == "ray":
+        _tune(workload, spec, launcher, study, store, missing, failed_s, seed)
+    elif missing > 0:
+        def objective(trial) -> float:
+            plan = trial_plan(trial, workload)
+            say(f"trial {trial.number}: {plan.describe()}")
+            value, outcome = score(launcher.measure(plan, spec), failed_s)
+            trial.set_user_attr("outcome", outcome)
+            return value
+
+        study.optimize(objective, n_trials=missing)
