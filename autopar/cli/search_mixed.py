@@ -7,9 +7,11 @@ import time
 
 from rich.console import Console
 
+from autopar.capability.mixed import mixed_refusals
 from autopar.cli.common import load_workload, print_json
 from autopar.cluster.mixed import MixedCluster, load_any_cluster
 from autopar.errors import AutoparError
+from autopar.executor.support import target
 from autopar.mixed.search import METHODS, search_mixed
 from autopar.mixed.why import summary, why_table
 from autopar.report import params_text
@@ -46,13 +48,16 @@ def run_mixed(args) -> int:
     best = result.best_single
     wall = time.perf_counter() - started
     est = result.estimate
+    # what `autopar run` would refuse of it: the search weighs every plan the cost model prices, the
+    # executor runs lanes of one layout or one spanning lane alone (autopar/capability/mixed.py)
+    refused = mixed_refusals(result.plan, target())
     if args.json:
         print_json({
             "plan": result.plan.to_dict(), "estimate": est.to_dict(), "method": args.method,
             "single": {g: None if v is None else {"plan": v[0].to_dict(), "estimate": v[1].to_dict()}
                        for g, v in result.single.items()},
             "best_single": None if best is None else best[0], "gain": result.gain, "exact": result.exact,
-            "search_s": result.seconds, "wall_time_s": wall,
+            "search_s": result.seconds, "wall_time_s": wall, "run_refusal": refused[0] if refused else None,
         })
         return 0
     console.print(f"[bold]{mw.describe()}[/bold]  ·  {params_text(mw.profile.params)} parameters")
@@ -69,6 +74,9 @@ def run_mixed(args) -> int:
     console.print(table)
     for line in lines:
         console.print(line, markup=False)
+    if refused:
+        console.print(f"autopar run cannot run this plan yet (it is the cost model's answer): {refused[0]}",
+                      markup=False)
     console.print(f"{args.method} (mixed): {result.seconds:.2f} s searching, {wall:.2f} s in all"
                   + ("" if result.exact else "; the time limit cut the share grid short")
                   + (f"; plan written to {args.output}" if args.output else ""))

@@ -74,9 +74,11 @@ def _segment_reason(mw, lane: LaneEstimate, i: int) -> str:
 
 def _idle_reason(mw, est: MixedEstimate, group: str, alone: dict | None) -> str:
     n = mw.cluster.group(group).num_gpus
-    probe = Lane((Segment(group, 1, 1),), Plan(dp=n, tp=1, pp=1, micro_batch_size=1, num_micro_batches=1))
+    dtype = est.lanes[0].lane.plan.grad_comm_dtype  # the width the lanes' gradients cross in
+    probe = Lane((Segment(group, 1, 1),), Plan(dp=n, tp=1, pp=1, micro_batch_size=1, num_micro_batches=1,
+                                                grad_comm_dtype=dtype))
     lanes = [lane.lane for lane in est.lanes] + [probe]
-    extra = cross_sync(mw, lanes)
+    extra = cross_sync(mw, lanes) - est.cross_sync_s  # what one more lane adds to the all-reduce the plan has
     link = mw.cluster.link
     text = (f"idle: a lane on its {n} GPUs would add {_ms(extra)} ms of cross-lane gradient all-reduce per step "
             f"({extra / est.iteration_time_s:.0%} of this step) over the {link.bandwidth / 1e9:.3g} GB/s "
