@@ -13,7 +13,8 @@ from __future__ import annotations
 import itertools
 import math
 
-GRID = 8  # units of the global batch the exact search prices per group (shares are multiples of batch / GRID)
+GRID = 8  # at most this many units of the global batch per group (shares: multiples of `quantum`, batch / 8 for
+# a batch of 256; a batch with no divisor leaving 2..8 units, e.g. a prime, has one unit: no data-parallel lanes)
 
 
 def quantum(batch: int, parts: int = GRID) -> int:
