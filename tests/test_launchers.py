@@ -1,9 +1,11 @@
 """Launchers (issue 43): `--launcher slurm` through submitit (its local executor: the same
-submission path, local processes), `--launcher ray` on a local Ray cluster, the measured Optuna
-search through Ray Tune, and a preempted Slurm job requeued once."""
+submission path, local processes) and a preempted Slurm job requeued once; the flags, in process.
+Ray's tests are in tests/test_launchers_ray.py (a file of their own: pytest-xdist gives each file
+to one worker, and together they took 10 minutes on one)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -15,33 +17,13 @@ import pytest
 from autopar.cli import build_parser, main
 from autopar.cluster import load_cluster
 from autopar.executor.options import RunOptions
-from autopar.traces.collect import choose_plans
 from autopar.traces.launchers import RunSpec, run_argv
+from autopar.traces.launchers.search import study_key
 from autopar.traces.launchers.slurm import PlanJob, SlurmLauncher, SlurmSettings
 from autopar.traces.record import read_records
 from autopar.workload import Workload
 from conftest import error_lines, profile
-
-TINY = ["gpt", "--model-arg", "size=tiny"]
-QUICK = ["--steps", "2", "--warmup", "1"]  # a run's timed steps: what the records need, no more
-
-
-def tiny_plans(k: int, nproc: int = 2, nodes: int = 1) -> list:
-    """The plans `traces collect --plans k --nproc nproc` runs (gloo, the cpu preset)."""
-    workload = Workload(profile("gpt", "fp32", size="tiny"), load_cluster("cpu").with_nodes(nodes, nproc), 16)
-    return choose_plans(workload, k, 0, "gloo")
-
-
-def check_records(path: Path, plans: list, launcher: str) -> list:
-    """Every plan's record, in order: ok, its plan, a measured step time, the job that ran it."""
-    records, problems = read_records(path)
-    assert problems == []
-    assert [r.plan for r in records] == [p.to_dict() for p in plans]
-    for r in records:
-        assert r.outcome == "ok" and r.measured["median_step_s"] > 0, r.error
-        assert r.cluster["job"]["launcher"] == launcher and r.cluster["job"]["id"]
-    assert len({r.cluster["job"]["id"] for r in records}) == len(records)  # a job per plan
-    return records
+from launcher_runs import QUICK, TINY, check_records, tiny_plans
 
 
 # -- in-process: the script, the command each node runs, the flags ----------------------------------------------
@@ -99,6 +81,23 @@ def test_bad_launcher_flags_are_one_line(capsys, tmp_path, flags, message):
     assert not (tmp_path / "t.jsonl").exists()
 
 
+@pytest.mark.parametrize("fix,message", [("bogus=1", "--fix bogus=1"), ("tp=4", "--fix tp=4")])
+def test_a_bad_fix_of_a_measured_search_is_one_line_before_any_run(capsys, tmp_path, fix, message):
+    code = main(["traces", "search", *TINY, "--trials", "1", "--nproc", "2", "--fix", fix,
+                 "--storage", f"sqlite:///{tmp_path / 'study.db'}", "-o", str(tmp_path / "t.jsonl")])
+    err = error_lines(capsys.readouterr().err)
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"autopar: error: {message}"), err
+    assert not (tmp_path / "t.jsonl").exists() and not (tmp_path / "study.db").exists()
+
+
+def test_a_measured_study_is_one_per_set_of_held_knobs():
+    workload = Workload(profile("gpt", "fp32", size="tiny"), load_cluster("cpu").with_nodes(1, 2), 16)
+    spec = RunSpec("gpt", {"size": "tiny"}, RunOptions(nproc_per_node=2, backend="gloo"))
+    held = dataclasses.replace(workload, fixed=(("tp", 1),))
+    assert study_key(workload, spec) != study_key(held, spec)
+    assert study_key(held, spec) == study_key(dataclasses.replace(workload, fixed=(("tp", 1),)), spec)
+
+
 # -- submitit's local executor: the Slurm submission path, local processes --------------------------------------
 
 @pytest.mark.slow
@@ -141,62 +140,3 @@ def test_a_job_killed_mid_run_is_requeued_once_and_its_record_says_so(tmp_path, 
     assert "this job is preempted" in Path(job.paths.stderr).read_text()  # submitit's handler caught it
     attempts = [line for line in Path(job.paths.stdout).read_text().splitlines() if line.startswith("autopar: node 0")]
     assert [a.split("(")[1].split(")")[0] for a in attempts] == ["requeues 0", "requeues 1"]  # both ran `autopar run`
-
-
-# -- Ray: one local cluster of 2 CPUs for this module -----------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray cluster (2 CPUs) in this process; the launchers join it. Token authentication off:
-    it writes its token under HOME."""
-    import shutil
-    import tempfile
-
-    import ray
-
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's sockets live under it
-    started = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp, logging_level="ERROR")
-    print(f"local Ray cluster started in {time.perf_counter() - started:.0f} s")
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
-    if saved is None:
-        os.environ.pop("RAY_AUTH_MODE", None)
-    else:
-        os.environ["RAY_AUTH_MODE"] = saved
-
-
-@pytest.mark.slow
-def test_ray_collect_writes_the_local_launchers_records(ray_cluster, tmp_path):
-    out = tmp_path / "traces.jsonl"
-    started = time.perf_counter()
-    assert main(["traces", "collect", *TINY, "--plans", "4", "--nproc", "2", "--launcher", "ray", *QUICK,
-                 "-o", str(out)]) == 0
-    print(f"ray collect of 4 plans: {time.perf_counter() - started:.0f} s")
-    check_records(out, tiny_plans(4), "ray")
-
-
-@pytest.mark.slow
-def test_a_measured_optuna_search_through_ray_tune_lands_every_trial_in_the_study(ray_cluster, tmp_path, capsys):
-    import optuna
-
-    out, db = tmp_path / "traces.jsonl", tmp_path / "study.db"
-    started = time.perf_counter()
-    assert main(["traces", "search", *TINY, "--trials", "6", "--nproc", "2", "--launcher", "ray", *QUICK,
-                 "--storage", f"sqlite:///{db}", "--study-name", "tune", "--plan-out", str(tmp_path / "best.json"),
-                 "-o", str(out), "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    print(f"ray tune search of 6 trials: {time.perf_counter() - started:.0f} s")
-    study = optuna.load_study(study_name="tune", storage=f"sqlite:///{db}")
-    trials = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
-    assert len(study.trials) == len(trials) == 6 and result["trials"] == 6
-    records, problems = read_records(out)
-    assert problems == [] and len(records) == 6
-    assert all(r.cluster["job"]["launcher"] == "ray" and r.cluster["job"]["id"].startswith("tune-") for r in records)
-    # each trial's value is its run's measured step: the study holds what the trace file holds
-    measured = sorted(r.measured["median_step_s"] for r in records if r.outcome == "ok")
-    assert sorted(t.value for t in trials if t.value < 10 * RunOptions().timeout_s) == pytest.approx(measured)
-    assert json.loads((tmp_path / "best.json").read_text()) == result["best"]["plan"]

@@ -71,6 +71,13 @@ def add_model_flags(parser, optional: bool = False) -> None:
                         help="keyword argument for build_model/example_batch, e.g. size=tiny (repeatable)")
 
 
+def add_fix_flag(parser, also: str = "") -> None:
+    """`--fix KNOB=VALUE` (repeatable): the plan space narrowed to plans holding it (autopar/search/fixed.py)."""
+    parser.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
+                        help="consider only plans with this value of a knob or parallel degree, e.g. compile=false, "
+                             f"pp=4, recompute=full (repeatable; dp is derived from the GPU count){also}")
+
+
 def add_profile_timeout_flag(parser) -> None:
     parser.add_argument("--profile-timeout", type=float, default=DEFAULT_PROFILE_TIMEOUT, metavar="S",
                         help="profile the model.py in a child process and stop it after S seconds "

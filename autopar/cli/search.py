@@ -9,7 +9,7 @@ import time
 
 from rich.console import Console
 
-from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
+from autopar.cli.common import add_fix_flag, add_workload_flags, load_workload, print_json, workload_dict
 from autopar.cli.explain import add_plot_flag, check_plot, draw
 from autopar.cli.search_inventory import add_inventory_flags, check_inventory_flags, run_inventory
 from autopar.cli.search_mixed import is_mixed, run_mixed
@@ -42,10 +42,7 @@ def add_parser(sub) -> None:
                         "on several machines share, postgresql://user:password@host/db (docs/cluster.md)")
     p.add_argument("--study-name", help="optuna: study name within the storage")
     p.add_argument("--seed", type=int, default=0, help="optuna/random/rl sampling seed (default 0)")
-    p.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
-                   help="consider only plans with this value of a knob or parallel degree, e.g. compile=false, "
-                        "pp=4, recompute=full (repeatable; dp is derived from the GPU count); the plan file "
-                        "records it, and elastic re-plans keep it")
+    add_fix_flag(p, "; the plan file records it, and elastic re-plans keep it")
     p.add_argument("--top-k", type=int, default=5, metavar="K", help="plans to show (default 5)")
     p.add_argument("-o", "--output", metavar="plan.json", help="write the best plan here (on a mixed cluster: the "
                                                                "mixed plan)")

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.atomic import check_output
-from autopar.cli.common import add_model_flags, parse_model_args, print_json
+from autopar.cli.common import add_fix_flag, add_model_flags, parse_model_args, print_json
 from autopar.cli.launch_flags import add_launcher_flags, launcher_from_args
 from autopar.errors import AutoparError
 from autopar.executor.options import RunOptions, add_run_flags
@@ -19,6 +19,7 @@ from autopar.plan import Plan
 from autopar.profile import profile_model
 from autopar.traces.collect import backend_for, collect
 from autopar.traces.launchers import RunSpec
+from autopar.search.fixed import parse_fixes, with_fixes
 from autopar.traces.launchers.search import measured_search
 from autopar.workload import Workload
 from autopar.traces.record import check_trace_file
@@ -97,6 +98,7 @@ def add_parser(sub) -> None:
     srch.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                       help="training precision (default fp32)")
     add_run_flags(srch, COLLECT_RUN_FLAGS)
+    add_fix_flag(srch, "; the study is one per set of held knobs")
     srch.add_argument("--storage", metavar="URL", help="Optuna storage of the study (sqlite:///f.db, postgresql://...)")
     srch.add_argument("--study-name", help="study name within the storage (default autopar-measured-<key>)")
     srch.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
@@ -191,6 +193,7 @@ def run_search(args) -> int:
     if args.plan_out:
         check_output(args.plan_out, "--plan-out")
     err = Console(stderr=True)
+    fixed = parse_fixes(args.fix)  # a bad --fix: one line before anything starts
     launcher = launcher_from_args(args, lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
     options = RunOptions.from_args(args, seed=0, nproc_per_node=args.nproc, nnodes=args.nodes)
     options = dataclasses.replace(options, backend=backend_for(options.backend, args.nproc, args.cluster, launcher))
@@ -198,7 +201,7 @@ def run_search(args) -> int:
     profile = profile_model(args.model, model_args, dtype=args.precision)
     base = load_cluster(args.cluster) if args.cluster else (load_cluster("cpu") if options.backend == "gloo"
                                                            else detect())
-    workload = Workload(profile, base.with_nodes(args.nodes, args.nproc), args.global_batch)
+    workload = with_fixes(Workload(profile, base.with_nodes(args.nodes, args.nproc), args.global_batch), fixed)
     # absolute: a Ray Tune trial runs in its own folder (ray's RAY_CHDIR_TO_TRIAL_DIR), where a relative
     # trace file or model file would name another file
     model = str(Path(args.model).absolute()) if Path(args.model).exists() else str(args.model)

@@ -68,7 +68,8 @@ def study_key(workload, spec: RunSpec) -> str:
     """What a measured study's values depend on: the model, the run's ranks and options."""
     text = json.dumps([workload.profile.digest, workload.global_batch, spec.options.nnodes, spec.options.nproc_per_node,
                        spec.options.steps, spec.options.warmup, spec.options.backend,
-                       spec.options.timeout_s],  # a failed trial scores 10 x the timeout: one study per timeout
+                       spec.options.timeout_s,  # a failed trial scores 10 x the timeout: one study per timeout
+                       [[name, repr(value)] for name, value in workload.fixed]],  # --fix: a narrower space
                       sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
