@@ -72,17 +72,24 @@ def cost(plan: Plan) -> float:
     return 1 + dtensor * (1.5 if plan.recompute == "selective" else 1)
 
 
-def covering_cases(plans: list[Plan]) -> list[Plan]:
-    """A cheap set of `plans` covering every pair of knob values that `plans` cover (greedy:
-    repeatedly the plan covering most uncovered pairs per unit of `cost`; ties to the earliest, so
-    it is stable)."""
+def covering_cases(plans: list[Plan], given: list[Plan] = ()) -> list[Plan]:
+    """A cheap set of `plans` that, beside the cases `given` (run anyway), covers every pair of knob
+    values that `plans` cover. Greedy: repeatedly the plan covering most uncovered pairs per unit of
+    `cost` (ties to the earliest, so it is stable); then, most costly first, every chosen plan whose
+    pairs the others cover is dropped (greedy keeps some: 36 cases of cost 116 became 25 of 86)."""
     candidates = [(p, pairs(p), cost(p)) for p in plans]
-    uncovered = set().union(*(c for _, c, _ in candidates))
+    wanted = set().union(*(c for _, c, _ in candidates))
+    done = set().union(set(), *map(pairs, given))
+    uncovered = wanted - done
     chosen = []
     while uncovered:
         plan, covered, _ = max(candidates, key=lambda pcw: len(pcw[1] & uncovered) / pcw[2])
         chosen.append(plan)
         uncovered -= covered
+    for plan in sorted(chosen, key=cost, reverse=True):
+        others = [p for p in chosen if p is not plan]
+        if wanted <= done.union(*map(pairs, others)):
+            chosen = others
     return chosen
 
 
@@ -139,8 +146,8 @@ ZERO_BUBBLE = {
         Plan(**{**BASE, "dp": 2, "pp": 2, "micro_batch_size": 2}, precision="fp32", schedule="zbv", virtual_stages=2,
              zero=2, layer_split=(0, 2, 1, 1), stage_recompute=("none", "full:2", "none", "full:1")),
 }
-CASES = {**CRASHES, **OFFLOAD, **STAGES, **HSDP, **ZERO_BUBBLE,
-         **{f"{p.describe()} {p.precision}": p for p in covering_cases(SPACE)}}
+NAMED = {**CRASHES, **OFFLOAD, **STAGES, **HSDP, **ZERO_BUBBLE}
+CASES = {**NAMED, **{f"{p.describe()} {p.precision}": p for p in covering_cases(SPACE, list(NAMED.values()))}}
 
 
 def sgd(params):
