@@ -82,10 +82,13 @@ LAUNCHERS = {  # module -> attribute: every way a test starts a process (torchru
 }
 
 
+IMPLY_SLOW = ("trains", "heavy")  # training a policy, an in-process check of seconds: out of the quick tier too
+
+
 def pytest_collection_modifyitems(config, items):
-    """Training a policy is slow too: `-m "not slow"` leaves out both markers."""
+    """`-m "not slow"` leaves out the markers that imply slow (IMPLY_SLOW)."""
     for item in items:
-        if item.get_closest_marker("trains") and not item.get_closest_marker("slow"):
+        if any(item.get_closest_marker(m) for m in IMPLY_SLOW) and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
 
 

@@ -143,6 +143,7 @@ def test_fit_recovers_known_coefficients():
         assert get_value(result.coefficients, name) == pytest.approx(get_value(TRUE, name), rel=0.05), name
 
 
+@pytest.mark.heavy
 def test_fit_is_robust_and_bounded():
     records = _synthetic_records(TRUE, noise=0.02, seed=1)
     for r in records[:3]:  # three stragglers, 3x slower
@@ -248,6 +249,7 @@ def test_cli_calibrate_writes_a_cluster_every_flag_accepts(trace_file, tmp_path,
     assert json.loads(capsys.readouterr().out)["plan"]["dp"] == 1
 
 
+@pytest.mark.heavy
 def test_cli_reports_malformed_lines_and_uses_the_rest(trace_file, tmp_path, capsys):
     lines = trace_file.read_text().splitlines()
     bad = tmp_path / "bad.jsonl"

@@ -72,6 +72,7 @@ def test_nemo_models_have_the_parameters_their_names_say():
         assert abs(profile_model(model, args, dtype="bf16").params / 1e9 / billions - 1) <= 0.10, name
 
 
+@pytest.mark.heavy
 def test_nemo_fp8_rows_leaving_each_family_out_of_the_fit(rows):
     """The fp8 speedup fitted on three families predicts the fourth: median <= 8%, every row within 15%,
     nothing fitted per row."""

@@ -232,6 +232,7 @@ def published_errors():
     return {row.label: predicted_tokens_per_s(row)[2] / row.tokens_per_s_per_gpu - 1 for row in MOE_ROWS}
 
 
+@pytest.mark.heavy
 def test_published_moe_rows(published_errors):
     """NeMo AutoModel DGX-H100 BF16 (docs/references.md §11), 4 rows, nothing fitted. Issue 14 asks a
     median |error| <= 15% and max <= 25%: the bounds asserted are those that hold today (see
@@ -258,6 +259,7 @@ def test_published_rows_route_with_the_benchmarks_gate():
 
 
 # -- search and the Why table -----------------------------------------------------------------------------
+@pytest.mark.heavy
 def test_search_deepseek_v3_on_32_dgx_h100_picks_expert_parallelism_and_says_why(capsys):
     """Issue 14's acceptance: `autopar search` on the zoo's DeepSeek-V3-like model on 32 DGX H100 nodes
     (256 GPUs) returns a plan with ep > 1, and its Why table compares that degree with ep 1 and the next

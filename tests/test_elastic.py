@@ -60,6 +60,7 @@ PLANS = st.builds(lambda dp, mbs, nmb: Plan(dp=dp, micro_batch_size=mbs, num_mic
                   st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.sampled_from([1, 3]))
 
 
+@pytest.mark.heavy
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(old=PLANS, world=st.integers(1, 8), tolerance=st.sampled_from([0.0, 0.05, 0.5]))
 def test_a_replan_fits_the_new_world_and_keeps_the_old_plan_only_within_the_tolerance(replanner, old, world,

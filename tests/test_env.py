@@ -73,6 +73,7 @@ MODELS = [("gpt", "tiny"), ("llama", "tiny"), ("resnet", "tiny"), ("gpt", "gpt2-
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(model=st.sampled_from(MODELS), cluster=st.sampled_from(["cpu", "pcie-4090x8", "dgx-a100-40g"]),
        gpus=st.integers(1, 8), per_gpu=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**16))
+@pytest.mark.heavy
 def test_masks_allow_exactly_the_fitting_plans(model, cluster, gpus, per_gpu, seed):
     """Every sequence the masks allow is a valid plan that fits; every fitting plan of the
     exhaustive enumeration is reachable through the masks (checked on a sample of each)."""
@@ -99,6 +100,7 @@ def test_masks_allow_exactly_the_fitting_plans(model, cluster, gpus, per_gpu, se
             assert info.allowed[info.values.index(prefix[s])], (plans.plan(i).describe(), space.names[s])
 
 
+@pytest.mark.heavy
 def test_heldout_set_is_fixed_and_apart_from_training():
     from autopar.envs.workloads import HELDOUT_CLUSTERS, HELDOUT_NODES, TRAIN_NODES, heldout_specs, training_specs
 
@@ -141,6 +143,7 @@ def test_heldout_of_one_family_and_an_unknown_family():
         heldout_specs(n=1, family="nope")
 
 
+@pytest.mark.heavy
 def test_a_family_without_a_shape_rule_is_trained_and_held_out_by_its_named_sizes(monkeypatch):
     """What a family the zoo adds (MoE) gets without an edit to envs/workloads.py: training on its
     named sizes (not the test ones), held out at other depths and sequence lengths on held-out

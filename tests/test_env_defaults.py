@@ -12,6 +12,7 @@ import autopar.envs  # noqa: F401  (registers the env)
 from autopar.envs import ENV_ID
 
 
+@pytest.mark.heavy
 def test_made_with_defaults_passes_gymnasiums_checker():
     env = gym.make(ENV_ID)
     check_env(env.unwrapped, skip_render_check=True)
@@ -22,6 +23,7 @@ def test_made_with_defaults_passes_gymnasiums_checker():
     assert env.unwrapped._workload.describe() == first.describe()  # seeded draws repeat
 
 
+@pytest.mark.heavy
 def test_made_with_defaults_passes_sb3s_checker_and_plays_an_episode():
     sb3_checker = pytest.importorskip("stable_baselines3.common.env_checker")
     env = gym.make(ENV_ID).unwrapped

@@ -52,6 +52,7 @@ def test_every_valid_choice_has_its_own_position_in_0_1(model):
         sample(w, check)
 
 
+@pytest.mark.heavy
 def test_optuna_comes_near_the_oracle():
     """TPE is a sampler: the claim is about its typical run, so three seeds, their median near the
     oracle (one seed alone can settle in a local optimum: 0.69-0.75 on this workload). 150 trials: the

@@ -1,6 +1,6 @@
 """The quick tier's plumbing (tests/conftest.py), run in a pytest of its own: a test not marked slow that
-starts a process fails, naming the marker, even where it catches the error; `trains` implies slow, so
-`-m "not slow"` runs neither; a module's job learns which of its cases this run collected."""
+starts a process fails, naming the marker, even where it catches the error; `trains` and `heavy` imply
+slow, so `-m "not slow"` runs none of them; a module's job learns which of its cases this run collected."""
 
 from pathlib import Path
 
@@ -13,6 +13,7 @@ MARKERS = """[pytest]
 markers =
     slow: launches processes
     trains: trains a policy
+    heavy: an in-process check that takes seconds
 """
 TESTS = '''
 import multiprocessing, subprocess, sys
@@ -44,6 +45,10 @@ def test_marked_trains():
 def test_in_process():
     assert sum(range(4)) == 6
 
+@pytest.mark.heavy
+def test_marked_heavy():
+    assert sum(range(4)) == 6
+
 JOB = []
 
 @pytest.fixture(scope="module")
@@ -69,18 +74,18 @@ def suite(pytester):
 @pytest.mark.slow  # the inner pytest runs in a process of its own, so the outer guard does not see its tests
 def test_unmarked_launches_fail_naming_the_marker_and_the_quick_tier_runs_none(suite):
     full = suite.runpytest_subprocess("-p", "no:cacheprovider")
-    full.assert_outcomes(passed=6, failed=3)
+    full.assert_outcomes(passed=7, failed=3)
     for name, how in (("test_runs_python", "Popen._execute_child"), ("test_catches_what_it_started", "Popen.*"),
                       ("test_starts_a_process", "BaseProcess.start")):
         full.stdout.fnmatch_lines([f"*test_tiers.py::{name} starts a process ({how}) and is not marked slow: add "
                                    f"@pytest.mark.slow*"])
     quick = suite.runpytest_subprocess("-p", "no:cacheprovider", "-m", "not slow", "-k", "not test_runs_python "
                                        "and not test_catches and not test_starts")
-    quick.assert_outcomes(passed=4, deselected=5)  # in-process and the three cases; slow and trains left out
+    quick.assert_outcomes(passed=4, deselected=6)  # in-process and the three cases; slow, trains, heavy left out
 
 
 @pytest.mark.slow
 def test_a_module_job_runs_only_the_collected_cases(suite):
     picked = suite.runpytest_subprocess("-p", "no:cacheprovider", "-s", "-k", "test_case and not b")
-    picked.assert_outcomes(passed=2, deselected=7)
+    picked.assert_outcomes(passed=2, deselected=8)
     picked.stdout.fnmatch_lines(["*JOB a+c*"])

@@ -24,6 +24,7 @@ def case():
     return w, space, plans, res
 
 
+@pytest.mark.heavy
 @settings(max_examples=12, deadline=None)
 @given(pick=st.integers(0, 10**9))
 def test_refinement_ends_at_a_faster_local_optimum(case, pick):

@@ -41,6 +41,7 @@ def heldout():
     return [(w, estimate(w, oracle.best(w)[1]).iteration_time_s) for w in heldout_workloads(n=HELDOUT_CHECK)]
 
 
+@pytest.mark.heavy
 def test_shipped_policy_matches_the_oracle_live_on_held_out_workloads(heldout):
     """The shipped policy measured now, against this cost model: what `autopar search --method rl`
     returns first (8 plans beam-decoded, refined by coordinate descent, ranked by the cost model)

@@ -39,6 +39,7 @@ def test_space_has_no_duplicates_and_only_valid_plans():
 
 @pytest.mark.parametrize("row", [r for r in MEGATRON_TABLE1 if r.size in ("1.7b", "39.1b", "145.6b")],
                          ids=lambda r: r.size)
+@pytest.mark.heavy
 def test_rl_planner_beats_megatrons_published_configurations(row):
     """Megatron-LM SC'21 Table 1 (data/published/megatron_sc21_table1.csv) on its own cluster and
     runtime. Rule: the published configuration is the paper's tp and pp with full recompute, no

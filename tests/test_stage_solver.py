@@ -114,6 +114,7 @@ def uniform_best(w, outer: Plan) -> float:
     return float(res["iteration_time"][res["fits"]].min()) if res["fits"].any() else np.inf
 
 
+@pytest.mark.heavy
 def test_solver_equals_brute_force_on_random_workloads():
     rng = random.Random(41)
     base = workload(global_batch=8, nodes=1, gpus_per_node=2, size="tiny")

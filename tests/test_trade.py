@@ -48,6 +48,7 @@ def test_a_trade_reaches_the_oracle_where_coordinate_descent_stops(pcie):
     assert space.plan(traded.prefix).pp == 1
 
 
+@pytest.mark.heavy
 def test_the_default_planner_reaches_the_oracle_on_the_held_out_320_gpu_workload():
     """The held-out workload where the search with the policy shipped before the trades stopped at
     0.72 of the oracle (dp32 x pp10, ZeRO-2, 160 micro-batches of 1): 320 L40S on PCIe, a 13B GPT.
