@@ -109,22 +109,10 @@ class OptunaPlanner(Planner):
 
             trial.study.sampler = optuna.samplers.TPESampler(multivariate=True, seed=self.seed + trial.number)
 
-        constant = _constant_folded(workload)
-
-        def choose(k, choices) -> int:
-            if k.name in constant:
-                return 0
-            positions = np.array([k.position_of(c, choices) for c in choices])
-            return nearest(positions, _suggest(trial, k))
-
-        plan = sample(workload, choose)
-        for k in decisions():
-            if k.name not in trial.params and k.name not in constant:
-                _suggest(trial, k)
+        plan = trial_plan(trial, workload)
         res = evaluate(workload, PlanArrays.from_plans([plan], workload.profile))
         self.evaluations += 1
         peak = float(res["peak_memory"][0])
-        trial.set_user_attr("plan", plan.to_dict())
         trial.set_user_attr("peak_memory", peak)
         trial.set_constraint(CONSTRAINT, (peak - workload.memory_budget) / 1e9)
         return float(res["iteration_time"][0])
@@ -192,6 +180,27 @@ def _storage_failed(url: str | None, error: BaseException) -> None:
     first_line = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
     raise AutoparError(f"the Optuna storage {shown(url)} failed mid-search: {first_line}; its completed trials "
                        f"are kept: rerun the same command to resume") from None
+
+
+def trial_plan(trial, workload) -> Plan:
+    """The plan a trial suggests: one position in [0, 1] per knob, the valid choice nearest to it,
+    so a knob keeps one distribution across trials; every knob suggested (multivariate TPE models
+    them jointly), the plan kept as the trial's user attribute. The measured search
+    (autopar/traces/launchers/search.py) walks the space the same way."""
+    constant = _constant_folded(workload)
+
+    def choose(k, choices) -> int:
+        if k.name in constant:
+            return 0
+        positions = np.array([k.position_of(c, choices) for c in choices])
+        return nearest(positions, _suggest(trial, k))
+
+    plan = sample(workload, choose)
+    for k in decisions():
+        if k.name not in trial.params and k.name not in constant:
+            _suggest(trial, k)
+    trial.set_user_attr("plan", plan.to_dict())
+    return plan
 
 
 def _within_budget(trial, budget: int) -> None:

@@ -1,9 +1,9 @@
 """A measured Optuna search: each trial runs its plan through a launcher, the study holds the
 measured step times, and every run's record is appended to the trace file.
 
-A trial walks the plan space as the cost-model Optuna search does (`trial_plan`: one position in
-[0, 1] per knob, the valid choice nearest to it), so its parameters keep one distribution across
-trials. Its value is the measured median step time; a run that did not end `ok` (or a plan the
+A trial walks the plan space as the cost-model Optuna search does (`optuna_search.trial_plan`: one
+position in [0, 1] per knob, the valid choice nearest to it), so its parameters keep one
+distribution across trials. Its value is the measured median step time; a run that did not end `ok` (or a plan the
 executor refused) scores FAILED_S, worse than any run within the run's --timeout, with its
 outcome kept as the trial's user attribute. The study's budget is `trials` complete trials, so
 rerunning a search on a stored study runs only those still missing. With the local and Slurm
@@ -22,37 +22,15 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import numpy as np
-
 from autopar.errors import AutoparError
-from autopar.knobs import decisions
 from autopar.plan import Plan
-from autopar.search.optuna_search import _constant_folded, _storage_failed, _suggest
-from autopar.search.sampling import check_space, nearest
-from autopar.search.space import sample
+from autopar.search.optuna_search import _storage_failed, trial_plan
+from autopar.search.sampling import check_space
 from autopar.search.study_storage import open_storage, shown
 from autopar.traces.launchers import Launcher, RunSpec, node_record, run_argv, with_job
 from autopar.traces.launchers.ray_cluster import RayLauncher, connect
 
 METRIC = "step_s"  # the trial's value: measured median seconds per step
-
-
-def trial_plan(trial, workload) -> Plan:
-    """The plan an Optuna trial suggests: the walk of the cost-model search; every knob suggested
-    (multivariate TPE models them jointly), the plan kept as the trial's user attribute."""
-    constant = _constant_folded(workload)
-
-    def choose(k, choices) -> int:
-        if k.name in constant:
-            return 0
-        return nearest(np.array([k.position_of(c, choices) for c in choices]), _suggest(trial, k))
-
-    plan = sample(workload, choose)
-    for k in decisions():
-        if k.name not in trial.params and k.name not in constant:
-            _suggest(trial, k)
-    trial.set_user_attr("plan", plan.to_dict())
-    return plan
 
 
 def score(record: dict | None, failed_s: float) -> tuple[float, str]:
