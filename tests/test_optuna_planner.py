@@ -123,6 +123,9 @@ def test_killed_study_resumes_without_losing_a_trial(tmp_path):
     assert 5 <= len(before) < trials
     planner = optuna_planner(trials=trials, storage=url)  # the default study name is the workload's
     plan = planner.propose(w, 1)[0]
+    # the resumed planner found the killed study by its workload's key (seen once under load: 5 == 30 below, as if it
+    # had filled a study of another name; this says which)
+    assert optuna.get_all_study_names(url) == [name], (name, optuna_search._study_key(w))
     done = [t for t in optuna.load_study(study_name=name, storage=url).trials
             if t.state == optuna.trial.TrialState.COMPLETE]
     after = {t.number: (t.params, t.value) for t in done}
