@@ -17,9 +17,9 @@ from autopar.executor.options import RunOptions, add_run_flags
 from autopar.cluster import detect, load_cluster
 from autopar.plan import Plan
 from autopar.profile import profile_model
+from autopar.search.fixed import parse_fixes, with_fixes
 from autopar.traces.collect import backend_for, collect
 from autopar.traces.launchers import RunSpec
-from autopar.search.fixed import parse_fixes, with_fixes
 from autopar.traces.launchers.search import measured_search
 from autopar.workload import Workload
 from autopar.traces.record import check_trace_file
