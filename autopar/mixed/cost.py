@@ -27,7 +27,8 @@ from autopar.cost import Coefficients, Estimate, PlanArrays, estimates_from, eva
 from autopar.cost.arrays import RankTable, SplitTable
 from autopar.errors import PlanError
 from autopar.knobs import DTYPE_BYTES
-from autopar.mixed.plan import Lane, MixedPlan, check_lane
+from autopar.mixed.plan import Lane, MixedPlan, Segment, check_lane
+from autopar.plan import Plan
 from autopar.runtime import is_megatron
 
 
@@ -205,6 +206,14 @@ def _spanning(mw, lane: Lane) -> LaneEstimate:
                                         float(per_mb[r].max()), float(send[r].max()), float(memory[r].max()),
                                         float(budget[r][0]), float(group.gpu.peak_flops[plan.precision])))
     return LaneEstimate(lane, iteration, tuple(segments), flops)
+
+
+def sync_probe(mw, group: str, dtype: str) -> Lane:
+    """A lane on all of `group`'s GPUs whose gradients cross in `dtype`: what `cross_sync` reads of a
+    lane (the search's bounds and the Why table's idle groups price one)."""
+    n = mw.cluster.group(group).num_gpus
+    return Lane((Segment(group, 1, 1),), Plan(dp=n, tp=1, pp=1, micro_batch_size=1, num_micro_batches=1,
+                                               grad_comm_dtype=dtype))
 
 
 def cross_sync(mw, lanes) -> float:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from autopar.cost import estimate
 from autopar.errors import AutoparError, NoValidPlanError, PlanError
 from autopar.knobs import storage_dtype
-from autopar.mixed.cost import cross_sync, estimate_mixed
+from autopar.mixed.cost import cross_sync, estimate_mixed, sync_probe
 from autopar.mixed.plan import Lane, MixedPlan, Segment
 from autopar.mixed.shares import GRID, best_shares, quantum
 from autopar.mixed.spanning import search_spanning
@@ -173,7 +173,7 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
     if method == "exhaustive" and len(names) == 2:  # the proportional shares first: a bound that prunes pairs
         first = {g: lanes.table(g, units, q, [near[g]]) for g in names}
         _, upper = _fastest(mw, candidates + [mp for _, mp in _lane_plans(lanes, first, [names], units, q)])
-        floor = cross_sync(mw, [_probe(mw, g, lanes.narrow_dtype or "fp32") for g in names])
+        floor = cross_sync(mw, [sync_probe(mw, g, lanes.narrow_dtype or "fp32") for g in names])
         wide = _pair_tables(lanes, names, units, q, single,
                             math.inf if upper is None else upper.iteration_time_s - floor)
     else:
@@ -187,7 +187,7 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
     if lanes.narrow_dtype is not None:  # lanes whose gradients cross in 16 bits: a cheaper cross-lane all-reduce
         for used in _subsets(names, speed):
             bound = (math.inf if best_est is None else best_est.iteration_time_s) - cross_sync(
-                mw, [_probe(mw, g, lanes.narrow_dtype) for g in used])
+                mw, [sync_probe(mw, g, lanes.narrow_dtype) for g in used])
             if best_shares([wide[g] for g in used], units)[0] >= bound:
                 continue  # a held knob never makes a lane faster: these lanes cannot beat the best
             narrow = {g: lanes.table(g, units, q, [k for k in ks[g] if wide[g][k] < bound], narrow=True, below=bound)
@@ -272,10 +272,3 @@ def _fastest(mw, plans, best=None, best_est=None):
         if est.fits and (best_est is None or est.iteration_time_s < best_est.iteration_time_s):
             best, best_est = mp, est
     return best, best_est
-
-
-def _probe(mw, group: str, dtype: str) -> Lane:
-    """A lane on all of `group`'s GPUs whose gradients cross in `dtype`: what `cross_sync` reads of a lane."""
-    n = _gpus(mw, group)
-    return Lane((Segment(group, 1, 1),), Plan(dp=n, tp=1, pp=1, micro_batch_size=1, num_micro_batches=1,
-                                               grad_comm_dtype=dtype))

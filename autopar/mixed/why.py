@@ -18,9 +18,7 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from autopar.mixed.cost import LaneEstimate, MixedEstimate, cross_sync
-from autopar.mixed.plan import Lane, Segment
-from autopar.plan import Plan
+from autopar.mixed.cost import LaneEstimate, MixedEstimate, cross_sync, sync_probe
 
 
 @dataclass(frozen=True)
@@ -74,9 +72,7 @@ def _segment_reason(mw, lane: LaneEstimate, i: int) -> str:
 
 def _idle_reason(mw, est: MixedEstimate, group: str, alone: dict | None) -> str:
     n = mw.cluster.group(group).num_gpus
-    dtype = est.lanes[0].lane.plan.grad_comm_dtype  # the width the lanes' gradients cross in
-    probe = Lane((Segment(group, 1, 1),), Plan(dp=n, tp=1, pp=1, micro_batch_size=1, num_micro_batches=1,
-                                                grad_comm_dtype=dtype))
+    probe = sync_probe(mw, group, est.lanes[0].lane.plan.grad_comm_dtype)  # the lanes' gradient width
     lanes = [lane.lane for lane in est.lanes] + [probe]
     extra = cross_sync(mw, lanes) - est.cross_sync_s  # what one more lane adds to the all-reduce the plan has
     link = mw.cluster.link
