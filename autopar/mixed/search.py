@@ -24,9 +24,12 @@ What is exact and what is not (method "exhaustive", the oracle):
 "metis" (Metis, Um et al., ATC'24): shares (and a spanning pipeline's blocks) proportional to each group's
 measured speed -- its single plan's tokens/s -- then each group's degrees and knobs by the exact
 homogeneous search at its share. "rl": today's policy (the homogeneous rl planner, greedy, finished by
-the per-stage solver; not retrained on mixed workloads) plans each group alone and at the shares on the
-grid next to the proportional one (its 16-bit lanes: its plans with bf16 gradients); the share DP finishes
-(rl skips the spanning pipeline unless no lane plan fits). Both price far fewer lanes than the oracle.
+the per-stage solver; not retrained on mixed workloads) plans each group alone; every other share on the
+grid is priced by re-batching the group's policy plans (`rebatched`: the same degrees and knobs, every
+micro-batch size, one vectorised pricing, no policy call), the share DP picks the lanes, the policy plans
+each chosen lane at its share (kept where faster) and the DP runs again (its 16-bit lanes: its plans with
+bf16 gradients); rl skips the spanning pipeline unless no lane plan fits. So rl calls the policy about
+twice per group, not per share. Both price far fewer plans than the oracle.
 `single` is each method's own homogeneous planner's plan (rl: the policy's).
 """
 
@@ -38,7 +41,9 @@ import math
 import time
 from dataclasses import dataclass
 
-from autopar.cost import estimate
+import numpy as np
+
+from autopar.cost import PlanArrays, estimate, evaluate
 from autopar.errors import AutoparError, NoValidPlanError, PlanError
 from autopar.knobs import storage_dtype
 from autopar.mixed.cost import cross_sync, estimate_mixed, sync_probe
@@ -84,6 +89,7 @@ class _Lanes:
         self.mw, self.method, self.deadline = mw, method, deadline
         self.planner = get_planner("rl", **RL_OPTIONS) if method == "rl" else ExhaustivePlanner()
         self.memo: dict = {}
+        self.proposed: dict[str, list[Plan]] = {}  # rl: the policy's plans per group, which other shares re-batch
         self.cut = False  # a share left unpriced for the time limit
         dtype = storage_dtype(mw.precision)
         self.narrow_dtype = None if dtype == "fp32" else dtype
@@ -106,17 +112,39 @@ class _Lanes:
             return found
         if narrow:
             workload = dataclasses.replace(workload, fixed=(("grad_comm_dtype", self.narrow_dtype),))
+        if not isinstance(self.planner, ExhaustivePlanner) and not required and self.proposed.get(group):
+            found = rebatched(workload, self.proposed[group])  # the policy's plans at this share: no policy call
+            self.memo[key] = found
+            return found
         try:
             if isinstance(self.planner, ExhaustivePlanner):
                 pa, res = self.planner.ranked(workload, 1)
                 found = (pa.plan(0), float(res["iteration_time"][0]))
             else:
-                plan = self.planner.propose(workload, 1)[0]
-                found = (plan, estimate(workload, plan).iteration_time_s)
+                found = self._propose(group, workload)
         except NoValidPlanError:
             found = None
         self.memo[key] = found
         return found
+
+    def _propose(self, group: str, workload) -> tuple[Plan, float]:
+        plan = self.planner.propose(workload, 1)[0]
+        self.proposed.setdefault(group, []).append(plan)
+        return plan, estimate(workload, plan).iteration_time_s
+
+    def ask(self, group: str, share: int) -> None:
+        """rl: the policy's own plan at `share` where a re-batched plan stood (kept if faster)."""
+        if isinstance(self.planner, ExhaustivePlanner) or time.perf_counter() > self.deadline:
+            return
+        workload = self.mw.on_group(group, _gpus(self.mw, group), share)
+        try:
+            found = self._propose(group, workload)
+        except NoValidPlanError:
+            return
+        held = self.memo.get((group, share, False))
+        if held is None or found[1] < held[1]:
+            self.memo[(group, share, False)] = found
+            self.memo.pop((group, share, True), None)
 
     def _narrowed(self, workload, wide) -> tuple[Plan, float] | None:
         """The rl planner's plan with its gradients reduced in the 16-bit dtype (not a search held at that
@@ -139,6 +167,31 @@ class _Lanes:
             found = wide if not narrow or wide is None or wide[1] >= below else self.best(group, k * q, narrow=True)
             out[k] = math.inf if found is None or found[1] >= below else found[1]
         return out
+
+
+def rebatched(workload, plans: list[Plan]) -> tuple[Plan, float] | None:
+    """The fastest of `plans` (a group's plans at other shares) re-batched to `workload`'s global batch:
+    the same degrees and knobs, every micro-batch size dividing a replica's samples (the count to match),
+    one vectorised pricing; None when none is valid and fits. What rl prices most shares with."""
+    out = []
+    for plan in plans:
+        if workload.global_batch % plan.dp:
+            continue
+        per = workload.global_batch // plan.dp
+        for mbs in (m for m in range(1, per + 1) if per % m == 0):
+            try:
+                candidate = plan.with_(micro_batch_size=mbs, num_micro_batches=per // mbs)
+                candidate.validate(workload)
+            except PlanError:
+                continue
+            if candidate not in out:
+                out.append(candidate)
+    if not out:
+        return None
+    res = evaluate(workload, PlanArrays.from_plans(out, workload.profile))
+    times = np.where(res["fits"], res["iteration_time"], np.inf)
+    i = int(np.argmin(times))
+    return (out[i], float(times[i])) if np.isfinite(times[i]) else None
 
 
 def lane_of(group: str, plan: Plan) -> Lane:
@@ -165,11 +218,10 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
     candidates = [MixedPlan((lane_of(g, v[0]),)) for g, v in single.items() if v is not None]
     speed = {g: v[1].tokens_per_s for g, v in single.items() if v is not None}
     near = _proportional(speed, names, units)
-    if method == "exhaustive":
+    if method != "metis":  # rl re-batches its policy's plans to every share (no policy call: cheap)
         ks = {g: range(1, units + 1) for g in names}
     else:
-        spread = (0,) if method == "metis" else (-1, 0, 1)
-        ks = {g: sorted({min(max(near[g] + d, 1), units) for d in spread}) for g in names}
+        ks = {g: [near[g]] for g in names}
     if method == "exhaustive" and len(names) == 2:  # the proportional shares first: a bound that prunes pairs
         first = {g: lanes.table(g, units, q, [near[g]]) for g in names}
         _, upper = _fastest(mw, candidates + [mp for _, mp in _lane_plans(lanes, first, [names], units, q)])
@@ -178,7 +230,15 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
                             math.inf if upper is None else upper.iteration_time_s - floor)
     else:
         wide = {g: lanes.table(g, units, q, ks[g]) for g in names}
-    candidates += [mp for _, mp in _lane_plans(lanes, wide, _subsets(names, speed), units, q)]
+    found = [mp for _, mp in _lane_plans(lanes, wide, _subsets(names, speed), units, q)]
+    if method == "rl" and found:  # the policy's own plans at the shares of the best lanes, then the DP again
+        best, _ = _fastest(mw, found)
+        if best is not None:
+            for lane in best.lanes:
+                lanes.ask(lane.segments[0].group, lane.share)
+            wide = {g: lanes.table(g, units, q, ks[g]) for g in names}
+            found = [mp for _, mp in _lane_plans(lanes, wide, _subsets(names, speed), units, q)]
+    candidates += found
     spanning = search_spanning(mw, speed, exact=method == "exhaustive", deadline=deadline) \
         if method != "rl" or not candidates else None
     if spanning is not None:
