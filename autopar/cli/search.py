@@ -12,7 +12,7 @@ from rich.console import Console
 from autopar.cli.common import add_fix_flag, add_workload_flags, load_workload, print_json, workload_dict
 from autopar.cli.explain import add_plot_flag, check_plot, draw
 from autopar.cli.search_inventory import add_inventory_flags, check_inventory_flags, run_inventory
-from autopar.cli.search_mixed import is_mixed, run_mixed
+from autopar.cli.search_mixed import add_replan_flag, is_mixed, run_mixed
 from autopar.cost import estimate
 from autopar.cost.regime import json_notes, notes
 from autopar.errors import AutoparError
@@ -48,6 +48,7 @@ def add_parser(sub) -> None:
                                                                "mixed plan)")
     add_plot_flag(p)
     add_inventory_flags(p)
+    add_replan_flag(p)
     p.set_defaults(func=run)
 
 
@@ -61,10 +62,12 @@ def planner_options(args) -> dict:
 
 
 def run(args) -> int:
+    if args.inventory and args.replan_from:
+        raise AutoparError("--replan-from re-plans on the mix --cluster names; leave --inventory out")
     if args.inventory:  # which nodes to rent, then the plan on them
         return run_inventory(args)
     check_inventory_flags(args)
-    if is_mixed(args):  # several GPU types: lanes and segments (autopar/mixed/search.py)
+    if args.replan_from or is_mixed(args):  # several GPU types (a re-plan: or what is left of them)
         return run_mixed(args)
     if args.method == "metis":
         raise AutoparError("--method metis plans mixed clusters (--cluster A:N,B:M); on one GPU type use exhaustive, "

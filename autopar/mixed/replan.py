@@ -1,0 +1,86 @@
+"""Re-planning a mixed plan for a new mix of GPUs (issue 42): a group lost or gained nodes, a group
+left or joined. `replan_mixed(old, mw)` answers, as the homogeneous re-planner does
+(`autopar.search.replan`), with a `ReplanDecision`: the plan to continue under, "kept" or "replanned".
+
+The new plan is `search_mixed` on the new mix at the old plan's global batch (by default the rl method:
+about a second on the acceptance's clusters, bounded by `time_limit`, 8 s, which stops pricing new
+shares; each group alone is always planned); where one group is left, its plan alone (a homogeneous
+plan). The old plan is kept when it still runs on the new mix
+(every group its lanes name is there with the GPUs they take, validated and within memory) and its
+predicted step is within `tolerance` (ElasticSpec's, 5%) of the new plan's: a gain smaller than the
+cost model's error is not worth leaving a plan that ran. `autopar search --cluster NEW --replan-from
+old.json` prints the decision; `autopar run --elastic` of a mixed plan does not re-plan yet (the mixed
+executor cannot resume a checkpoint under a new plan: docs/heterogeneous.md).
+"""
+
+from __future__ import annotations
+
+import time
+
+from autopar.cost import estimate
+from autopar.errors import PlanError
+from autopar.executor.options import ElasticSpec
+from autopar.mixed.cost import estimate_mixed
+from autopar.mixed.plan import MixedPlan
+from autopar.mixed.search import RL_OPTIONS, MixedResult, search_mixed
+from autopar.mixed.workload import MixedWorkload
+from autopar.replan import ReplanDecision
+from autopar.search import get_planner
+from autopar.search.exhaustive import ExhaustivePlanner
+
+TIME_LIMIT_S = 8.0  # the search stops pricing new shares past this (acceptance 2: a re-plan within 10 s)
+TOLERANCE = ElasticSpec.replan_tolerance
+
+
+def old_step(old: MixedPlan, mw) -> tuple[float | None, str]:
+    """The old plan's predicted seconds per step on the new mix, or None and why it no longer runs there."""
+    try:
+        est = estimate_mixed(mw, old)
+    except PlanError as e:
+        return None, str(e)
+    return (est.iteration_time_s, "") if est.fits else (None, "a group's GPUs would run out of memory")
+
+
+def replan_mixed(old: MixedPlan, mw, method: str = "rl", tolerance: float = TOLERANCE,
+                 time_limit: float = TIME_LIMIT_S) -> tuple[ReplanDecision, MixedResult | None]:
+    """The plan to continue `old` under on `mw`, the new mix at the old plan's global batch (a
+    MixedWorkload; a Workload where one group is left: a homogeneous plan, found by the method's own
+    planner of one group, and no MixedResult). NoValidPlanError when the new mix holds no plan there."""
+    if mw.global_batch != old.global_batch:
+        raise PlanError(f"the new mix trains {mw.global_batch} samples per step but the plan {old.global_batch}; "
+                        f"re-planning keeps the plan's global batch")
+    started = time.perf_counter()
+    if not isinstance(mw, MixedWorkload):
+        planner = get_planner("rl", **RL_OPTIONS) if method == "rl" else ExhaustivePlanner()
+        new = planner.propose(mw, 1)[0]
+        before, why = _alone(old, mw)
+        after, result = estimate(mw, new).iteration_time_s, None
+        kept = old.lanes[0].plan
+    else:
+        result = search_mixed(mw, method, time_limit=time_limit)
+        new, after = result.plan, result.estimate.iteration_time_s
+        before, why = old_step(old, mw)
+        kept = old
+    if before is not None and before <= after * (1 + tolerance):
+        plan, decision = kept, "kept"
+        reason = (f"the plan still runs on {mw.cluster.name}: {before:.3f} s per step, within {tolerance:.0%} of the "
+                  f"new best {after:.3f} s")
+    else:
+        plan, decision = new, "replanned"
+        reason = (f"the plan no longer runs on {mw.cluster.name}: {why}" if before is None else
+                  f"the plan takes {before:.3f} s per step on {mw.cluster.name}, the new best {after:.3f} s "
+                  f"({before / after:.2f}x)")
+    return ReplanDecision(plan, decision, reason, time.perf_counter() - started, before, after), result
+
+
+def _alone(old: MixedPlan, w) -> tuple[float | None, str]:
+    """The old plan's seconds per step on one group (`w`), where it is one lane on that group alone."""
+    groups = ", ".join(old.groups)
+    if len(old.lanes) > 1 or old.lanes[0].spans or old.lanes[0].segments[0].group != w.cluster.name:
+        return None, f"its lanes use the groups {groups}; {w.cluster.name} is left alone"
+    try:
+        old.lanes[0].plan.validate(w)
+        est = estimate(w, old.lanes[0].plan)
+    except PlanError as e:
+        return None, str(e)
+    return (est.iteration_time_s, "") if est.fits else (None, "its GPUs would run out of memory")
