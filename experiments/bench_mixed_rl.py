@@ -10,6 +10,8 @@ prints the exact search's plan quality and time (run once: its answers are cache
 rerun pays for rl only) and rl's, timed `--repeats` times: the medians of the wall and of the process's
 CPU seconds (the CPU time stands for a machine of its own when the 2 cores are shared), and the ratio of
 rl's predicted tokens/s to the exact search's (acceptance 2: median >= 0.995, min >= 0.97; rl <= 2 s).
+Then a change of mix (`changed`: the first group loses a node where it has two, else the last group
+leaves) and `replan_mixed` of rl's plan for it, timed the same way (acceptance 2: <= 10 s).
 
     python experiments/bench_mixed_rl.py [--count 32] [--repeats 3] [--limit N] [--out DIR]
 """
@@ -32,9 +34,11 @@ from autopar.cluster.mixed import mixed_cluster
 from autopar.envs.workloads import HELDOUT_CLUSTERS, TRAIN_CLUSTERS, _precisions, sample_heldout_spec
 from autopar.errors import AutoparError, NoValidPlanError
 from autopar.knobs import STATE_BYTES_PER_PARAM, storage_dtype
+from autopar.mixed.replan import replan_mixed
 from autopar.mixed.search import search_mixed
 from autopar.mixed.workload import MixedWorkload
 from autopar.profile import profile_model
+from autopar.workload import Workload
 
 SEED = 20_261_207
 COUNT = 32
@@ -59,9 +63,30 @@ def draw(rng: np.random.Generator) -> dict | None:
 
 
 def build(w: dict) -> MixedWorkload:
+    """The workload (a Workload where the cluster names one group: what a change of mix may leave)."""
     profile = profile_model(w["model"], w["model_args"], dtype=storage_dtype(w["precision"]))
     groups = [load_cluster(p, nodes=int(n)) for p, n in (part.split(":") for part in w["cluster"].split(","))]
+    if len(groups) == 1:
+        return Workload(profile, groups[0], w["global_batch"], fp8=w["precision"] == "fp8")
     return MixedWorkload(profile, mixed_cluster(groups), w["global_batch"], fp8=w["precision"] == "fp8")
+
+
+def changed(w: dict) -> dict:
+    """The change of mix re-planned for: the first group loses a node where it has two, else the last leaves."""
+    parts = [part.split(":") for part in w["cluster"].split(",")]
+    parts = [[parts[0][0], "1"], *parts[1:]] if parts[0][1] == "2" else parts[:-1]
+    return {**w, "cluster": ",".join(f"{p}:{n}" for p, n in parts)}
+
+
+def timed_replan(old, mw, repeats: int) -> dict:
+    """Medians of `repeats` re-plans of `old` for `mw` (wall and CPU seconds), and the decision."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        decided, _ = replan_mixed(old, mw)
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "decision": decided.decision}
 
 
 def fits_memory(mw: MixedWorkload) -> bool:
@@ -79,7 +104,8 @@ def timed(mw, method: str, repeats: int) -> dict:
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
     return {"tokens_per_s": result.estimate.tokens_per_s, "wall_s": statistics.median(walls),
-            "cpu_s": statistics.median(cpus), "exact": result.exact, "plan": result.plan.describe()}
+            "cpu_s": statistics.median(cpus), "exact": result.exact, "plan": result.plan.describe(),
+            "result": result}
 
 
 def workloads(count: int, seed: int, cache: dict, save, console: Console):
@@ -101,7 +127,7 @@ def workloads(count: int, seed: int, cache: dict, save, console: Console):
         key = json.dumps(w, sort_keys=True)
         if key not in cache:
             try:
-                cache[key] = timed(mw, "exhaustive", 1)
+                cache[key] = {k: v for k, v in timed(mw, "exhaustive", 1).items() if k != "result"}
             except NoValidPlanError:
                 cache[key] = None
             save()
@@ -131,17 +157,25 @@ def main(argv=None) -> None:
 
     table = Table(title=f"{args.method} against the exact mixed search, medians of {args.repeats}")
     for column in ("#", "workload", "exact tok/s", "exact s", f"{args.method} / exact", f"{args.method} s",
-                   f"{args.method} cpu s"):
+                   f"{args.method} cpu s", "changed to", "re-plan", "re-plan s", "re-plan cpu s"):
         table.add_column(column)
     rows = []
     for i, (w, mw, exact) in enumerate(workloads(args.count, args.seed, cache, save, console), 1):
         if args.limit and i > args.limit:
             break
         got = timed(mw, args.method, args.repeats)
+        old = got.pop("result").plan
         ratio = got["tokens_per_s"] / exact["tokens_per_s"]
-        rows.append({"workload": w, "exact": exact, args.method: got, "ratio": ratio})
+        new = changed(w)
+        try:
+            replan = {"cluster": new["cluster"], **timed_replan(old, build(new), args.repeats)}
+        except NoValidPlanError:
+            replan = {"cluster": new["cluster"], "wall_s": None, "cpu_s": None, "decision": "no plan"}
+        rows.append({"workload": w, "exact": exact, args.method: got, "ratio": ratio, "replan": replan})
         table.add_row(str(i), mw.describe(), f"{exact['tokens_per_s']:,.0f}", f"{exact['wall_s']:.1f}",
-                      f"{ratio:.4f}", f"{got['wall_s']:.2f}", f"{got['cpu_s']:.2f}")
+                      f"{ratio:.4f}", f"{got['wall_s']:.2f}", f"{got['cpu_s']:.2f}", replan["cluster"],
+                      replan["decision"], "" if replan["wall_s"] is None else f"{replan['wall_s']:.2f}",
+                      "" if replan["cpu_s"] is None else f"{replan['cpu_s']:.2f}")
         if ratio < 0.995:
             console.print(f"#{i} exact: {exact['plan']}\n#{i} {args.method}: {got['plan']}", soft_wrap=True,
                           markup=False)
@@ -150,10 +184,14 @@ def main(argv=None) -> None:
     walls = [r[args.method]["wall_s"] for r in rows]
     cpus = [r[args.method]["cpu_s"] for r in rows]
     exact_walls = [r["exact"]["wall_s"] for r in rows]
+    replans = [r["replan"]["wall_s"] for r in rows if r["replan"]["wall_s"] is not None]
+    replan_cpus = [r["replan"]["cpu_s"] for r in rows if r["replan"]["cpu_s"] is not None]
     console.print(f"{len(rows)} workloads: {args.method}/exact median {statistics.median(ratios):.4f}, min "
                   f"{min(ratios):.4f}; {args.method} wall median {statistics.median(walls):.2f} s (max "
                   f"{max(walls):.2f}), cpu median {statistics.median(cpus):.2f} s (max {max(cpus):.2f}); exact wall "
-                  f"median {statistics.median(exact_walls):.1f} s (max {max(exact_walls):.1f})", markup=False)
+                  f"median {statistics.median(exact_walls):.1f} s (max {max(exact_walls):.1f}); re-plan wall median "
+                  f"{statistics.median(replans):.2f} s (max {max(replans):.2f}), cpu median "
+                  f"{statistics.median(replan_cpus):.2f} s (max {max(replan_cpus):.2f}) on {len(replans)}", markup=False)
     write_text_atomic(args.out / f"{args.method}.json", json.dumps(rows, indent=1))
 
 
