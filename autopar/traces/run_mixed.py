@@ -45,8 +45,9 @@ class MixedRun:
 def check_options(options: RunOptions, cluster: str | None, trace) -> None:
     """What a mixed run does not take, refused before anything is read."""
     if options.elastic:
-        raise AutoparError("--elastic re-plans homogeneous plans only: a change of GPU mix is not re-planned yet; "
-                           "run the mixed plan without --elastic")
+        raise AutoparError("--elastic re-plans homogeneous plans only (the mixed executor keeps no checkpoint to resume "
+                           "under a new plan); re-plan for the new mix with `autopar search MODEL --cluster NEW "
+                           "--replan-from mixed.json -o new.json` and run the new plan without --elastic")
     if trace:
         raise AutoparError("--trace records homogeneous plans only; run the mixed plan without --trace")
     if not cluster:
