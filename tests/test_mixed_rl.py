@@ -4,6 +4,7 @@ re-planning of a mixed plan for a new mix (autopar/mixed/replan.py, `autopar sea
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from test_mixed_search import A, H, mixed, run_cli
@@ -109,3 +110,14 @@ def test_cli_replan_from_a_mixed_plan(capsys, tmp_path):
     code, out, err = run_cli(capsys, "search", "gpt", "--model-arg", "size=tiny", "--cluster", f"{H}:1",
                              "--global-batch", "64", "--replan-from", old)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "leave --global-batch out" in err, err
+
+
+@pytest.mark.heavy
+def test_the_exact_search_keeps_the_plan_its_pruning_bound_comes_from(monkeypatch):
+    """With two groups the exact search prices the proportional split first and skips splits that cannot beat
+    it: that split must stay a candidate (it was dropped where its lanes tied the bound: 0.71 of rl on a
+    held-out workload). Pruning every other split leaves it, so the lanes are found."""
+    monkeypatch.setattr(mixed_search, "_pair_tables",
+                        lambda lanes, names, units, *rest: {g: [math.inf] * (units + 1) for g in names})
+    result = search_mixed(mixed([(A, 2), (H, 2)], 32))
+    assert len(result.plan.lanes) == 2 and result.gain > 1.0

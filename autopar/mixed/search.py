@@ -224,7 +224,8 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
         ks = {g: [near[g]] for g in names}
     if method == "exhaustive" and len(names) == 2:  # the proportional shares first: a bound that prunes pairs
         first = {g: lanes.table(g, units, q, [near[g]]) for g in names}
-        _, upper = _fastest(mw, candidates + [mp for _, mp in _lane_plans(lanes, first, [names], units, q)])
+        candidates += [mp for _, mp in _lane_plans(lanes, first, [names], units, q)]  # the bound's own plan: the
+        _, upper = _fastest(mw, candidates)  # pruning below drops splits that only tie it (it once dropped it)
         floor = cross_sync(mw, [sync_probe(mw, g, lanes.narrow_dtype or "fp32") for g in names])
         wide = _pair_tables(lanes, names, units, q, single,
                             math.inf if upper is None else upper.iteration_time_s - floor)
