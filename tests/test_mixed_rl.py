@@ -36,10 +36,11 @@ def two_groups():
     return mw, result, calls
 
 
-def test_rl_calls_the_policy_about_twice_per_group(two_groups):
-    """Each group alone and each chosen lane's share: the other shares are the policy's plans re-batched."""
+def test_rl_calls_the_policy_at_most_three_times_per_group(two_groups):
+    """Each group alone, at its proportional share and at its chosen lane's share: the other shares of the
+    grid (8 units here) are the policy's plans re-batched."""
     mw, result, calls = two_groups
-    assert len(result.plan.lanes) == 2 and len(calls) <= 2 * len(mw.group_names), calls
+    assert len(result.plan.lanes) == 2 and len(calls) <= 3 * len(mw.group_names), calls
     assert result.estimate.tokens_per_s >= result.best_single[2].tokens_per_s
 
 
@@ -115,9 +116,10 @@ def test_cli_replan_from_a_mixed_plan(capsys, tmp_path):
 @pytest.mark.heavy
 def test_the_exact_search_keeps_the_plan_its_pruning_bound_comes_from(monkeypatch):
     """With two groups the exact search prices the proportional split first and skips splits that cannot beat
-    it: that split must stay a candidate (it was dropped where its lanes tied the bound: 0.71 of rl on a
-    held-out workload). Pruning every other split leaves it, so the lanes are found."""
+    it: that split must stay a candidate (it was dropped where its lanes tied the bound: the exact search
+    gave 0.71 of rl's step on a held-out workload). Two equal groups: pruning every other split leaves the
+    even split, so the lanes are found."""
     monkeypatch.setattr(mixed_search, "_pair_tables",
                         lambda lanes, names, units, *rest: {g: [math.inf] * (units + 1) for g in names})
-    result = search_mixed(mixed([(A, 2), (H, 2)], 32))
+    result = search_mixed(mixed([(H, 2), (H, 2)], 32))
     assert len(result.plan.lanes) == 2 and result.gain > 1.0

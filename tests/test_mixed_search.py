@@ -23,6 +23,7 @@ from autopar.mixed.search import lane_of, search_mixed
 from autopar.mixed.shares import GRID, best_shares, brute_force_shares, quantum
 from autopar.mixed.workload import MixedWorkload
 from autopar.search.exhaustive import ExhaustivePlanner
+from autopar.search.simplicity import TIE
 
 A, H, R = "dgx-a100-80g", "dgx-h100", "pcie-4090x8"
 
@@ -116,7 +117,8 @@ def test_the_exact_search_is_never_worse(slow_link, method):
     mw, exact = slow_link
     other = search_mixed(mw, method)
     other.plan.validate(mw)
-    assert exact.estimate.iteration_time_s <= other.estimate.iteration_time_s * (1 + 1e-9)
+    # exact within the homogeneous search's tie band (it returns the simplest plan within 0.5%)
+    assert exact.estimate.iteration_time_s <= other.estimate.iteration_time_s * (1 + TIE)
     assert other.estimate.tokens_per_s >= other.best_single[2].tokens_per_s
 
 
