@@ -152,7 +152,7 @@ class _Lanes:
             self.memo.pop((group, batch, True), None)
 
     def ask(self, group: str, share: int) -> None:
-        """rl: the policy's own plan at `share` where a re-batched plan stood (kept if faster)."""
+        """rl: the policy's plan at `share`, or its plans re-batched there where faster (kept if faster than what stood)."""
         if isinstance(self.planner, ExhaustivePlanner) or time.perf_counter() > self.deadline \
                 or (group, share) in self.asked:
             return
@@ -162,6 +162,7 @@ class _Lanes:
             found = self._propose(group, workload)
         except NoValidPlanError:
             return
+        found = min(filter(None, [found, rebatched(workload, self.proposed[group])]), key=lambda f: f[1])
         held = self.memo.get((group, share, False))
         if held is None or found[1] < held[1]:
             self.memo[(group, share, False)] = found
