@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 from conftest import workload
 from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
     ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
     generate_rank_to_stage_mapping,
@@ -22,7 +25,7 @@ from autopar.cost import zero_bubble
 from autopar.cost.coefficients import Coefficients
 from autopar.cost.model import _pipeline
 from autopar.errors import PlanError
-from autopar.executor.pipeline import MULTI_STAGE, stage_ids
+from autopar.executor.pipeline import schedule_class, stage_ids
 from autopar.export import export_plan
 from autopar.knobs import SCHEDULES, device_blocks, knob
 from autopar.plan import Plan
@@ -86,8 +89,9 @@ def test_stage_ids_are_torchs_placement(pp):
 
 
 def test_the_executor_runs_torchs_classes():
-    assert (MULTI_STAGE["zb"], MULTI_STAGE["zbv"], MULTI_STAGE["dualpipev"]) == (
-        ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)
+    assert [schedule_class(s) for s in SCHEDULES] == [ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
+                                                      ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
+                                                      ScheduleDualPipeV]
 
 
 def test_the_cost_model_places_a_v_as_the_executor_does(gpt):

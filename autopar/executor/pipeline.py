@@ -24,15 +24,6 @@ import copy
 from itertools import accumulate
 
 from torch import fx, nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 from torch.fx.graph_module import _copy_attr
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,9 +33,15 @@ from autopar.layout import ForwardLayout, forward_layout, live, recomputable
 from autopar.plan import Plan
 
 
-# the schedules that run several stages per rank (torch's PipelineScheduleMulti), by the plan's name
-MULTI_STAGE = {"interleaved": ScheduleInterleaved1F1B, "zb": ScheduleInterleavedZeroBubble,
-               "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+def schedule_class(name: str) -> type:
+    """torch's schedule class for a plan's schedule name. torch.distributed.pipelining is imported here, on a
+    pipelined plan's first use: it imports torch._dynamo (about a CPU-second per process), which the ranks
+    of every other plan, and the launcher's pre-flight (it only cuts stages), never need."""
+    from torch.distributed import pipelining  # imports torch._dynamo: only a pipelined plan's ranks pay it
+
+    return {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
+            "interleaved": pipelining.ScheduleInterleaved1F1B, "zb": pipelining.ScheduleInterleavedZeroBubble,
+            "zbv": pipelining.ScheduleZBVZeroBubble, "dualpipev": pipelining.ScheduleDualPipeV}[name]
 
 
 def stage_ids(plan: Plan, pp_rank: int) -> list[int]:
@@ -180,9 +177,12 @@ def build_schedule(parts: list[nn.Module], plan: Plan, pp_rank: int, device, gro
             # the stage arms DDP's reducer itself before the last micro-batch's backward; DDP's
             # own forward must not, which the stage's shape-inference forward would otherwise do
             part.require_backward_grad_sync = False
+    from torch.distributed.pipelining import PipelineStage  # imports torch._dynamo: see schedule_class
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti  # the same
+
     stages = [PipelineStage(part, stage, plan.stages, device, group=group)
               for part, stage in zip(parts, stage_ids(plan, pp_rank))]
-    if plan.schedule in MULTI_STAGE:
-        return MULTI_STAGE[plan.schedule](stages, n_microbatches=plan.num_micro_batches, loss_fn=loss_fn)
-    schedule = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
-    return schedule(stages[0], n_microbatches=plan.num_micro_batches, loss_fn=loss_fn)
+    schedule = schedule_class(plan.schedule)
+    # a multi-stage schedule (interleaved, zero-bubble, V) takes this rank's stages, the others its one stage
+    held = stages if issubclass(schedule, PipelineScheduleMulti) else stages[0]
+    return schedule(held, n_microbatches=plan.num_micro_batches, loss_fn=loss_fn)
