@@ -85,11 +85,22 @@ LAUNCHERS = {  # module -> attribute: every way a test starts a process (torchru
 IMPLY_SLOW = ("trains", "heavy")  # training a policy, an in-process check of seconds: out of the quick tier too
 
 
+PROCS = "procs"  # the xdist group of the tests marked procs (pyproject.toml)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """`-m "not slow"` leaves out the markers that imply slow (IMPLY_SLOW)."""
+    """`-m "not slow"` leaves out the markers that imply slow (IMPLY_SLOW). Under `-n 2` (`--dist loadgroup`,
+    pyproject.toml) the tests marked `procs` (each starts several busy processes at once: a 4-rank job, a Ray
+    or Slurm collect) run one after another in one worker, every other test with its module's tests: two
+    4-rank jobs at once put 8 busy processes on 2 cores, which, measured side by side, cost each job 60% more
+    CPU time (context switches) and both more wall-clock time than running them in turn. All the launching
+    tests in one group took 2.2x the other worker's time, hence the narrower group."""
     for item in items:
         if any(item.get_closest_marker(m) for m in IMPLY_SLOW) and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+        item.add_marker(pytest.mark.xdist_group(PROCS if item.get_closest_marker(PROCS) else
+                                                item.nodeid.split("::")[0]))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -188,6 +188,7 @@ def _env() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.procs
 def test_cp2_dp2_and_cp2_tp2_match_one_process_on_4_gloo_ranks(tmp_path):
     """GPT (learned positions, written-out attention) and Llama (rotary positions, SDPA, GQA), fp32,
     plain SGD: each cp rank's load-balanced tokens, global positions and all-gathered K/V must give
@@ -210,6 +211,7 @@ def test_cp2_dp2_and_cp2_tp2_match_one_process_on_4_gloo_ranks(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.procs
 def test_autopar_run_checks_parity_of_a_cp_plan(tmp_path):
     Plan(dp=2, cp=2, micro_batch_size=4, num_micro_batches=2, precision="fp32").save(tmp_path / "p.json")
     ran = subprocess.run([sys.executable, "-m", "autopar", "run", "p.json", "llama", "--model-arg", "size=tiny",

@@ -233,6 +233,7 @@ def test_bad_elastic_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, mess
 
 # -- the real thing: two torchrun agents, one killed --------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.procs
 def test_killing_the_agent_without_the_store_replans_for_2_ranks_and_continues_like_a_direct_resume(tmp_path):
     result = campaign.shrink(tmp_path, steps=12, every=4, ports=free_port)
     assert result["replan"]["world_before"] == 4 and result["replan"]["world_after"] == 2

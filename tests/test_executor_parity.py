@@ -154,6 +154,7 @@ def test_reference_learns(reference):
 
 
 @pytest.mark.slow
+@pytest.mark.procs
 def test_only_rank_0_ever_holds_the_whole_model(losses):
     """The other ranks lay the plan out on a meta-device skeleton and receive their shards from
     rank 0 (the parity tests show: with the same weights)."""
@@ -163,6 +164,7 @@ def test_only_rank_0_ever_holds_the_whole_model(losses):
 
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.slow
+@pytest.mark.procs
 def test_plan_losses_equal_single_process(losses, reference, name):
     expected = reference[CASES[name][0]]
     assert max_relative_difference(losses[name], expected) < 1e-5, (losses[name], expected)
@@ -170,6 +172,7 @@ def test_plan_losses_equal_single_process(losses, reference, name):
 
 @pytest.mark.parametrize("before,after", MIGRATIONS)
 @pytest.mark.slow
+@pytest.mark.procs
 def test_checkpoint_resumes_under_another_plan(losses, reference, before, after):
     *curve, step = losses[f"{before} -> {after}"]
     assert step == 2

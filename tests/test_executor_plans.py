@@ -219,6 +219,7 @@ def test_the_space_holds_nothing_the_executor_refuses():
 
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.slow
+@pytest.mark.procs
 def test_every_plan_runs_with_parity_in_its_precision(losses, reference, name):
     plan, got = CASES[name], losses.get(name, "not run: an earlier case failed and ended the job")
     assert not isinstance(got, str), got

@@ -101,6 +101,7 @@ def test_a_measured_study_is_one_per_set_of_held_knobs():
 # -- submitit's local executor: the Slurm submission path, local processes --------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.procs
 def test_slurm_local_collect_writes_the_local_launchers_records(capsys, tmp_path):
     out = tmp_path / "traces.jsonl"
     started = time.perf_counter()
@@ -113,6 +114,7 @@ def test_slurm_local_collect_writes_the_local_launchers_records(capsys, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.procs
 def test_a_job_killed_mid_run_is_requeued_once_and_its_record_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the job's ranks beat under it: seen mid-run
     (tmp_path / "tmp").mkdir()

@@ -41,6 +41,7 @@ def ray_cluster():
 
 
 @pytest.mark.slow
+@pytest.mark.procs
 def test_ray_collect_writes_the_local_launchers_records(ray_cluster, tmp_path):
     out = tmp_path / "traces.jsonl"
     started = time.perf_counter()
@@ -51,6 +52,7 @@ def test_ray_collect_writes_the_local_launchers_records(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.procs
 def test_a_measured_optuna_search_through_ray_tune_lands_every_trial_in_the_study(ray_cluster, tmp_path, capsys):
     out, db = tmp_path / "traces.jsonl", tmp_path / "study.db"
     started = time.perf_counter()

@@ -113,6 +113,7 @@ def job(request, tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.slow
+@pytest.mark.procs
 def test_expert_parallel_matches_one_process(case, job, tmp_path):
     plan = CASES[case]
     if case != CLI_CASE:
