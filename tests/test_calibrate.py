@@ -324,6 +324,7 @@ def test_cli_allreduce_only(tmp_path, capsys):
 
 # -- the vTrain figures (acceptance 1 and 2) ----------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.procs
 def test_vtrain_single_node_cv_and_multi_node_transfer(tmp_path):
     """The full protocol of `autopar calibrate vtrain_single.jsonl --allreduce ... --folds 5
     --evaluate vtrain_multi.jsonl`: 5-fold CV by (hidden, layers) on 1,440 single-node runs

@@ -65,7 +65,6 @@ def only_record(path):
 
 
 @pytest.mark.slow
-@pytest.mark.procs
 def test_a_searched_plan_runs_on_4_ranks_and_writes_a_trace(tmp_path):
     found = autopar("search", "gpt", *TINY, "--cluster", "cpu", "--global-batch", 16, "-o", "plan.json",
                     cwd=tmp_path)
@@ -108,7 +107,6 @@ def test_a_plan_for_another_world_size_is_refused_before_launch(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.procs
 def test_two_nodes_on_one_machine_match_one_process(tmp_path):
     """Every single-node plan matches the single-process losses (test_executor_parity); two
     launchers on this machine, dp across the "nodes", must match them too."""
