@@ -77,15 +77,12 @@ def run_mixed(args) -> int:
                        for g, v in result.single.items()},
             "best_single": None if best is None else best[0], "gain": result.gain, "exact": result.exact,
             "search_s": result.seconds, "wall_time_s": wall, "run_refusal": refused[0] if refused else None,
-            "replan": None if decided is None else {
-                "decision": decided.decision, "reason": decided.reason, "planning_s": decided.planning_s,
-                "predicted_old_s": decided.predicted_old_s, "predicted_new_s": decided.predicted_new_s},
+            "replan": None if decided is None else _replan_dict(decided),
         })
         return 0
     console.print(f"[bold]{mw.describe()}[/bold]  ·  {params_text(mw.profile.params)} parameters")
     if decided is not None:
-        console.print(f"re-plan from {args.replan_from}: {decided.decision} in {decided.planning_s:.2f} s: "
-                      f"{decided.reason}", markup=False)
+        _say_replan(args, decided, console)
     for i, lane in enumerate(plan.lanes, 1):
         console.print(f"lane {i}: {lane.describe()}", markup=False)
     console.print(summary(est), markup=False)
@@ -127,12 +124,20 @@ def _one_group(args, w, decided, console) -> int:
     est = estimate(w, decided.plan)
     if args.json:
         print_json({"plan": decided.plan.to_dict(), "estimate": est.to_dict(), "method": args.method,
-                    "replan": {"decision": decided.decision, "reason": decided.reason,
-                               "planning_s": decided.planning_s, "predicted_old_s": decided.predicted_old_s,
-                               "predicted_new_s": decided.predicted_new_s}})
+                    "replan": _replan_dict(decided)})
         return 0
-    console.print(f"re-plan from {args.replan_from}: {decided.decision} in {decided.planning_s:.2f} s: "
-                  f"{decided.reason}", markup=False)
+    _say_replan(args, decided, console)
     console.print(f"{w.describe()}: {decided.plan.describe()}, {est.tokens_per_s:,.0f} tokens/s"
                   + (f"; plan written to {args.output}" if args.output else ""), markup=False)
     return 0
+
+
+def _replan_dict(decided) -> dict:
+    """The re-plan decision as --json gives it."""
+    return {"decision": decided.decision, "reason": decided.reason, "planning_s": decided.planning_s,
+            "predicted_old_s": decided.predicted_old_s, "predicted_new_s": decided.predicted_new_s}
+
+
+def _say_replan(args, decided, console) -> None:
+    console.print(f"re-plan from {args.replan_from}: {decided.decision} in {decided.planning_s:.2f} s: "
+                  f"{decided.reason}", markup=False)

@@ -145,11 +145,7 @@ class _Lanes:
         except NoValidPlanError:
             return
         self.proposed.setdefault(group, []).append(plan)
-        seconds = estimate(workload, plan).iteration_time_s
-        held = self.memo.get((group, batch, False))
-        if held is None or seconds < held[1]:
-            self.memo[(group, batch, False)] = (plan, seconds)
-            self.memo.pop((group, batch, True), None)
+        self._keep_if_faster(group, batch, (plan, estimate(workload, plan).iteration_time_s))
 
     def ask(self, group: str, share: int) -> None:
         """rl: the policy's plan at `share`, or its plans re-batched there where faster (kept if faster than what stood)."""
@@ -163,6 +159,10 @@ class _Lanes:
         except NoValidPlanError:
             return
         found = min(filter(None, [found, rebatched(workload, self.proposed[group])]), key=lambda f: f[1])
+        self._keep_if_faster(group, share, found)
+
+    def _keep_if_faster(self, group: str, share: int, found: tuple[Plan, float]) -> None:
+        """`found` becomes the lane's plan at `share` where it beats what stood (its 16-bit twin then re-derived)."""
         held = self.memo.get((group, share, False))
         if held is None or found[1] < held[1]:
             self.memo[(group, share, False)] = found
