@@ -23,15 +23,23 @@ What is exact and what is not (method "exhaustive", the oracle):
 
 "metis" (Metis, Um et al., ATC'24): shares (and a spanning pipeline's blocks) proportional to each group's
 measured speed -- its single plan's tokens/s -- then each group's degrees and knobs by the exact
-homogeneous search at its share. "rl": today's policy (the homogeneous rl planner, greedy, finished by
-the per-stage solver; not retrained on mixed workloads) plans each group alone (the fastest group's plan
-then refined by coordinate descent: `_Lanes.polish`) and at its proportional share; every share on the
-grid is priced by re-batching the group's policy plans (`rebatched`: the same degrees and knobs, every
-micro-batch size, one vectorised pricing, no policy call), the share DP picks the lanes, the policy plans
-each chosen lane at its share where it has not (kept where faster) and the DP runs again (its 16-bit
-lanes: its plans with bf16 gradients); rl skips the spanning pipeline unless no lane plan fits. So rl
-calls the policy at most three times per group, not per share. Both price far fewer plans than the oracle.
-`single` is each method's own homogeneous planner's plan (rl: the policy's).
+homogeneous search at its share. "rl": the policy proposes, the exact homogeneous search finishes. Today's
+policy (the homogeneous rl planner, greedy, finished by the per-stage solver; not retrained on mixed
+workloads) plans each group alone and at its proportional share; every share on the grid is priced by
+re-batching the group's plans (`rebatched`: the same degrees and knobs, every micro-batch size, one
+vectorised pricing, no policy call); the share DP picks the lanes. Then the exact homogeneous search of the
+uniform plans (ExhaustivePlanner without the per-stage solver: `_Lanes.finish`) plans the fastest group
+alone, the chosen lanes at their shares and, once, the next split over (the slowest lane one unit less, the
+fastest one more: `_finishing`); its best plan and runners-up of other layouts are re-batched to the other
+shares, and the DP runs again (RL_FINISH_ROUNDS rounds; its 16-bit lanes: its plans with bf16 gradients).
+Where no lane plan fits, no lanes beat a group alone or the best lanes spend RL_SPANNING_SYNC of their step
+in the cross-group all-reduce (`_weigh_spanning`), rl also weighs the spanning pipeline (which sends only
+activations across groups): a quick walk of configurations (spanning.py: the order of the groups walked for
+the best degrees only; bounded by RL_SPANNING_S), the exact split window around Metis's for the best one.
+So rl calls the policy at most twice per group, the exact search a few times (not per share: the oracle
+runs it for every share of every group), and prices far fewer plans than the oracle.
+`single` is each method's own homogeneous planner's plan (rl: the policy's, the fastest group's finished
+exactly).
 """
 
 from __future__ import annotations
@@ -58,7 +66,11 @@ from autopar.search.exhaustive import ExhaustivePlanner
 METHODS = ("exhaustive", "metis", "rl")
 MAX_SUBSETS_GROUPS = 6  # up to this many groups every set of used groups is tried (2^6 - 1 sets)
 RL_OPTIONS = {"beam": 1, "refine": False, "trades": False}  # the policy alone (greedy) + the per-stage finish
-RL_POLISH = {"beam": 1, "refine": True, "trades": False}  # + coordinate descent: the fastest group alone
+RL_FINISH_PLANS = 4  # rl: the exact search's best plan and runners-up (other layouts), re-batched to other shares
+RL_FINISH_PER_STAGE = False  # rl: the exact finish without the per-stage solver (it doubled rl's time, no gain seen)
+RL_FINISH_ROUNDS = 2  # rl: rounds of finishing the best lanes exactly and solving the shares again
+RL_SPANNING_SYNC = 0.1  # rl: weigh the spanning pipeline where the lanes' cross-group all-reduce is this much of a step
+RL_SPANNING_S = 2.0  # rl: seconds the spanning pipeline's walk of configurations may take (it keeps what it priced)
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,7 @@ class _Lanes:
         self.memo: dict = {}
         self.proposed: dict[str, list[Plan]] = {}  # rl: the policy's plans per group, which other shares re-batch
         self.asked: set = set()  # rl: (group, share) the policy planned
+        self.finished: set = set()  # rl: (group, share) the exact homogeneous search planned
         self.cut = False  # a share left unpriced for the time limit
         dtype = storage_dtype(mw.precision)
         self.narrow_dtype = None if dtype == "fp32" else dtype
@@ -135,17 +148,27 @@ class _Lanes:
         self.proposed.setdefault(group, []).append(plan)
         return plan, estimate(workload, plan).iteration_time_s
 
-    def polish(self, group: str) -> None:
-        """rl: the fastest group alone planned again, the policy's plan refined by coordinate descent (kept if
-        faster): where that group alone is the answer, the greedy plan alone fell short (0.53 of the exact)."""
-        batch = self.mw.global_batch
-        workload = self.mw.on_group(group, _gpus(self.mw, group), batch)
+    def finish(self, group: str, share: int) -> None:
+        """rl: `group`'s lane at `share` planned by the exact homogeneous search (kept where faster than what
+        stood), and that plan re-batched to the other shares priced so far (kept there where faster): the
+        policy proposes the groups and shares, the exact search finishes the chosen ones. Where a group alone
+        or a chosen lane was the answer, the greedy policy's plan fell short (down to 0.77 of the exact search)."""
+        if isinstance(self.planner, ExhaustivePlanner) or (group, share) in self.finished \
+                or time.perf_counter() > self.deadline:
+            return
+        self.finished.add((group, share))
+        workload = self.mw.on_group(group, _gpus(self.mw, group), share)
         try:
-            plan = get_planner("rl", **RL_POLISH).propose(workload, 1)[0]
+            pa, res = ExhaustivePlanner(per_stage=RL_FINISH_PER_STAGE).ranked(workload, RL_FINISH_PLANS)
         except NoValidPlanError:
             return
-        self.proposed.setdefault(group, []).append(plan)
-        self._keep_if_faster(group, batch, (plan, estimate(workload, plan).iteration_time_s))
+        plans = [pa.plan(i) for i in range(len(pa))]  # the best and its runners-up of other layouts
+        self.proposed.setdefault(group, []).extend(plans)
+        self._keep_if_faster(group, share, (plans[0], float(res["iteration_time"][0])))
+        for other in sorted(k[1] for k in self.memo if k[0] == group and not k[2] and k[1] != share):
+            found = rebatched(self.mw.on_group(group, _gpus(self.mw, group), other), plans)
+            if found is not None:
+                self._keep_if_faster(group, other, found)
 
     def ask(self, group: str, share: int) -> None:
         """rl: the policy's plan at `share`, or its plans re-batched there where faster (kept if faster than what stood)."""
@@ -236,8 +259,8 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
     single = {}
     if method == "rl":
         alone = {g: lanes.best(g, batch, required=True) for g in names}
-        if any(alone.values()):
-            lanes.polish(min((g for g in names if alone[g]), key=lambda g: alone[g][1]))
+        if any(alone.values()):  # the fastest group alone, finished by the exact homogeneous search
+            lanes.finish(min((g for g in names if alone[g]), key=lambda g: alone[g][1]), batch)
     for g in names:
         found = lanes.best(g, batch, required=True)
         single[g] = None if found is None else (found[0], estimate(mw.on_group(g, _gpus(mw, g), batch), found[0]))
@@ -260,16 +283,22 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
     else:
         wide = {g: lanes.table(g, units, q, ks[g]) for g in names}
     found = [mp for _, mp in _lane_plans(lanes, wide, _subsets(names, speed), units, q)]
-    if method == "rl" and found:  # the policy's own plans at the shares of the best lanes, then the DP again
+    for round_ in range(RL_FINISH_ROUNDS if method == "rl" else 0):  # the best lanes finished exactly, the DP again
         best, _ = _fastest(mw, found)
-        if best is not None:
-            for lane in best.lanes:
-                lanes.ask(lane.segments[0].group, lane.share)
-            wide = {g: lanes.table(g, units, q, ks[g]) for g in names}
-            found = [mp for _, mp in _lane_plans(lanes, wide, _subsets(names, speed), units, q)]
+        todo = [] if best is None else _finishing(lanes, best, q, neighbours=round_ == 0)
+        if not todo:
+            break
+        for g, share in todo:
+            lanes.finish(g, share)
+        wide = {g: lanes.table(g, units, q, ks[g]) for g in names}
+        found = [mp for _, mp in _lane_plans(lanes, wide, _subsets(names, speed), units, q)]
     candidates += found
-    spanning = search_spanning(mw, speed, exact=method == "exhaustive", deadline=deadline) \
-        if method != "rl" or not candidates else None
+    spanning = None
+    if method != "rl":
+        spanning = search_spanning(mw, speed, exact=method == "exhaustive", deadline=deadline)
+    elif _weigh_spanning(*_fastest(mw, candidates)):  # rl: see the docstring
+        spanning = search_spanning(mw, speed, exact=True, top=1, deadline=deadline, quick=True,
+                                   walk_deadline=time.perf_counter() + RL_SPANNING_S)
     if spanning is not None:
         candidates.append(MixedPlan((spanning,)))
     best, best_est = _fastest(mw, candidates)
@@ -289,6 +318,27 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
                                f"GPUs, GPUs with more memory, or a smaller global batch")
     ended = time.perf_counter()
     return MixedResult(best, best_est, single, ended - started, method, not lanes.cut and ended <= deadline)
+
+
+def _weigh_spanning(best, best_est) -> bool:
+    """rl: whether the spanning pipeline is worth its walk: no plan fits, no data-parallel lanes beat a group
+    alone, or the best lanes spend RL_SPANNING_SYNC or more of their step in the cross-group all-reduce, which
+    a pipeline across the groups does without (it sends activations; 0.79 of the exact search without it)."""
+    return best is None or len(best.lanes) == 1 \
+        or best_est.cross_sync_s >= RL_SPANNING_SYNC * best_est.iteration_time_s
+
+
+def _finishing(lanes: _Lanes, best: MixedPlan, q: int, neighbours: bool) -> list[tuple[str, int]]:
+    """rl: the (group, share) the exact search finishes for the best lanes: each lane's own share, and with
+    `neighbours` the next split over: the slowest lane one unit less, the fastest one unit more (a share the
+    re-batched plans price poorly may hold a better layout: 0.95 of the exact search without it)."""
+    shares = [(lane.segments[0].group, lane.share) for lane in best.lanes]
+    if neighbours and len(shares) > 1:
+        times = [lanes.memo.get((g, k, False), (None, math.inf))[1] for g, k in shares]
+        slow, fast = max(range(len(shares)), key=times.__getitem__), min(range(len(shares)), key=times.__getitem__)
+        if shares[slow][1] > q and slow != fast:
+            shares += [(shares[slow][0], shares[slow][1] - q), (shares[fast][0], shares[fast][1] + q)]
+    return [gk for gk in shares if gk not in lanes.finished]
 
 
 def _gpus(mw, group: str) -> int:

@@ -30,29 +30,36 @@ TOP = 4  # configurations whose blocks per group the exact search walks
 MAX_SPLITS = 64  # splits of blocks over groups walked in full; beyond, those within NEAR of Metis's
 NEAR = 2
 MICRO_BATCHES = (1, 2)
+QUICK_KEEP = 4  # quick walks: the degrees (of the first order's walk) walked in every other order of the groups
 
 
-def search_spanning(mw, speed: dict, exact: bool = True, deadline: float = math.inf) -> Lane | None:
+def search_spanning(mw, speed: dict, exact: bool = True, deadline: float = math.inf, top: int = TOP,
+                    walk_deadline: float = math.inf, quick: bool = False) -> Lane | None:
     """The fastest spanning lane found at the whole batch (see the module docstring), or None when none fits.
-    `speed`: group -> tokens/s of its single plan (groups without one fall back on peak FLOP/s)."""
+    `speed`: group -> tokens/s of its single plan (groups without one fall back on peak FLOP/s); `top`: the
+    configurations whose splits the exact part walks; past `walk_deadline` (or `deadline`) the walk of
+    configurations stops with those priced, past `deadline` the exact part too. `quick` (the rl search's):
+    the degrees and micro-batching walked in the first order of the groups only, and the QUICK_KEEP best of
+    them in every other order (the order of the groups is walked for those alone)."""
     names = mw.cluster.group_names
     blocks = mw.profile.num_layers
     rate = _rates(mw, speed)
-    ranked = []  # (seconds, config, split, lane) by Metis's split
-    for config in _configs(mw, _orders(names, rate), blocks):
-        if time.perf_counter() > deadline and ranked:
-            break
-        split = _metis_split(blocks, [rate[g] for g in config[0]], config[3])
-        found = _price(mw, config, split)
-        if found is not None:
-            ranked.append((found[0], config, split, found[1]))
+    orders = _orders(names, rate)
+    stop = min(deadline, walk_deadline)
+    if not quick or len(orders) == 1:
+        ranked = _walk(mw, _configs(mw, orders, blocks), rate, blocks, stop)
+    else:
+        ranked = sorted(_walk(mw, _configs(mw, orders[:1], blocks), rate, blocks, stop), key=lambda r: r[0])
+        keep = {_degrees_of(r[1]) for r in ranked[:QUICK_KEEP]}
+        others = (c for c in _configs(mw, orders[1:], blocks) if _degrees_of(c) in keep)
+        ranked += _walk(mw, others, rate, blocks, stop)
     if not ranked:
         return None
     ranked.sort(key=lambda r: r[0])
     best_time, _, _, best = ranked[0]
     if not exact:
         return best
-    for _, config, metis, _ in ranked[:TOP]:
+    for _, config, metis, _ in ranked[:top]:
         for split in _splits(blocks, config[3], metis):
             if split == metis:
                 continue
@@ -62,6 +69,26 @@ def search_spanning(mw, speed: dict, exact: bool = True, deadline: float = math.
             if found is not None and found[0] < best_time:
                 best_time, best = found
     return best
+
+
+def _walk(mw, configs, rate: dict, blocks: int, stop: float) -> list:
+    """(seconds, config, split, lane) of each configuration that fits at Metis's split; past `stop` the walk
+    ends (once one is priced)."""
+    ranked = []
+    for config in configs:
+        if time.perf_counter() > stop and ranked:
+            break
+        split = _metis_split(blocks, [rate[g] for g in config[0]], config[3])
+        found = _price(mw, config, split)
+        if found is not None:
+            ranked.append((found[0], config, split, found[1]))
+    return ranked
+
+
+def _degrees_of(config) -> tuple:
+    """A configuration without its order of the groups: dp, each group's tp, the micro-batch size."""
+    order, dp, tps, _, mbs = config
+    return dp, frozenset(zip(order, tps)), mbs
 
 
 def _configs(mw, orders, blocks: int):
