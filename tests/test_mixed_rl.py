@@ -6,16 +6,19 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
-from test_mixed_search import A, H, mixed, run_cli
+from test_mixed_search import A, H, R, mixed, run_cli
 
-from autopar.cost import estimate
-from autopar.errors import PlanError
+from autopar.cost import estimate, evaluate
+from autopar.errors import NoValidPlanError, PlanError
 from autopar.mixed import search as mixed_search
 from autopar.mixed.plan import MixedPlan
 from autopar.mixed.replan import replan_mixed
 from autopar.mixed.search import rebatched, search_mixed
 from autopar.plan import Plan
+from autopar.policies.planner import RLPlanner
+from autopar.search.space import enumerate_plans
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +39,11 @@ def two_groups():
     return mw, result, calls
 
 
-def test_rl_calls_the_policy_at_most_three_times_per_group(two_groups):
-    """Each group alone, at its proportional share and at its chosen lane's share: the other shares of the
-    grid (8 units here) are the policy's plans re-batched."""
+def test_rl_calls_the_policy_at_most_twice_per_group(two_groups):
+    """Each group alone and at its proportional share: the other shares of the grid (8 units here) are the
+    policy's plans re-batched, the chosen ones the exact search's."""
     mw, result, calls = two_groups
-    assert len(result.plan.lanes) == 2 and len(calls) <= 3 * len(mw.group_names), calls
+    assert len(result.plan.lanes) == 2 and len(calls) <= 2 * len(mw.group_names), calls
     assert result.estimate.tokens_per_s >= result.best_single[2].tokens_per_s
 
 
@@ -58,6 +61,44 @@ def test_rebatched_takes_the_fastest_micro_batching_of_the_same_plan(two_groups)
         est = estimate(workload, other)
         assert not est.fits or seconds <= est.iteration_time_s * (1 + 1e-12)
     assert rebatched(mw.on_group(group, 2, 1), [lane.plan]) is None or lane.plan.dp == 1
+
+
+def _slowest_plan_that_fits(self, workload, k=1):
+    """A policy at its worst: the slowest plan of the space that fits (what rl's policy calls return below)."""
+    space = enumerate_plans(workload)
+    res = evaluate(workload, space)
+    fit = np.flatnonzero(res["fits"])
+    if len(fit) == 0:
+        raise NoValidPlanError("no plan fits")
+    return [space.plan(int(fit[np.argmax(res["iteration_time"][fit])]))]
+
+
+@pytest.mark.parametrize("specs,batch,size", [
+    ([(R, 1), (A, 1)], 8, "gpt2-small"),  # one group alone is the answer (the A100s)
+    ([(A, 2), (H, 2)], 32, "tiny"),  # two data-parallel lanes
+])
+def test_the_exact_search_finishes_what_a_weak_policy_proposes(monkeypatch, specs, batch, size):
+    """rl's policy proposes, the exact homogeneous search finishes the group alone and the chosen lanes: with the
+    policy at its worst (its every plan the slowest that fits) rl still comes within 0.97 of the exact mixed
+    search. Where rl kept the policy's plans (a group alone, the chosen lanes), it fell to 0.77 of it."""
+    mw = mixed(specs, batch, {"size": size})
+    exact = search_mixed(mw)
+    monkeypatch.setattr(RLPlanner, "propose", _slowest_plan_that_fits)
+    rl = search_mixed(mw, "rl")
+    rl.plan.validate(mw)
+    assert rl.estimate.tokens_per_s >= 0.97 * exact.estimate.tokens_per_s, (rl.plan.describe(), exact.plan.describe())
+
+
+def test_rl_weighs_a_pipeline_across_the_groups_where_the_lanes_all_reduce_is_dear():
+    """Two groups of two 4090s (one 100 Gb/s NIC per 8 GPUs between them), GPT-2 large at 70% headroom: the
+    lanes' cross-group all-reduce is over 10% of their step and one pipeline across both groups wins (1.43x the
+    best group alone). rl weighs it there: it gave 0.79 of the exact search when it weighed it only where no
+    lane plan fit."""
+    mw = mixed([(R, 2), (R, 2)], 8, {"size": "gpt2-large"}, memory_headroom=0.7)
+    exact = search_mixed(mw)
+    rl = search_mixed(mw, "rl")
+    assert exact.plan.lanes[0].spans and rl.plan.lanes[0].spans
+    assert rl.estimate.tokens_per_s >= 0.97 * exact.estimate.tokens_per_s
 
 
 def test_replan_keeps_a_plan_that_still_runs(two_groups):
