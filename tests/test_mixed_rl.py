@@ -89,6 +89,17 @@ def test_the_exact_search_finishes_what_a_weak_policy_proposes(monkeypatch, spec
     assert rl.estimate.tokens_per_s >= 0.97 * exact.estimate.tokens_per_s, (rl.plan.describe(), exact.plan.describe())
 
 
+def test_rl_finishes_each_group_alone_that_could_be_the_fastest():
+    """Eight A100s and two A100s, a tiny GPT at 16 samples: the greedy policy's plan for the eight (dp2 tp4) is
+    slower than its plan for the two, so finishing only the group its plans rank fastest left the answer, the
+    eight alone at dp8, unfound (0.94 of the exact search)."""
+    mw = mixed([(A, 8), (A, 2)], 16, memory_headroom=0.7)
+    exact = search_mixed(mw)
+    rl = search_mixed(mw, "rl")
+    assert len(exact.plan.lanes) == 1 and exact.plan.gpus() == 8
+    assert rl.estimate.tokens_per_s >= 0.97 * exact.estimate.tokens_per_s, (rl.plan.describe(), exact.plan.describe())
+
+
 def test_rl_weighs_a_pipeline_across_the_groups_where_the_lanes_all_reduce_is_dear():
     """Two groups of two 4090s (one 100 Gb/s NIC per 8 GPUs between them), GPT-2 large at 70% headroom: the
     lanes' cross-group all-reduce is over 10% of their step and one pipeline across both groups wins (1.43x the

@@ -68,6 +68,7 @@ MAX_SUBSETS_GROUPS = 6  # up to this many groups every set of used groups is tri
 RL_OPTIONS = {"beam": 1, "refine": False, "trades": False}  # the policy alone (greedy) + the per-stage finish
 RL_FINISH_PLANS = 4  # rl: the exact search's best plan and runners-up (other layouts), re-batched to other shares
 RL_FINISH_PER_STAGE = False  # rl: the exact finish without the per-stage solver (it doubled rl's time, no gain seen)
+RL_ALONE_SLACK = 2.0  # rl: groups alone within this factor of the fastest (by the policy's plans) finished exactly
 RL_FINISH_ROUNDS = 2  # rl: rounds of finishing the best lanes exactly and solving the shares again
 RL_SPANNING_SYNC = 0.1  # rl: weigh the spanning pipeline where the lanes' cross-group all-reduce is this much of a step
 RL_SPANNING_S = 2.0  # rl: seconds the spanning pipeline's walk of configurations may take (it keeps what it priced)
@@ -259,8 +260,10 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
     single = {}
     if method == "rl":
         alone = {g: lanes.best(g, batch, required=True) for g in names}
-        if any(alone.values()):  # the fastest group alone, finished by the exact homogeneous search
-            lanes.finish(min((g for g in names if alone[g]), key=lambda g: alone[g][1]), batch)
+        fastest = min((v[1] for v in alone.values() if v), default=math.inf)
+        for g in names:  # each group alone that could be the fastest, finished by the exact homogeneous search
+            if alone[g] and alone[g][1] <= RL_ALONE_SLACK * fastest:
+                lanes.finish(g, batch)
     for g in names:
         found = lanes.best(g, batch, required=True)
         single[g] = None if found is None else (found[0], estimate(mw.on_group(g, _gpus(mw, g), batch), found[0]))
