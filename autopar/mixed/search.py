@@ -27,19 +27,20 @@ homogeneous search at its share. "rl": the policy proposes, the exact homogeneou
 policy (the homogeneous rl planner, greedy, finished by the per-stage solver; not retrained on mixed
 workloads) plans each group alone and at its proportional share; every share on the grid is priced by
 re-batching the group's plans (`rebatched`: the same degrees and knobs, every micro-batch size, one
-vectorised pricing, no policy call); the share DP picks the lanes. Then the exact homogeneous search of the
-uniform plans (ExhaustivePlanner without the per-stage solver: `_Lanes.finish`) plans the fastest group
-alone, the chosen lanes at their shares and, once, the next split over (the slowest lane one unit less, the
-fastest one more: `_finishing`); its best plan and runners-up of other layouts are re-batched to the other
-shares, and the DP runs again (RL_FINISH_ROUNDS rounds; its 16-bit lanes: its plans with bf16 gradients).
+vectorised pricing, no policy call); the share DP picks the lanes. The exact homogeneous search of the
+uniform plans (ExhaustivePlanner without the per-stage solver: `_Lanes.finish`) plans each group alone whose
+policy plan is within RL_ALONE_SLACK of the fastest group's (first), then the chosen lanes at their shares and,
+once, the next split over (the slowest lane one unit less, the fastest one more: `_finishing`); its best plan
+and runners-up of other layouts are re-batched to the other shares, and the DP runs again (RL_FINISH_ROUNDS
+rounds; its 16-bit lanes: its plans with bf16 gradients).
 Where no lane plan fits, no lanes beat a group alone or the best lanes spend RL_SPANNING_SYNC of their step
 in the cross-group all-reduce (`_weigh_spanning`), rl also weighs the spanning pipeline (which sends only
 activations across groups): a quick walk of configurations (spanning.py: the order of the groups walked for
 the best degrees only; bounded by RL_SPANNING_S), the exact split window around Metis's for the best one.
 So rl calls the policy at most twice per group, the exact search a few times (not per share: the oracle
 runs it for every share of every group), and prices far fewer plans than the oracle.
-`single` is each method's own homogeneous planner's plan (rl: the policy's, the fastest group's finished
-exactly).
+`single` is each method's own homogeneous planner's plan (rl: the policy's, or the exact search's where it
+finished that group alone and found a faster one).
 """
 
 from __future__ import annotations
