@@ -176,6 +176,15 @@ def error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.strip() and not line.startswith(PROGRESS)]
 
 
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """`autopar ARGV...` in this process (arguments stringified): its exit code, stdout and stderr."""
+    from autopar.cli import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def collected(request, test: str, *args: str) -> list:
     """The parameters (`args` of `test`, in the requesting module) of the cases this run collected, after -k and
     -m deselection: a module's process job then runs only those. One value per case for one arg, else tuples."""

@@ -9,18 +9,11 @@ import sys
 
 import pytest
 
-from autopar.cli import main
 from autopar.plan import Plan
-from conftest import ZOO, error_lines
+from conftest import ZOO, error_lines, run_cli
 
 GPT = str(ZOO / "gpt.py")
 TINY = ["--model-arg", "size=tiny"]
-
-
-def run_cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_search_json_and_plan_file(capsys, tmp_path):

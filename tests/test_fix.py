@@ -9,9 +9,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import ZOO, workload
+from conftest import ZOO, run_cli, workload
 
-from autopar.cli import main
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.search import get_planner
@@ -21,12 +20,6 @@ from autopar.search.space import walk
 
 GPT = str(ZOO / "gpt.py")
 TINY_CPU = ["--model-arg", "size=tiny", "--cluster", "cpu", "--gpus-per-node", "2", "--global-batch", "16"]
-
-
-def run_cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize("fix, message", [

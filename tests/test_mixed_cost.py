@@ -9,11 +9,10 @@ import math
 from dataclasses import replace
 
 import pytest
-from conftest import profile
+from conftest import profile, run_cli
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from autopar.cli import main
 from autopar.cluster.mixed import parse_mixed_spec
 from autopar.cost import Coefficients, estimate
 from autopar.cost.published_mfu import best_published
@@ -195,12 +194,6 @@ def test_why_rows_say_why_each_lane_got_its_share_and_why_a_group_is_idle():
     assert idle.share == "0" and "idle: a lane on its 8 GPUs would add" in idle.why and "1,234 tokens/s" in idle.why
     table, lines = why_table(mw, est)
     assert table.row_count == 4 and len(lines) == 4 and all("\n" not in line for line in lines)
-
-
-def run_cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_estimate_of_a_mixed_plan(capsys, tmp_path, mw):

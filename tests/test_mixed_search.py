@@ -9,9 +9,8 @@ import math
 import random
 
 import pytest
-from conftest import profile
+from conftest import profile, run_cli
 
-from autopar.cli import main
 from autopar.cluster import load_cluster
 from autopar.cluster.mixed import mixed_cluster
 from autopar.cost.published_mfu import best_published
@@ -152,12 +151,6 @@ def test_a_model_no_group_holds_alone_spans_the_groups():
     assert all(v is None for v in result.single.values()) and result.gain is None
     (lane,) = result.plan.lanes
     assert [s.group for s in lane.segments] == list(mw.cluster.group_names) and result.estimate.fits
-
-
-def run_cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_search_mixed_writes_the_plan(capsys, tmp_path):
