@@ -10,7 +10,9 @@ taken back) is recorded here as `preempted`, any other failure of the job itself
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import socket
 import tempfile
 import uuid
@@ -71,8 +73,11 @@ class RayLauncher(Launcher):
 
     @functools.cached_property
     def storage(self) -> str:
-        """Ray Train's and Tune's run state (no checkpoints), made when the first job starts."""
-        return tempfile.mkdtemp(prefix="autopar-ray-train-")
+        """Ray Train's and Tune's run state (no checkpoints), made when the first job starts and removed when
+        this process exits: each job's result has come back through Ray by then."""
+        path = tempfile.mkdtemp(prefix="autopar-ray-train-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        return path
 
     def trainer(self, plan: Plan, spec: RunSpec, name: str):
         from ray.train import RunConfig, ScalingConfig  # ray: heavy, imported on first use
