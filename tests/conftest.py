@@ -34,6 +34,9 @@ SCRATCH_ENV = {  # variable -> scratch subfolder; subprocesses (torchrun, the CL
     # torch.compile's cache (else /tmp/torchinductor_$USER, shared by every run on the machine: a compile
     # killed mid-write there left a truncated .so that failed the next run's compile test)
     "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    # temporary files and folders (Python's tempfile, torchrun's logs): what a killed or failed run keeps
+    # (its log folder, by design) goes with the scratch folder, not into the machine's /tmp
+    "TMPDIR": "tmp",
 }
 SCRATCH: Path | None = None
 
@@ -61,6 +64,7 @@ def pytest_configure(config):
         (SCRATCH / folder).mkdir()
         os.environ[variable] = str(SCRATCH / folder)
     os.environ[SHARED_SCRATCH] = str(SCRATCH)
+    tempfile.tempdir = None  # tempfile read TMPDIR above (for SCRATCH itself): read it again
     atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
 
 
