@@ -45,6 +45,7 @@ DECODERS = ("beam", "sample")
 BEAM = 8  # plans decoded by default, whatever k: the cost model ranks them
 REFINE_STARTS = 4  # decoded plans that coordinate descent starts from
 FINISH = 2  # distinct outer plans of the best plans that the per-stage solver finishes
+NEIGHBOURS = 6  # more outer plans it finishes: of every plan the search saw, those of the least lower bound
 
 
 def starts(plans: list[Plan], times: np.ndarray) -> list[int]:
@@ -67,6 +68,20 @@ class Confidence:
                 f"alike to it, and the cost model ranked its candidates")
 
 
+def solved_schedule(plan: Plan) -> Plan:
+    """A pipelined plan under a schedule the per-stage solver does not solve (zero-bubble, DualPipe), as
+    1F1B, which it solves (a per-stage 1F1B plan can beat a uniform zero-bubble one); others unchanged."""
+    if plan.pp < 2 or stages.solvable(plan):
+        return plan
+    return plan.with_(schedule="1f1b", virtual_stages=1)
+
+
+def layout(plan: Plan) -> tuple:
+    """A plan's degrees, micro-batching and schedule: what the per-stage solver's optimum depends on most."""
+    return (*(getattr(plan, a) for a in axis_names()), plan.micro_batch_size, plan.num_micro_batches,
+            plan.schedule, plan.virtual_stages)
+
+
 class RLPlanner(Planner):
     name = "rl"
 
@@ -81,6 +96,7 @@ class RLPlanner(Planner):
         self.stale_note = stale_note(self.actor.meta, policy or default_policy_path())
         self.seed, self.decode, self.beam, self.refine, self.trades = seed, decode, beam, refine, trades
         self.per_stage = per_stage
+        self.finished: list[Plan] = []  # the outer plans the per-stage solver finished in the last propose()
         self.last_confidence: Confidence | None = None  # of the best plan of the last propose()
         self.confidences: list[Confidence | None] = []  # of every plan of the last propose(), in order
 
@@ -98,7 +114,7 @@ class RLPlanner(Planner):
             decoded = beam_search(self.actor, space, features, width)
         plans = [space.plan(d.prefix) for d in decoded]
         confidences = [Confidence(d.probability, d.min_step) for d in decoded]
-        spent = 0
+        spent, traded = 0, []
         if self.refine:
             spent += len(plans)  # the decoded plans' estimates, to pick the refinement's starts
             res = evaluate(workload, PlanArrays.from_plans(plans, workload.profile))
@@ -107,7 +123,8 @@ class RLPlanner(Planner):
             refined = [refine(space, decoded[i].prefix, seen=seen) for i in starts(plans, times)]
             if refined and self.trades:  # then trades between layouts, from the fastest refined plan
                 complete = policy_completion(self.actor, space, features)
-                refined.append(trade(space, min(refined, key=lambda r: r.time_s), complete, seen=seen))
+                refined.append(trade(space, min(refined, key=lambda r: r.time_s), complete, seen=seen,
+                                     completions=traded))
             for found in refined:
                 spent += found.evaluations
                 plan = space.plan(found.prefix)
@@ -122,19 +139,37 @@ class RLPlanner(Planner):
         self.evaluations = space.evaluations + spent + len(plans) + len(variants)
         self.confidences = [confidences[keep[i]] if keep[i] < len(decoded) else None for i in order]
         best = [candidates[i] for i in order]
-        staged = self._finish(workload, best, float(res["iteration_time"][keep][order[0]])) if self.per_stage else None
+        seen_plans = candidates + [space.plan(p) for p in traded]  # the trades' completions: other layouts
+        staged = (self._finish(workload, best, float(res["iteration_time"][keep][order[0]]), seen_plans)
+                  if self.per_stage else None)
         if staged is not None:
             best = [staged] + best[:max(k, 1) - 1]
             self.confidences = [None] + self.confidences[:max(k, 1) - 1]
         self.last_confidence = self.confidences[0]
         return best
 
-    def _finish(self, workload, plans: list[Plan], best_time: float) -> Plan | None:
-        """The best per-stage plan from the outer plans of the FINISH best distinct plans, when it is
-        faster than `best_time` beyond the tie band and the runtime runs it; else None."""
+    def _finish(self, workload, plans: list[Plan], best_time: float, others: list[Plan] = ()) -> Plan | None:
+        """The best per-stage plan from the outer plans of the FINISH best distinct plans and of the
+        NEIGHBOURS other plans the search saw (`others`: decoded, refined, simpler variants, the trades'
+        completions of other layouts) whose lower bound (`stages.lower_bound`) is least and can beat
+        `best_time`, when it is faster than `best_time` beyond the tie band and the runtime runs it; else
+        None. The neighbours are what a balanced split hides: an outer plan slow when uniform (pp14 of a
+        152k-token vocabulary, its ends each beside one block) can be the fastest per stage."""
         if "recompute" in dict(getattr(workload, "fixed", ())):
             return None  # a held recompute setting holds every stage's
         outer = list(dict.fromkeys(stages.outer_of(p) for p in plans if stages.solvable(p)))[:FINISH]
+        rest = [p for p in dict.fromkeys(stages.outer_of(p) for p in [*plans, *others, *map(solved_schedule, plans)]
+                                         if stages.solvable(p)) if p not in outer]
+        if rest and NEIGHBOURS:
+            pa = PlanArrays.from_plans(rest, workload.profile)
+            bound = stages.lower_bound(pa, evaluate(workload, pa, ranks=True))
+            self.evaluations += len(rest)
+            order = [int(i) for i in np.argsort(bound, kind="stable") if bound[i] < best_time * (1 - TIE)]
+            # the least bound of each layout and micro-batching first (their data-parallel details after)
+            firsts = list({layout(rest[i]): i for i in reversed(order)}.values())[::-1]
+            firsts.sort(key=order.index)
+            outer += [rest[i] for i in (firsts + [i for i in order if i not in firsts])[:NEIGHBOURS]]
+        self.finished = outer
         found = [s for s in stages.solve(workload, outer) if s is not None and s.fits
                  and s.iteration_time < best_time * (1 - TIE)]
         self.evaluations += len(outer)

@@ -72,12 +72,14 @@ def policy_completion(actor, space: PlanSpace, features) -> Completion:
 
 
 def trade(space: PlanSpace, start: Refined, complete: Completion, seen: dict | None = None,
-          budget: int = BUDGET) -> Refined:
+          budget: int = BUDGET, completions: list | None = None) -> Refined:
     """From a refined plan: complete every layout one trade away (`complete`: the policy's
     `policy_completion`), refine the fastest completion when it beats the current plan, and
     repeat from the result. `seen` is coordinate descent's memo (shared with the planner's other
     starts). The evaluations counted are the completions' estimates and the refinements' (the
-    masks' are in space.evaluations)."""
+    masks' are in space.evaluations). Every completion's decisions are appended to `completions`
+    when one is given (the rl planner's per-stage finish weighs them: a layout that a balanced split
+    makes slow can be the fastest per stage)."""
     seen = {} if seen is None else seen
     best, spent, tried = start, 0, set()
     n, all_layouts = degree_count(space), layouts(space)
@@ -87,6 +89,8 @@ def trade(space: PlanSpace, start: Refined, complete: Completion, seen: dict | N
         targets = [t for t in all_layouts if t not in tried and is_trade(best.prefix[:n], t)]
         tried.update(targets)
         completed = [p for p in map(complete, targets) if p is not None]
+        if completions is not None:
+            completions.extend(completed)
         if not completed:
             break
         spent += len(completed)

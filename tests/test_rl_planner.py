@@ -132,3 +132,19 @@ def test_a_stale_policy_notes_it_after_the_search_and_bad_input_stays_one_line(t
     assert len(err) == 1 and "fits no plan" in err[0], err
     assert main(["search", "gpt", "--model-arg", "size=tiny", *flags]) == 0
     assert "note: old.zip was trained against an older cost model" in capsys.readouterr().err
+
+
+def test_rl_finishes_an_outer_plan_that_a_balanced_split_makes_slow():
+    """Issue 41, acceptance 2's worst held-out workload: a 50-layer GPT with a 152k-token vocabulary on
+    56 L40S. The exact search's plan is pp14 with one block beside the embedding and one beside the
+    head, an outer plan slow under a balanced split, so the policy's best uniform plans are pp7 (0.933
+    of the exact search when the solver finished only their outer plans). The solver now also finishes
+    the outer plans of least lower bound among those the search saw (the trades' pp14 completion)."""
+    w = workload(cluster="l40s-pcie", nodes=7, global_batch=16, size="gpt2-small", hidden=2688, heads=28,
+                 layers=50, vocab=151936, seq_len=1536, ffn=13440)
+    exact = get_planner("exhaustive").propose(w, 1)[0]
+    assert exact.pp == 14 and exact.layer_split[0] == exact.layer_split[-1] == 1, exact.describe()
+    planner = get_planner("rl")
+    plan = planner.propose(w, 1)[0]
+    ratio = estimate(w, exact).iteration_time_s / estimate(w, plan).iteration_time_s
+    assert ratio >= 0.98, (ratio, plan.describe(), [p.describe() for p in planner.finished])
