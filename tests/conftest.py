@@ -65,6 +65,8 @@ def pytest_configure(config):
         os.environ[variable] = str(SCRATCH / folder)
     os.environ[SHARED_SCRATCH] = str(SCRATCH)
     tempfile.tempdir = None  # tempfile read TMPDIR above (for SCRATCH itself): read it again
+    for folder in (SCRATCH, SCRATCH / "tmp"):  # others may pass through, not list: a server run as its own user
+        folder.chmod(0o711)  # (tests/test_optuna_storage.py's PostgreSQL) reaches its folder under tmp
     atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
 
 
