@@ -13,8 +13,9 @@ refinement or simplification found and the policy did not decode).
 
 The policy decides the uniform knobs (degrees, micro-batching, one recompute setting, schedule...);
 the per-stage knobs (each stage's blocks and recompute) are the exact per-stage solver's
-(`autopar/search/stages.py`): it finishes the outer plans of the FINISH best distinct plans, and a
-finished plan leads when it beats the best uniform plan beyond the tie band (`simplicity.TIE`), as in
+(`autopar/search/stages.py`): it finishes the outer plans of the FINISH best distinct plans and of
+the NEIGHBOURS other plans the search saw (the trades' completions of other layouts among them) of least
+lower bound, and a finished plan leads when it beats the best uniform plan beyond the tie band (`simplicity.TIE`), as in
 the exhaustive search.
 """
 
