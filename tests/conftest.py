@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib
 import multiprocessing.process
 import os
 import shutil
@@ -68,6 +69,10 @@ def pytest_configure(config):
     for folder in (SCRATCH, SCRATCH / "tmp"):  # others may pass through, not list: a server run as its own user
         folder.chmod(0o711)  # (tests/test_optuna_storage.py's PostgreSQL) reaches its folder under tmp
     atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
+    try:  # matplotlib's first font lookup runs fc-list, a process: its font cache is built here, once, not inside a
+        importlib.import_module("matplotlib.font_manager")  # quick-tier test (test_plots.py alone failed the rule below)
+    except ImportError:
+        pass
 
 
 def pytest_sessionfinish(session, exitstatus):
