@@ -5,8 +5,8 @@ left or joined. `replan_mixed(old, mw)` answers, as the homogeneous re-planner d
 The new plan is `search_mixed` on the new mix at the old plan's global batch (by default the rl method:
 0.6 s median on bench_mixed_rl's held-out workloads, 3-4 s on acceptance 1's 24-32 GPU Llama 3 8B clusters,
 bounded by `time_limit`, 8 s, past which no new share is priced nor finished by the exact search (one
-already started runs to its end); each group alone is always planned); where one group is left, its plan alone (a homogeneous
-plan). The old plan is kept when it still runs on the new mix
+already started runs to its end); each group alone is always planned); where one group is left, its plan
+alone (a homogeneous plan). The old plan is kept when it still runs on the new mix
 (every group its lanes name is there with the GPUs they take, validated and within memory) and its
 predicted step is within `tolerance` (ElasticSpec's, 5%) of the new plan's: a gain smaller than the
 cost model's error is not worth leaving a plan that ran. `autopar search --cluster NEW --replan-from
