@@ -8,7 +8,8 @@ import math
 
 import numpy as np
 import pytest
-from test_mixed_search import A, H, R, mixed, run_cli
+from conftest import run_cli
+from test_mixed_search import A, H, R, mixed
 
 from autopar.cost import estimate, evaluate
 from autopar.errors import NoValidPlanError, PlanError
