@@ -4,7 +4,6 @@ Ray Tune, on a local Ray cluster of 2 CPUs that this module starts."""
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import optuna
@@ -35,20 +34,16 @@ def ray_cluster():
 
     import ray
 
-    saved = {k: os.environ.get(k) for k in RAY_ENV}
-    os.environ.update(RAY_ENV)
-    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's sockets live under it
-    started = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp, logging_level="ERROR")
-    print(f"local Ray cluster started in {time.perf_counter() - started:.0f} s")
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with pytest.MonkeyPatch.context() as patch:  # the module's fixture: its settings undone after
+        for variable, value in RAY_ENV.items():
+            patch.setenv(variable, value)
+        temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's sockets live under it
+        started = time.perf_counter()
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp, logging_level="ERROR")
+        print(f"local Ray cluster started in {time.perf_counter() - started:.0f} s")
+        yield
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.slow
