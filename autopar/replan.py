@@ -1,8 +1,8 @@
 """Re-plan records of elastic runs: what changed, what was decided, and what it cost (a contract:
 the executor, the replanner and the traces share it).
 
-One record per worker-group start that found the world size changed since the last checkpoint
-(`autopar.executor.elastic`). The elastic run's trace record carries them under
+One record per worker-group start that found the world size (a mixed job: the ranks per group)
+changed since the last checkpoint (`autopar.executor.elastic`). The elastic run's trace record carries them under
 `measured["replans"]`, so a trace shows every plan the job ran under and why it moved.
 """
 
@@ -49,6 +49,8 @@ class ReplanRecord:
     downtime_s: float | None = None
     predicted_old_s: float | None = None
     predicted_new_s: float | None = None
+    mix_before: dict[str, int] | None = None  # a mixed job's ranks per group (`--node-group`), before and after
+    mix_after: dict[str, int] | None = None
 
     def __post_init__(self):
         if self.decision not in DECISIONS:
@@ -67,6 +69,14 @@ class ReplanRecord:
     def describe(self) -> str:
         batch = (f", global batch {self.global_batch_before} -> {self.global_batch_after}"
                  if self.global_batch_after != self.global_batch_before else "")
-        return (f"{self.world_before} -> {self.world_after} ranks at step {self.resumed_step}: {self.decision} "
+        ranks = f"{self.world_before} -> {self.world_after} ranks"
+        if self.mix_after is not None:
+            ranks = f"{mix_text(self.mix_before)} -> {mix_text(self.mix_after)} ranks"
+        return (f"{ranks} at step {self.resumed_step}: {self.decision} "
                 f"({self.reason}){batch}; {self.steps_lost} step(s) redone, planning {self.planning_s:.2f} s, "
                 f"checkpoint load {self.checkpoint_load_s:.2f} s")
+
+
+def mix_text(mix: dict[str, int] | None) -> str:
+    """Ranks per group, as a re-plan record and its errors say them: "2 dgx-a100-80g + 1 dgx-h100"."""
+    return " + ".join(f"{n} {group}" for group, n in mix.items()) if mix else "?"

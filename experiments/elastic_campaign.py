@@ -6,16 +6,19 @@ each on a tiny GPT, meeting at one rendezvous endpoint with `--nnodes 1:2`.
   die with it). The survivor's workers fail, torchrun restarts them with 2 ranks, rank 0
   re-plans, DCP reshards the last checkpoint, training continues.
 * store-host-lost: the same, but the agent hosting the store is killed: the job ends.
+* shrink-mixed: a mixed plan (a pipeline over two GPU groups, one agent of one rank each, `--node-group`);
+  the agent that does not host the store is killed, the survivor re-plans onto its group alone, and
+  every step's loss is compared with one process trained straight through (no reference resume).
 * grow: one agent runs alone (2 ranks); after its first checkpoint the second agent starts. Its
   rendezvous join waits for the next checkpoint boundary (autopar.executor.rendezvous), then
   the group restarts with 4 ranks and re-plans.
 
-Each scenario then runs the reference: the same checkpoint loaded directly under the new plan
+shrink and grow then run the reference: the same checkpoint loaded directly under the new plan
 (a copy of it in a fresh job folder whose latest.json names the new plan), and compares the
 losses of every step after the resume. Prints one JSON object per scenario.
 
-    python experiments/elastic_campaign.py [--scenario shrink grow store-host-lost] [--steps N] [--every N] [--tolerance F]
-                                           [--out DIR]
+    python experiments/elastic_campaign.py [--scenario shrink grow store-host-lost shrink-mixed] [--steps N]
+                                           [--every N] [--tolerance F] [--out DIR]
 """
 
 from __future__ import annotations
@@ -46,9 +49,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _agent(plan: Plan, job: Path, port: int, steps: int, every: int, log: Path, nnodes: int = 2, nproc: int = 2,
-           trace: Path | None = None, tolerance: float = 0.05) -> subprocess.Popen:
-    """One `autopar run --elastic` of `nproc` ranks (a torchrun agent in its own process)."""
+def _agent(plan, job: Path, port: int, steps: int, every: int, log: Path, nnodes: int = 2, nproc: int = 2,
+           trace: Path | None = None, tolerance: float = 0.05, flags: tuple[str, ...] = ()) -> subprocess.Popen:
+    """One `autopar run --elastic` of `nproc` ranks (a torchrun agent in its own process) of `plan` (a
+    Plan or a MixedPlan); `flags` come last (a later --cluster replaces "cpu")."""
     plan_path = log.with_suffix(".plan.json")
     plan.save(plan_path)
     cmd = [sys.executable, "-m", "autopar", "run", str(plan_path), "gpt", "--model-arg", "size=tiny",
@@ -57,6 +61,7 @@ def _agent(plan: Plan, job: Path, port: int, steps: int, every: int, log: Path, 
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--cluster", "cpu", "--timeout", str(WAIT_S),
            "--replan-tolerance", str(tolerance)]
     cmd += ["--trace", str(trace)] if trace else []
+    cmd += list(flags)
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     proc.log = log  # for the error that reports an agent's early end
     return proc
@@ -94,15 +99,16 @@ def _kill(procs) -> None:
 
 
 def _two_agents(out: Path, job: Path, steps: int, every: int, ports, traced: bool = False, tolerance: float = 0.05,
-                tries: int = 2):
-    """Both agents of PLAN4 started together, once one hosts the rendezvous store: (agents, host, other).
-    An agent that dies before any store listens (the free port taken by another process meanwhile, as
-    two suites on one machine can do) is a start-up failure, not the scenario's: start again on a
-    fresh port, at most `tries` times in all; the last try's error carries its agent's log."""
+                tries: int = 2, start=None):
+    """Both agents of PLAN4 (or `start(port)`'s) started together, once one hosts the rendezvous store:
+    (agents, host, other). An agent that dies before any store listens (the free port taken by another
+    process meanwhile, as two suites on one machine can do) is a start-up failure, not the scenario's:
+    start again on a fresh port, at most `tries` times in all; the last try's error carries its agent's log."""
+    start = start or (lambda port: [_agent(PLAN4, job, port, steps, every, out / f"agent{i}.log", tolerance=tolerance,
+                                           trace=out / f"trace{i}.jsonl" if traced else None) for i in range(2)])
     for attempt in range(tries):
         port = ports()
-        agents = [_agent(PLAN4, job, port, steps, every, out / f"agent{i}.log", tolerance=tolerance,
-                         trace=out / f"trace{i}.jsonl" if traced else None) for i in range(2)]
+        agents = start(port)
         try:
             _until("the rendezvous store", lambda port=port, agents=agents: _listener(port, agents) is not None,
                    agents)
@@ -202,6 +208,71 @@ def shrink(out: Path, steps: int = 30, every: int = 4, tolerance: float = 0.05, 
     return result
 
 
+MIXED_CLUSTER, GROUPS = "dgx-a100-80g:1,dgx-h100:1", ("dgx-a100-80g", "dgx-h100")
+
+
+def mixed_pipeline():
+    """A pipeline over two groups of one rank each (1F1B, 2 blocks a stage), fp32: a lane spanning segments.
+    Its first stage is on the second agent's group: where torchrun numbers the first agent's rank 0 (the
+    rendezvous sorts nodes by host and pid), the ranks are numbered again group by group."""
+    from autopar.mixed.plan import Lane, MixedPlan, Segment
+
+    return MixedPlan((Lane((Segment(GROUPS[1], 1, 1), Segment(GROUPS[0], 1, 1)),
+                           Plan(pp=2, micro_batch_size=2, num_micro_batches=2, precision="fp32")),))
+
+
+def straight_losses(steps: int, global_batch: int) -> list[float]:
+    """One process trained on every step's batch of an elastic run (`autopar.executor.worker.step_batch`):
+    the tiny GPT without dropout, AdamW at autopar run's defaults (lr 1e-3, seed 0)."""
+    import torch
+
+    from autopar.executor.parity import reference_losses, without_dropout
+    from autopar.executor.worker import step_batch
+    from autopar.modelfile import load_model_file
+
+    model, args = load_model_file("gpt"), {"size": "tiny"}
+    return reference_losses(lambda: without_dropout(model.build(**args)), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                            model.loss_fn, [step_batch(model, args, 0, s, global_batch) for s in range(steps)])
+
+
+def shrink_mixed(out: Path, steps: int = 12, every: int = 2, ports=free_port) -> dict:
+    """A mixed plan's pipeline on two agents of one rank, each of its own group (--node-group); the agent
+    that does not host the store is killed mid-interval. The survivor's rank re-plans onto its group
+    alone (a homogeneous plan), loads the pipeline's checkpoint and finishes; every step's loss is
+    compared with one process trained straight through."""
+    started, job = time.monotonic(), out / "job"
+    plan = mixed_pipeline()
+
+    def start(port):
+        return [_agent(plan, job, port, steps, every, out / f"agent{i}.log", nproc=1,
+                       flags=("--cluster", MIXED_CLUSTER, "--node-group", group, "--no-dropout"))
+                for i, group in enumerate(GROUPS)]
+
+    agents, host, other = _two_agents(out, job, steps, every, ports, start=start)
+    d = JobDir(job)
+
+    def mid_interval() -> bool:
+        latest, progress = d.latest(), d.progress()
+        return bool(latest and progress and latest["world_size"] == 2 and latest["step"] >= every
+                    and progress["world_size"] == 2 and latest["step"] < progress["step"] < steps)
+
+    _until("a checkpoint under the mixed plan, then a step past it", mid_interval, agents)
+    killed_at = d.progress()["step"]
+    os.kill(other.pid, signal.SIGKILL)
+    other.wait()
+    i = agents.index(host)
+    _finish(host, out / f"agent{i}.log")
+    record = d.replans()[-1]
+    losses = d.losses()
+    straight = straight_losses(steps, plan.global_batch)
+    return {"replan": record.to_dict(), "group_left": GROUPS[i], "killed_at_step": killed_at,
+            "new_plan": Plan.from_dict(record.new_plan).describe(), "loss_steps": list(losses),
+            "world_size_per_step": [w for _, w in losses.values()], "losses": [l for l, _ in losses.values()],
+            "straight_losses": straight,
+            "max_abs_loss_diff": max(abs(l - r) for (l, _), r in zip(losses.values(), straight, strict=True)),
+            "wall_s": round(time.monotonic() - started, 1)}
+
+
 def grow(out: Path, steps: int = 200, every: int = 10, ports=free_port) -> dict:
     """2 ranks on one agent; a second agent starts after the first checkpoint (its launcher takes
     seconds to reach the rendezvous: enough steps for it to join mid-run)."""
@@ -240,14 +311,14 @@ def store_host_lost(out: Path, steps: int = 30, every: int = 4, ports=free_port)
             "replans": len(d.replans()), "wall_s": round(time.monotonic() - started, 1)}
 
 
-SCENARIOS = {"shrink": shrink, "grow": grow, "store-host-lost": store_host_lost}
+SCENARIOS = {"shrink": shrink, "grow": grow, "store-host-lost": store_host_lost, "shrink-mixed": shrink_mixed}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", nargs="+", choices=list(SCENARIOS), default=["shrink", "grow"])
-    ap.add_argument("--steps", type=int, help="steps of each job (default: shrink 30, grow 200)")
-    ap.add_argument("--every", type=int, help="steps between checkpoints (default: shrink 4, grow 10)")
+    ap.add_argument("--steps", type=int, help="steps of each job (default: shrink 30, grow 200, shrink-mixed 12)")
+    ap.add_argument("--every", type=int, help="steps between checkpoints (default: shrink 4, grow 10, shrink-mixed 2)")
     ap.add_argument("--tolerance", type=float, help="shrink: --replan-tolerance (default 0.05; 0.9 keeps the plan)")
     ap.add_argument("--out", type=Path, default=None, help="keep the job folders and logs here")
     args = ap.parse_args()

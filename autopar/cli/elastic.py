@@ -16,6 +16,7 @@ from autopar.executor.options import ElasticSpec
 from autopar.replan import ReplanRecord
 
 REPLANNER = "autopar.search.replan:from_worker_args"  # what the workers call to re-plan (ElasticSpec.replanner)
+MIXED_REPLANNER = "autopar.mixed.replan:from_worker_args"  # the same, for a mixed plan's job
 
 
 def add_elastic_flags(p) -> None:
@@ -34,6 +35,9 @@ def add_elastic_flags(p) -> None:
                    help="where the nodes meet (default --master-addr:--master-port); its host must stay up")
     g.add_argument("--max-restarts", type=int, default=spec.max_restarts,
                    help=f"node losses to survive (default {spec.max_restarts}; joins cost none)")
+    g.add_argument("--node-group", metavar="GROUP",
+                   help="a mixed plan's job: the group of --cluster (a preset of PRESET:NODES,...) this node's GPUs "
+                        "belong to; every node gives its own, and a re-plan counts the groups of the nodes running")
     g.add_argument("--replan-tolerance", type=float, default=spec.replan_tolerance, metavar="F",
                    help=f"keep the old plan (dp rescaled) when it is predicted at most F slower than the new best "
                         f"(default {spec.replan_tolerance})")
@@ -44,6 +48,9 @@ def elastic_spec(args):
     if not args.elastic:
         if args.checkpoint_dir:
             raise AutoparError("--checkpoint-dir needs --elastic (only elastic runs checkpoint); add --elastic")
+        if args.node_group:
+            raise AutoparError("--node-group needs --elastic (it tells a re-plan which group this node is); "
+                               "add --elastic or leave it out")
         return None
     if not args.checkpoint_dir:
         raise AutoparError("--elastic needs --checkpoint-dir DIR: the folder its checkpoints and re-plans go to "
@@ -68,7 +75,7 @@ def elastic_spec(args):
         raise AutoparError(f"--rdzv-endpoint must be HOST:PORT with a port in [1, 65535], got {endpoint!r}")
     return ElasticSpec(checkpoint_dir=str(folder.absolute()), rdzv_endpoint=endpoint, min_nodes=args.min_nodes,
                        checkpoint_every=args.checkpoint_every, max_restarts=args.max_restarts, replanner=REPLANNER,
-                       cluster=args.cluster, replan_tolerance=args.replan_tolerance)
+                       cluster=args.cluster, replan_tolerance=args.replan_tolerance, node_group=args.node_group)
 
 
 def show_replans(console, measured: dict) -> None:

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from autopar.cli.common import add_model_flags, add_profile_timeout_flag, add_seq_len_flag, parse_model_args
 from autopar.cli.elastic import add_elastic_flags, elastic_spec, show_replans
+from autopar.errors import AutoparError
 from autopar.executor.mixed_layout import is_mixed_plan_file
 from autopar.executor.options import RunOptions, add_run_flags
 
@@ -76,6 +77,9 @@ def run(args) -> int:
     model_args = parse_model_args(args.model_arg, args.seq_len)
     if is_mixed_plan_file(args.plan):  # lanes over GPU groups (issue 42)
         return _run_mixed(args, options, model_args)
+    if args.node_group:
+        raise AutoparError(f"--node-group names this node's group of a mixed plan's cluster, and {args.plan} is "
+                           f"not a mixed plan; leave --node-group out")
     ran = run_plan(args.plan, args.model, model_args, options, cluster=args.cluster,
                    profile_timeout=args.profile_timeout, trace=args.trace)
 
@@ -122,6 +126,8 @@ def _run_mixed(args, options: RunOptions, model_args: dict) -> int:
         if "parity_max_rel_diff" in m:
             table.add_row(f"parity vs 1 process ({m.get('parity_reference', 'cpu fp32')})", m["parity_verdict"], "")
     console.print(table)
+    if m:
+        show_replans(console, m)
     if pred:
         console.print(f"predicted: on {args.cluster} (the ranks ran on this machine, {result.get('backend', '?')})",
                       highlight=False, markup=False)

@@ -323,10 +323,12 @@ def launch(plan_path, model, model_args: dict, options: RunOptions) -> LaunchRes
     from torch.distributed.elastic.rendezvous import RendezvousError  # torch: heavy, imported on first use
     from torch.distributed.run import get_args_parser, run  # torch: heavy, imported on first use
 
-    if is_mixed_plan_file(plan_path):  # lanes over GPU groups: the ranks of every lane
+    if options.elastic:  # an elastic job re-plans for whatever world (or mix) it gets
+        pass
+    elif is_mixed_plan_file(plan_path):  # lanes over GPU groups: the ranks of every lane
         check_world(MixedPlan.load(plan_path), options.world_size, f"--nnodes {options.nnodes} x --nproc-per-node "
                     f"{options.nproc_per_node}")
-    elif not options.elastic:  # an elastic job re-plans for whatever world it gets
+    else:
         check_world_size(Plan.load(plan_path), options)
     started = time.perf_counter()
     logs = Path(tempfile.mkdtemp(prefix="autopar-run-logs-"))  # outlives the job when it failed (`_keep_logs`)

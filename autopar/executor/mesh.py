@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -67,14 +68,32 @@ def init_distributed(backend: str = "auto", timeout_s: float | None = None) -> t
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
-        if device.type == "cuda":  # binds NCCL's communicators to this GPU from the start
-            kwargs["device_id"] = device
+        kwargs = _group_kwargs(device, timeout_s)
         if "RANK" in os.environ:
             dist.init_process_group(backend, **kwargs)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     return device
+
+
+def _group_kwargs(device: torch.device, timeout_s: float | None) -> dict:
+    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    if device.type == "cuda":  # binds NCCL's communicators to this GPU from the start
+        kwargs["device_id"] = device
+    return kwargs
+
+
+def renumber(rank: int, backend: str = "auto", timeout_s: float | None = None) -> None:
+    """Join the default process group again as `rank` (the same world, the same store under a prefix
+    of its own): a mixed plan numbers its ranks group by group, torchrun numbers nodes as its
+    rendezvous sorts them. A collective of every rank."""
+    token = [f"{time.time_ns()}.{os.getpid()}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)  # a prefix no earlier group of this job used
+    store = dist.PrefixStore(f"autopar.renumbered.{token[0]}", dist.distributed_c10d._get_default_store())
+    world, device = dist.get_world_size(), init_distributed(backend, timeout_s)  # initialised: only the device
+    dist.destroy_process_group()
+    dist.init_process_group(current_backend(backend), store=store, rank=rank, world_size=world,
+                            **_group_kwargs(device, timeout_s))
 
 
 def release_meshes() -> None:

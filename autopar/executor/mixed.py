@@ -106,6 +106,19 @@ class DataParallelLanes:
     def device(self) -> torch.device:
         return self.par.device
 
+    # what a checkpoint saves and loads (`autopar.executor.state`): the homogeneous model's
+    @property
+    def model(self) -> nn.Module:
+        return self.par.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.par.optimizer
+
+    @property
+    def tp_leaves(self) -> list:
+        return self.par.tp_leaves
+
     def local_batch(self, inputs, targets):
         """This rank's samples of a global batch (its lane's share, its replica's part), its tokens under cp."""
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
@@ -152,6 +165,15 @@ class SpanningLane:
     groups: list = field(default_factory=list)
     _meta: list | None = None  # (shape, dtype) of the tensors crossing into this stage
     _announced: bool = False  # the next stage knows the shapes of what this stage sends
+
+    # what a checkpoint saves and loads (`autopar.executor.state`): the stage keeps the whole model's names
+    @property
+    def model(self) -> nn.Module:
+        return self.part
+
+    @property
+    def tp_leaves(self) -> list:
+        return []
 
     @property
     def first(self) -> bool:

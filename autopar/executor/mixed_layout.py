@@ -18,12 +18,14 @@ type (unverified: no mixed machine). The executor runs two kinds of mixed plan
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from autopar.errors import PlanError
-from autopar.mixed.plan import is_mixed_plan_dict
+from autopar.mixed.plan import Lane, MixedPlan, Segment, is_mixed_plan_dict
 from autopar.plan import Plan
+from autopar.replan import mix_text
 
 
 def is_mixed_plan_file(path) -> bool:
@@ -74,8 +76,8 @@ def executed_plan(mixed_plan, lane: int) -> Plan:
 
 
 def world_size(mixed_plan) -> int:
-    """The ranks a mixed plan runs on."""
-    return sum(lane_ranks(lane) for lane in mixed_plan.lanes)
+    """The ranks a mixed plan runs on: one per GPU it holds (`MixedPlan.world_size`)."""
+    return mixed_plan.world_size
 
 
 def check_world(mixed_plan, world: int, given: str) -> None:
@@ -84,12 +86,6 @@ def check_world(mixed_plan, world: int, given: str) -> None:
     if world != ranks:
         raise PlanError(f"the mixed plan runs on {ranks} ranks but {given} = {world}; launch {ranks} processes "
                         f"(--nproc-per-node {ranks})")
-
-
-def lane_ranks(lane) -> int:
-    if lane.spans:
-        return lane.plan.dp * sum(seg.tp * seg.stages for seg in lane.segments) * lane.plan.cp
-    return lane.plan.world_size
 
 
 def stage_ranks(lane, first: int = 0) -> list[list[int]]:
@@ -147,3 +143,43 @@ def loss_weight(mixed_plan, label: RankLabel) -> float:
     (The mean of w_r x grad_r over r is the sum of samples_r / G x grad_r: each sample counts once.)"""
     samples = len(rank_samples(mixed_plan, label))
     return total_replicas(mixed_plan) * samples / sum(lane.share for lane in mixed_plan.lanes)
+
+
+# -- an elastic job of a mixed plan (`autopar.executor.elastic`): the ranks' declared groups ----------------
+@dataclass(frozen=True)
+class Mix:
+    """The running ranks of an elastic job of a mixed plan: the group each rank declared (its node's
+    `--node-group`), by rank, and how many ranks its node runs (LOCAL_WORLD_SIZE)."""
+
+    groups: tuple[str, ...]
+    per_node: tuple[int, ...]
+
+    def ranks(self) -> dict[str, int]:
+        """Ranks per group, in order of first rank."""
+        return dict(Counter(self.groups))
+
+    def node_ranks(self, group: str) -> int:
+        """The ranks one node of `group` runs (its first rank's node)."""
+        return self.per_node[self.groups.index(group)]
+
+    def describe(self) -> str:
+        return mix_text(self.ranks())
+
+
+def one_lane(plan: Plan, group: str) -> MixedPlan:
+    """A homogeneous plan on one group, as a mixed plan of one lane (what a re-plan starts from)."""
+    return MixedPlan((Lane((Segment(group, plan.tp, plan.pp),), plan),))
+
+
+def plan_ranks(needed: list[str] | tuple[str, ...], declared: list[str] | tuple[str, ...]) -> list[int]:
+    """The rank each running rank takes so that plan rank r runs on a rank of group `needed[r]`:
+    `declared[w]` is running rank w's group. Ranks of one group keep their order (a node's ranks stay
+    contiguous). PlanError when the groups' counts differ."""
+    if Counter(needed) != Counter(declared):
+        have, want = mix_text(dict(Counter(declared))), mix_text(dict(Counter(needed)))
+        raise PlanError(f"the plan runs on {want} but the ranks running are {have}; give each node its group "
+                        f"with --node-group")
+    free: dict[str, list[int]] = {}
+    for rank, group in enumerate(needed):
+        free.setdefault(group, []).append(rank)
+    return [free[group].pop(0) for group in declared]

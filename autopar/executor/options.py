@@ -40,6 +40,7 @@ class ElasticSpec:
     replanner: str | None = None  # module:function making the replan function (the executor imports no planner)
     cluster: str | None = None  # the cluster the planner re-plans for (scaled to the new world)
     replan_tolerance: float = 0.05
+    node_group: str | None = None  # a mixed plan's job: the group of --cluster this node's GPUs belong to
     # torch's c10d rendezvous settings: seconds to wait for more nodes once MIN are there, and
     # how fast a dead node is dropped from the rendezvous (interval x attempts)
     rdzv_conf: str = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"

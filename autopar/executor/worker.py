@@ -172,14 +172,16 @@ def _train(args: argparse.Namespace) -> None:
         deterministic()
     kwargs = {"tp_plan": model_file.tp_plan if model_file.has_tp_plan else None, "blocks": model_file.blocks,
               "seed": options.seed, "backend": options.backend, "timeout_s": options.timeout_s}
-    elastic = _elastic(args, model_file, model_args, build, optimizer, **kwargs) \
+    elastic = _elastic(args, model_file, model_args, build, optimizer, mixed or plan, **kwargs) \
         if options.elastic else None  # trains all its steps itself
-    if mixed is not None:  # each rank labelled with its group, lane, segment, stage (autopar/executor/mixed.py)
+    if elastic:
+        par = elastic.par
+    elif mixed is not None:  # each rank labelled with its group, lane, segment, stage (autopar/executor/mixed.py)
         from autopar.executor.mixed import apply_mixed  # pulls torch: imported on first use
 
         par = apply_mixed(mixed, build, optimizer, model_file.loss_fn, **kwargs)
     else:
-        par = elastic.par if elastic else apply(plan, build, optimizer, model_file.loss_fn, **kwargs)
+        par = apply(plan, build, optimizer, model_file.loss_fn, **kwargs)
     plan = par.plan
     torch.manual_seed(options.seed)
     inputs, targets = model_file.example_batch(plan.global_batch, device="cpu", **model_args)
@@ -197,7 +199,7 @@ def _train(args: argparse.Namespace) -> None:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (times[options.warmup:] or times[-1:], peak_memory_bytes(par.device)))
     rank, backend, device = dist.get_rank(), dist.get_backend(), par.device
-    labels = par.labels if mixed is not None else None  # a mixed plan's ranks, by rank
+    labels = getattr(par, "labels", None)  # a mixed plan's ranks, by rank (none once re-planned onto one group)
     dist.barrier()  # no rank closes its connections while a peer still uses them
     # free the model (the reference needs the device's memory) and every reference to the process
     # groups (an elastic run holds `par` too), so that destroying them joins gloo's threads
@@ -219,25 +221,27 @@ def _train(args: argparse.Namespace) -> None:
                                                     plan.precision)
     result = {"measured": measured, "seq_len": tokens_per_sample(inputs), "backend": backend,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    if mixed is not None:
+    if labels is not None:
         result["ranks"] = [label.to_dict() for label in labels]
     with open(args.result, "w", encoding="utf-8") as f:
         json.dump(result, f)
 
 
-def _elastic(args: argparse.Namespace, model_file, model_args: dict, build, optimizer, **kwargs):
-    """An elastic run (`autopar.executor.elastic`) to step warmup + steps. Step s trains on the
-    model's example batch drawn with a seed of its own, so every plan and every resume sees the
-    same data for the same step."""
+def step_batch(model_file, model_args: dict, seed: int, step: int, global_batch: int):
+    """Step `step`'s batch of an elastic run: the model's example batch drawn with a seed of its own, so
+    every plan and every resume sees the same data for the same step."""
     import torch  # torch: heavy, imported on first use
 
+    with torch.random.fork_rng(devices=[]):  # leaves dropout's random stream alone
+        torch.manual_seed(seed + 1_000_003 * (step + 1))
+        return model_file.example_batch(global_batch, device="cpu", **model_args)
+
+
+def _elastic(args: argparse.Namespace, model_file, model_args: dict, build, optimizer, plan, **kwargs):
+    """An elastic run (`autopar.executor.elastic`) of `plan` (a Plan or a MixedPlan) to step warmup +
+    steps, on the batches of `step_batch`."""
     from autopar.executor.elastic import train_elastic  # pulls torch: imported on first use
     from autopar.executor.rendezvous import WorkerSide  # pulls torch: imported on first use
-
-    def batch(step: int, global_batch: int):
-        with torch.random.fork_rng(devices=[]):  # leaves dropout's random stream alone
-            torch.manual_seed(args.options.seed + 1_000_003 * (step + 1))
-            return model_file.example_batch(global_batch, device="cpu", **model_args)
 
     options, spec = args.options, args.options.elastic
     replan = None
@@ -245,10 +249,11 @@ def _elastic(args: argparse.Namespace, model_file, model_args: dict, build, opti
         module, _, name = spec.replanner.partition(":")
         replan = getattr(importlib.import_module(module), name)(args)
     growth = WorkerSide.connect(spec.rdzv_endpoint) if spec.rdzv_endpoint else None
-    return train_elastic(Plan.load(args.plan), build, optimizer, model_file.loss_fn, batch,
+    return train_elastic(plan, build, optimizer, model_file.loss_fn, partial(step_batch, model_file, model_args,
+                                                                             options.seed),
                          checkpoint_dir=spec.checkpoint_dir, steps=options.warmup + options.steps,
                          checkpoint_every=spec.checkpoint_every, replan=replan, growth=growth, on_step=_at_step,
-                         **kwargs)
+                         node_group=spec.node_group, **kwargs)
 
 
 def _at_step(step: int) -> None:

@@ -134,6 +134,11 @@ class MixedPlan:
         return sum(lane.gpus(group) for lane in self.lanes)
 
     @property
+    def world_size(self) -> int:
+        """The ranks it runs on (one per GPU), as a homogeneous Plan's."""
+        return self.gpus()
+
+    @property
     def groups(self) -> tuple[str, ...]:
         """The groups the plan uses, in order of first use."""
         return tuple(dict.fromkeys(g for lane in self.lanes for g in lane.groups))

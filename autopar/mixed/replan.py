@@ -10,24 +10,32 @@ alone (a homogeneous plan). The old plan is kept when it still runs on the new m
 (every group its lanes name is there with the GPUs they take, validated and within memory) and its
 predicted step is within `tolerance` (ElasticSpec's, 5%) of the new plan's: a gain smaller than the
 cost model's error is not worth leaving a plan that ran. `autopar search --cluster NEW --replan-from
-old.json` prints the decision; `autopar run --elastic` of a mixed plan does not re-plan yet (the mixed
-executor cannot resume a checkpoint under a new plan: docs/heterogeneous.md).
+old.json` prints the decision; `autopar run mixed.json --elastic --node-group GROUP` re-plans through
+`MixReplanner` whenever torchrun restarts its workers on another mix (docs/heterogeneous.md).
 """
 
 from __future__ import annotations
 
+import json
 import time
 
+from autopar.capability.mixed import mixed_refusals
+from autopar.cluster.mixed import MixedCluster, load_any_cluster, mixed_cluster
 from autopar.cost import estimate
 from autopar.errors import PlanError
+from autopar.executor.mixed_layout import Mix
 from autopar.executor.options import ElasticSpec
+from autopar.executor.support import target
+from autopar.knobs import storage_dtype
 from autopar.mixed.cost import estimate_mixed
 from autopar.mixed.plan import MixedPlan
 from autopar.mixed.search import RL_OPTIONS, MixedResult, search_mixed
 from autopar.mixed.workload import MixedWorkload
+from autopar.profile import profile_model
 from autopar.replan import ReplanDecision
 from autopar.search import get_planner
 from autopar.search.exhaustive import ExhaustivePlanner
+from autopar.workload import Workload
 
 TIME_LIMIT_S = 8.0  # the search stops pricing new shares past this (acceptance 2: a re-plan within 10 s)
 TOLERANCE = ElasticSpec.replan_tolerance
@@ -85,3 +93,64 @@ def _alone(old: MixedPlan, w) -> tuple[float | None, str]:
     except PlanError as e:
         return None, str(e)
     return (est.iteration_time_s, "") if est.fits else (None, "its GPUs would run out of memory")
+
+
+def mix_workload(profile, original: MixedCluster, mix: Mix, global_batch: int, fp8: bool = False):
+    """What the running ranks are, to the planner: each group of `original` (its hardware, the link
+    between groups) with the nodes its ranks make (`mix.node_ranks` ranks a node), in `original`'s
+    order; a Workload where one group is left."""
+    ranks = mix.ranks()
+    for name in ranks:
+        if name not in original.group_names:
+            raise PlanError(f"a node declared group {name!r}, which {original.name} does not have; give "
+                            f"--node-group one of {', '.join(original.group_names)}")
+    names = [name for name in original.group_names if name in ranks]
+    groups = []
+    for name in names:
+        per_node = mix.node_ranks(name)
+        whole = ranks[name] % per_node == 0
+        groups.append(original.group(name).with_nodes(ranks[name] // per_node if whole else 1,
+                                                      per_node if whole else ranks[name]))
+    if len(groups) == 1:
+        return Workload(profile, groups[0], global_batch, fp8=fp8)
+    return MixedWorkload(profile, mixed_cluster(groups, names, original.link), global_batch, fp8=fp8)
+
+
+class MixReplanner:
+    """`replan(old, mix) -> ReplanDecision` of an elastic mixed job (`autopar.executor.elastic`): the
+    plan to continue `old` (a MixedPlan) under on the ranks `mix` declares, on the groups of the job's
+    `--cluster`. Refused in one line: a plan the executor cannot run, or one that leaves ranks idle."""
+
+    def __init__(self, model, model_args: dict, cluster: str, backend: str | None = None,
+                 tolerance: float = TOLERANCE, method: str = "rl"):
+        self.model, self.model_args, self.cluster, self.backend = model, model_args, cluster, backend
+        self.tolerance, self.method = tolerance, method
+
+    def __call__(self, old: MixedPlan, mix: Mix) -> ReplanDecision:
+        started = time.perf_counter()
+        precision = old.lanes[0].plan.precision
+        profile = profile_model(self.model, self.model_args, dtype=storage_dtype(precision))
+        original = load_any_cluster(self.cluster)
+        if not isinstance(original, MixedCluster):
+            raise PlanError(f"--cluster {self.cluster} is one group; an elastic mixed job needs the mixed cluster "
+                            f"its plan was made for")
+        workload = mix_workload(profile, original, mix, old.global_batch, fp8=precision == "fp8")
+        decision, _ = replan_mixed(old, workload, self.method, self.tolerance, TIME_LIMIT_S)
+        plan, running = decision.plan, len(mix.groups)
+        if plan.world_size != running:
+            raise PlanError(f"the plan for {mix.describe()} ranks ({plan.describe()}) uses {plan.world_size} of "
+                            f"the {running} ranks, and autopar run cannot leave ranks idle; start the job on the "
+                            f"nodes it uses")
+        refused = mixed_refusals(plan, target(self.backend)) if isinstance(plan, MixedPlan) else []
+        if refused:
+            raise PlanError(f"the plan for {mix.describe()} ranks is one the executor cannot run: {refused[0]}")
+        # the planning time includes the profile (cached after the first call)
+        return ReplanDecision(plan, decision.decision, decision.reason, time.perf_counter() - started,
+                              decision.predicted_old_s, decision.predicted_new_s)
+
+
+def from_worker_args(args) -> MixReplanner:
+    """The replan function of an `autopar run mixed.json --elastic` worker (its `ElasticSpec.replanner`)."""
+    spec = args.options.elastic
+    return MixReplanner(args.model, json.loads(args.model_args), spec.cluster, args.options.backend,
+                        spec.replan_tolerance)

@@ -5,8 +5,9 @@ line before torchrun starts: the plan against the cluster and the model (`MixedP
 the executor cannot run (`autopar.capability.mixed`, then the cuts and tensor-parallel styles each
 rank would lay out: `preflight_mixed`), a launch of another number of ranks. The ranks run on gloo
 here; each is labelled with its group (`autopar.executor.mixed_layout.RankLabel`). No trace record:
-trace records hold homogeneous plans. The NCCL path of a mixed plan (each node of its own GPU type)
-is unverified: no mixed machine.
+trace records hold homogeneous plans. Under --elastic each node names its group (--node-group) and
+the workers re-plan for the mix that runs (`autopar.executor.elastic`, `autopar.mixed.replan.MixReplanner`).
+The NCCL path of a mixed plan (each node of its own GPU type) is unverified: no mixed machine.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.capability.mixed import check_mixed
+from autopar.cli.elastic import MIXED_REPLANNER
 from autopar.cluster.mixed import MixedCluster, load_any_cluster
 from autopar.errors import AutoparError, ModelFileError
 from autopar.executor.launch import LaunchResult, launch
@@ -29,6 +31,8 @@ from autopar.mixed.workload import MixedWorkload
 from autopar.modelfile import load_model_file
 from autopar.profile import profile_model
 from autopar.profile.isolated import DEFAULT_PROFILE_TIMEOUT
+from autopar.traces.record import model_entry
+from autopar.traces.run_plan import claim_job_folder
 
 
 @dataclass(frozen=True)
@@ -44,15 +48,26 @@ class MixedRun:
 
 def check_options(options: RunOptions, cluster: str | None, trace) -> None:
     """What a mixed run does not take, refused before anything is read."""
-    if options.elastic:
-        raise AutoparError("--elastic re-plans homogeneous plans only (the mixed executor keeps no checkpoint to resume "
-                           "under a new plan); re-plan for the new mix with `autopar search MODEL --cluster NEW "
-                           "--replan-from mixed.json -o new.json` and run the new plan without --elastic")
     if trace:
         raise AutoparError("--trace records homogeneous plans only; run the mixed plan without --trace")
     if not cluster:
         raise AutoparError("a mixed plan needs its cluster: add --cluster PRESET:NODES,PRESET:NODES (the groups its "
                            "lanes name)")
+    if options.elastic and not options.elastic.node_group:
+        raise AutoparError("--elastic with a mixed plan needs --node-group GROUP on every node: the group of --cluster "
+                           "its GPUs belong to (a re-plan counts the groups of the nodes running)")
+
+
+def check_node_group(options: RunOptions, where: MixedCluster) -> RunOptions:
+    """An elastic run's --node-group is a group of the cluster; its workers re-plan through the mixed
+    re-planner."""
+    if not options.elastic:
+        return options
+    group = options.elastic.node_group
+    if group not in where.group_names:
+        raise AutoparError(f"--node-group {group} is not a group of --cluster {where.name}; give one of "
+                           f"{', '.join(where.group_names)}")
+    return replace(options, elastic=replace(options.elastic, replanner=MIXED_REPLANNER))
 
 
 def run_mixed(plan_path, model, model_args: dict, options: RunOptions, *, cluster: str | None,
@@ -64,7 +79,9 @@ def run_mixed(plan_path, model, model_args: dict, options: RunOptions, *, cluste
     if not isinstance(where, MixedCluster):
         raise AutoparError(f"--cluster {cluster} is one group, but the plan is a mixed plan; give the groups its "
                            f"lanes name: --cluster PRESET:NODES,PRESET:NODES")
-    check_world(mixed, options.world_size, f"--nnodes {options.nnodes} x --nproc-per-node {options.nproc_per_node}")
+    options = check_node_group(options, where)
+    if not options.elastic:  # an elastic job re-plans for the ranks that come
+        check_world(mixed, options.world_size, f"--nnodes {options.nnodes} x --nproc-per-node {options.nproc_per_node}")
     options = replace(options, backend=resolve_backend(options.backend, options.nproc_per_node))
     check_mixed(mixed, target(options.backend))  # what the executor cannot run, before the profile's process
     model_file = load_model_file(model)
@@ -85,6 +102,7 @@ def run_mixed(plan_path, model, model_args: dict, options: RunOptions, *, cluste
         except AutoparError as e:
             note = f"no prediction: the cost model cannot estimate this plan on {where.name}: {e}"
     preflight_mixed(mixed, model_file, model_args, options.backend)
+    claim_job_folder(options, model_entry(model_file, model_args, profile))
     launched = launch(plan_path, model, model_args, options)
     return MixedRun(launched, mixed, predicted, note)
 
