@@ -129,8 +129,9 @@ def _run_mixed(args, options: RunOptions, model_args: dict) -> int:
     if m:
         show_replans(console, m)
     if pred:
-        console.print(f"predicted: on {args.cluster} (the ranks ran on this machine, {result.get('backend', '?')})",
-                      highlight=False, markup=False)
+        given = ", for the plan given (before its re-plans)" if m and m.get("replans") else ""
+        console.print(f"predicted: on {args.cluster}{given} (the ranks ran on this machine, "
+                      f"{result.get('backend', '?')})", highlight=False, markup=False)
     if ran.note:
         console.print(ran.note, style="yellow", markup=False)
     logs = f"; every rank's output and the launcher's log: {launched.logs}" if launched.logs else ""
