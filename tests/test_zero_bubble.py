@@ -8,6 +8,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import workload
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
@@ -21,13 +23,14 @@ from torch.distributed.pipelining.schedules import (
 
 from autopar import cost
 from autopar.capability import Target, refusal
+from autopar.cluster import load_cluster
 from autopar.cost import zero_bubble
 from autopar.cost.coefficients import Coefficients
 from autopar.cost.model import _pipeline
 from autopar.errors import PlanError
 from autopar.executor.pipeline import schedule_class, stage_ids
 from autopar.export import export_plan
-from autopar.knobs import SCHEDULES, device_blocks, knob
+from autopar.knobs import SCHEDULES, balanced_split, device_blocks, knob
 from autopar.plan import Plan
 from autopar.profile import profile_model
 from autopar.search.space import enumerate_plans
@@ -165,6 +168,40 @@ def test_zb_keeps_1f1bs_peak_and_holds_deferred_w_elsewhere(gpt):
     assert (zb[ranks > 0] > base[ranks > 0]).all() and zb.max() == base.max()
     r = priced(gpt, [plan(), plan("zb")])
     assert r["peak_memory"][0] == r["peak_memory"][1]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return workload("llama", size="small", global_batch=16)  # 12 blocks; fused attention keeps what W reads
+
+
+@settings(max_examples=80, deadline=None)
+@given(schedule=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb", "zb:2", "zbv", "dualpipev"]),
+       pp=st.sampled_from([3, 4, 5, 6]), m_per_pp=st.integers(1, 3), ends=st.integers(0, 2),
+       recompute=st.integers(0, 2))
+def test_ranks_folded_into_classes_hide_no_ranks_memory(llama, schedule, pp, m_per_pp, ends, recompute):
+    """The peak memory of a plan, whose alike pipeline ranks are priced by one representative, is the
+    largest over its ranks priced one by one (a RankTable of every rank). Under zb the deferred W passes
+    grow with the rank, so with recompute the class's highest rank can be its worst: with light end stages
+    (`ends` blocks) a third of these plans were predicted to fit below their worst rank's memory while only
+    the class's lowest rank was priced."""
+    name, _, chunks = schedule.partition(":")
+    v = int(chunks) if chunks else (2 if name in ("interleaved", "zbv", "dualpipev") else 1)
+    layers = llama.profile.num_layers
+    split = (ends, *balanced_split(layers - 2 * ends, pp - 2), ends) if v == 1 else ()
+    kw = dict(recompute="full", recompute_blocks=recompute) if recompute else {}
+    w = replace(llama, global_batch=pp * m_per_pp, cluster=load_cluster("dgx-a100-80g", nodes=1, gpus_per_node=pp))
+    try:
+        p = Plan(dp=1, tp=1, pp=pp, micro_batch_size=1, num_micro_batches=pp * m_per_pp, schedule=name,
+                 virtual_stages=v, layer_split=split, **kw)
+        g = cost.PlanArrays.from_plans([p], w.profile)
+    except PlanError:  # a schedule's own rule (e.g. dualpipev's micro-batches), or too few blocks
+        return
+    whole = cost.evaluate(w, g)["peak_memory"][0]
+    counts, full, sel = g.splits.per_rank(pp, p.split_for(layers), (), p.schedule)
+    table = cost.arrays.RankTable(np.arange(pp)[None, :], counts[None], full[None], sel[None])
+    alone = cost.evaluate(w, cost.PlanArrays(dict(g.columns), table))["peak_memory"][0]
+    assert whole == pytest.approx(alone, rel=1e-12)
 
 
 def test_v_shapes_keep_p_and_p_plus_half_micro_batches_on_every_rank(gpt):

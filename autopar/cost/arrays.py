@@ -91,8 +91,10 @@ def decode(f: Field, code):
 class SplitTable:
     """Distinct (pp, virtual stages, layer split, per-stage recompute) keys and, per key, the pipeline
     ranks that matter: one representative (the lowest rank) of each class of ranks holding the same
-    blocks, recomputed alike, and the same ends of the model. The lowest rank of a class keeps the most
-    micro-batches in flight, so memory and time maxima over these ranks are exact.
+    blocks, recomputed alike, and the same ends of the model, with the class's highest rank (`last`).
+    The lowest rank of a class keeps the most micro-batches in flight under every schedule but zb, whose
+    deferred weight-gradient passes grow with the rank: there memory is the class's worst over [rank,
+    last] (`zero_bubble.worst_in_flight`), so memory and time maxima over these ranks are exact.
 
     Per representative rank and block kind: `counts` (blocks held; the embedding and head count as
     their kinds), and for a per-stage recompute (`staged`) `full` (blocks fully recomputed: a stage's
@@ -119,14 +121,16 @@ class SplitTable:
         if key in self._index:
             return self._index[key]
         counts, full, sel = self.per_rank(pp, split, stage_recompute, schedule)
-        reps, mult = [], {}
+        reps, mult, last = [], {}, {}
         for d in range(pp):
             sig = (counts[d].tobytes(), full[d].tobytes(), sel[d].tobytes(), d == 0, d == pp - 1)
             if sig not in mult:
                 mult[sig] = 0
                 reps.append(d)
             mult[sig] += 1
-        return self._append(key, pp, v, split, reps, counts, full, sel, list(mult.values()), bool(stage_recompute))
+            last[sig] = d
+        return self._append(key, pp, v, split, reps, counts, full, sel, list(mult.values()), bool(stage_recompute),
+                            last=list(last.values()))
 
     def per_rank(self, pp: int, split: tuple[int, ...], stage_recompute: tuple[str, ...] = (),
                  schedule: str = "1f1b") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -160,13 +164,14 @@ class SplitTable:
         split = (int(counts[1:-1].sum()),)
         return self._append(key, pp, v, split, [0], one(counts), one(full), one(sel), [1], True, rank=rank)
 
-    def _append(self, key, pp, v, split, reps, counts, full, sel, mult, staged, rank=None) -> int:
+    def _append(self, key, pp, v, split, reps, counts, full, sel, mult, staged, rank=None, last=None) -> int:
         self._index[key] = len(self.entries)
         ranks = np.array(reps) if rank is None else np.array([rank])
         layers = counts[reps][:, 1:-1].sum(axis=1) if rank is None else counts[:, 1:-1].sum(axis=1)
         self.entries.append({
             "pp": pp, "v": v, "split": split, "stage_recompute": key[3] if rank is None else None,
-            "ranks": ranks, "counts": counts[reps], "full": full[reps], "sel": sel[reps],
+            "ranks": ranks, "last": ranks if last is None else np.array(last),
+            "counts": counts[reps], "full": full[reps], "sel": sel[reps],
             "mult": np.array(mult, dtype=float), "layers": layers, "staged": staged,
         })
         return self._index[key]
@@ -189,17 +194,18 @@ class SplitTable:
             width = max(len(e["ranks"]) for e in self.entries)
             n_kinds = len(self.kinds)
             shape = (len(self.entries), width)
-            ranks, layers, mult = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+            ranks, last, layers, mult = np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape)
             counts, full, sel = (np.zeros(shape + (n_kinds,)) for _ in range(3))
             for i, e in enumerate(self.entries):
                 n = len(e["ranks"])
-                for name, value in (("ranks", ranks), ("counts", counts), ("full", full), ("sel", sel),
-                                    ("layers", layers)):
+                for name, value in (("ranks", ranks), ("last", last), ("counts", counts), ("full", full),
+                                    ("sel", sel), ("layers", layers)):
                     value[i, :n] = e[name]
                     value[i, n:] = e[name][0]
                 mult[i, :n] = e["mult"]
             staged = np.array([e["staged"] for e in self.entries], dtype=bool)
-            self._stacked = (len(self.entries), {"rank": ranks, "counts": counts, "layers": layers, "mult": mult,
+            self._stacked = (len(self.entries), {"rank": ranks, "last": last, "counts": counts, "layers": layers,
+                                                  "mult": mult,
                                                   "full": full, "sel": sel, "staged": staged})
         return {name: value[ids] for name, value in self._stacked[1].items()}
 
@@ -216,7 +222,7 @@ class RankTable:
         ranks = np.asarray(ranks, dtype=float)
         if ranks.ndim == 1:
             ranks, counts, full, sel = ranks[:, None], counts[:, None, :], full[:, None, :], sel[:, None, :]
-        self._arrays = {"rank": ranks, "counts": counts, "layers": counts[:, :, 1:-1].sum(axis=2),
+        self._arrays = {"rank": ranks, "last": ranks, "counts": counts, "layers": counts[:, :, 1:-1].sum(axis=2),
                         "mult": np.ones_like(ranks) if mult is None else mult, "full": full, "sel": sel,
                         "staged": np.ones(len(ranks), dtype=bool)}
 

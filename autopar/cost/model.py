@@ -299,7 +299,7 @@ def _per_rank(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
         "k t v pp b sp_div act_scale links tp_bw tp_lat base compute_f compute_b tp_fwd tp_bwd tp_f "
         "tp_b routed selective_f")
     reps = g.splits.stacked(g.split)
-    counts, rank, n_layers, mult = reps["counts"], reps["rank"], reps["layers"], reps["mult"]
+    counts, rank, last, n_layers, mult = reps["counts"], reps["rank"], reps["last"], reps["layers"], reps["mult"]
     on, on_layers = _sums({"counts": counts, "k": k})
     mode = col(g.recompute)
     ckpt_frac = np.where(mode == FULL, _ratio(np.minimum(col(g.recompute_blocks), n_layers), n_layers), 0.0)
@@ -325,7 +325,7 @@ def _per_rank(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     p2p = 2 * v * p2p_one * np.ones_like(compute)
     if "overlap_p2p_comm" in workload.switches:  # interleaved: each chunk's sends and receives run under the
         p2p = np.where(v > 1, p2p / (2 * v), p2p)  # next chunk's compute; one per micro-batch stays exposed
-    return dict(counts=counts, rank=rank, n_layers=n_layers, mult=mult, mode=mode, ckpt_frac=ckpt_frac,
+    return dict(counts=counts, rank=rank, last=last, n_layers=n_layers, mult=mult, mode=mode, ckpt_frac=ckpt_frac,
                 full=full, sel=sel, compute=compute, tp_comm=tp_comm, ep_comm=ep_comm, tp_hidden=tp_hidden, recompute=recompute,
                 p2p=p2p)
 
@@ -372,21 +372,22 @@ def _schedule(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     m1, v1 = m[:, 0], v[:, 0]
     pipe = np.where(v1 > 1, total / v1 + (m1 - 1 / v1) * slowest, total + (m1 - 1) * slowest)
     sched = _col(g.schedule)
+    on, _ = _sums(x)
+    weight = on(compute_b * zero_bubble.weight_share(k))
     if zero_bubble.applies(sched).any():
-        on, _ = _sums(x)
-        weight = on(compute_b * zero_bubble.weight_share(k))
         zb = zero_bubble.pipe(sched, per_mb, mult, weight, on(compute_b + tp_b), m, v)
         pipe = np.where(zero_bubble.applies(sched[:, 0]), zb, pipe)
+    share = zero_bubble.rank_share(sched, per_mb, weight, on(compute_b + tp_b), v)
     at_slowest = np.argmax(per_mb, axis=1)[:, None]
-    return dict(slowest=slowest, m1=m1, pipe=pipe, at_slowest=at_slowest)
+    return dict(slowest=slowest, m1=m1, pipe=pipe, at_slowest=at_slowest, share=share, weight=weight)
 
 
 def _activations(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     """(G, J): the activations each rank keeps in flight under its schedule and recompute, and the
     largest layer's parameters (ZeRO-3 gathers two at a time)."""
     col = _col
-    (k, t, m, v, pp, mode, ckpt_frac, rank, counts, act_full, act_sel, act_ckpt, full, sel) = _take(x,
-        "k t m v pp mode ckpt_frac rank counts act_full act_sel act_ckpt full sel")
+    (k, t, m, v, pp, mode, ckpt_frac, rank, last, counts, act_full, act_sel, act_ckpt, full, sel) = _take(x,
+        "k t m v pp mode ckpt_frac rank last counts act_full act_sel act_ckpt full sel")
     on, on_layers = _sums(x)
     per_kind_act = np.where(mode == SELECTIVE, act_sel, act_full)
     act_mb = (on_layers(per_kind_act) * (1 - ckpt_frac) + on_layers(act_ckpt) * ckpt_frac
@@ -397,20 +398,19 @@ def _activations(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     sched = col(g.schedule)
     chunks = np.minimum((pp - rank - 1) * 2 + (v - 1) * pp + 1, m * v)
     in_flight = np.select([sched == GPIPE, sched == INTERLEAVED], [m, chunks / v], np.minimum(pp - rank, m))
-    # zero-bubble: its own peak count, and the deferred W passes' inputs, all but the attention core's
-    # (cost/zero_bubble.py)
-    kept, deferred = zero_bubble.in_flight(sched, pp, m, v, rank)
-    in_flight = np.where(zero_bubble.applies(sched), kept, in_flight)
-    held_w = deferred * on_layers(act_sel)
     # the head ends the last chunk, whose backward follows each forward at once: one micro-batch's
     # worth in flight (GPipe: all of them), not the rank's average over its chunks
     head_act = counts[:, :, -1] * per_kind_act[:, -1:]
     head_in_flight = np.where(sched == GPIPE, m, 1.0)
+    kept = (act_mb - head_act) * in_flight
+    # zero-bubble: its own peak count, and the deferred W passes' inputs, all but the attention core's, at
+    # the class's worst rank (cost/zero_bubble.py)
+    zb = zero_bubble.worst_in_flight(sched, pp, m, v, rank, last, act_mb - head_act, on_layers(act_sel))
+    kept = np.where(zero_bubble.applies(sched), zb, kept)
     working = np.where((ckpt_frac > 0) | (full.sum(axis=2) > 0), (act_full * k["is_layer"]).max(axis=1, keepdims=True),
                        0.0)
     block_params = ((k["tp_params"] / t + k["params"] - k["tp_params"]) * k["is_layer"]).max(axis=1)
-    return {"activations": (act_mb - head_act) * in_flight + head_act * head_in_flight + working + held_w,
-            "block_params": block_params}
+    return {"activations": kept + head_act * head_in_flight + working, "block_params": block_params}
 
 
 def _tied(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
@@ -463,6 +463,7 @@ def _parts(workload, g: PlanArrays, x: dict) -> dict[str, np.ndarray]:
         "recompute_flops_per_sample": (recompute_flops * mult).sum(axis=1),
         # per rank, what the per-stage solver combines (`evaluate(..., ranks=True)`)
         "per_mb": per_mb, "gpu_mb": gpu_mb, "host_mb": x["host_mb"], "mult": mult,
+        "share": x["share"], "weight": x["weight"],
     }
 
 
@@ -622,9 +623,11 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
     })
     out.update({name: np.take_along_axis(value, at_peak, axis=1)[:, 0] for name, value in mem.items()})
     out["fits"] = out["peak_memory"] <= workload.memory_budget
-    if ranks:  # per representative rank (N, J): iteration = pipe of rank_per_mb + max of rank_tail + rank_const
+    if ranks:  # per representative rank (N, J): iteration = the pipe (the ranks' rank_share less the slowest's,
+        # + m x the slowest rank_per_mb) + max of rank_tail + rank_const
         out.update(rank_per_mb=part["per_mb"], rank_gpu_mb=part["gpu_mb"], rank_host_mb=part["host_mb"],
-                   rank_mult=part["mult"], rank_tail=dp_time + optimizer, rank_memory=peak_rank,
+                   rank_mult=part["mult"], rank_share=part["share"], rank_weight=part["weight"],
+                   rank_tail=dp_time + optimizer, rank_memory=peak_rank,
                    rank_const=c.step_overhead_s + extra_time)
     unpriced = [p for p in (*time_parts(), *HIDDEN_PARTS, *memory_parts()) if p not in out]
     if unpriced:  # a part declared in TIME_PARTS, MEMORY_PARTS or HIDDEN_PARTS that nothing above computes

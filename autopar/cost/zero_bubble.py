@@ -62,6 +62,23 @@ def bubble_share(sched: np.ndarray, per_mb: np.ndarray, weight: np.ndarray, back
                       np.maximum(per_mb + b_in - 2 * weight, 0.0) / 2], per_mb)
 
 
+def rank_share(sched: np.ndarray, per_mb: np.ndarray, weight: np.ndarray, backward: np.ndarray,
+               v: np.ndarray) -> np.ndarray:
+    """(G, J) each rank's share under every schedule, so that the pipe of m micro-batches is, for all of
+    them, the sum of the ranks' shares less the slowest rank's, plus m x the slowest rank's micro-batch
+    (1F1B, GPipe: per_mb, Narayanan et al.'s sum + (m - 1) x slowest; interleaved: per_mb / v; the
+    zero-bubble schedules: `bubble_share`). The per-stage solver (search/stages.py) combines these."""
+    return np.where(applies(sched), bubble_share(sched, per_mb, weight, backward, v), per_mb / v)
+
+
+def share_floor(sched: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(kappa, nu) per plan with every rank's share >= (per_mb - kappa x W) / nu: a bound the per-stage
+    solver's lower bound uses (W summed over the ranks is the same for every split and recompute)."""
+    kappa = np.select([sched == ZB, sched == ZBV, sched == DUALPIPEV], [2.0, 3.0, 2.0], 0.0)
+    nu = np.where((sched == ZBV) | (sched == DUALPIPEV), 2.0, v)
+    return kappa, nu
+
+
 def pipe(sched: np.ndarray, per_mb: np.ndarray, mult: np.ndarray, weight: np.ndarray, backward: np.ndarray,
          m: np.ndarray, v: np.ndarray) -> np.ndarray:
     """(G,) the pipeline of m micro-batches under a zero-bubble schedule: m x the slowest rank plus the
@@ -70,6 +87,26 @@ def pipe(sched: np.ndarray, per_mb: np.ndarray, mult: np.ndarray, weight: np.nda
     slowest = np.argmax(per_mb, axis=1)[:, None]
     others = (share * mult).sum(axis=1) - np.take_along_axis(share, slowest, axis=1)[:, 0]
     return others + m[:, 0] * per_mb.max(axis=1)
+
+
+def worst_in_flight(sched: np.ndarray, pp: np.ndarray, m: np.ndarray, v: np.ndarray, first: np.ndarray,
+                    last: np.ndarray, act: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """(G, J) the most bytes of act x kept(r) + held x deferred(r) (`in_flight`) over the ranks r of each
+    class of alike ranks, [first, last]: under zb the deferred W passes grow with the rank while the kept
+    micro-batches fall, so the class's lowest rank is not always its worst (with recompute, which shrinks
+    what is kept but not what W reads, the highest often is). Both counts are linear in r between their
+    breaks (kept: where m stops binding; deferred: r = m v), so the maximum over integer ranks lies at an
+    end of the class or at an integer next to a break."""
+    warm = np.where(v > 1, pp - 1 - (m * v - (v - 1) * pp - 1) / 2, pp - m)
+    candidates = [first, last]
+    for brk in (warm, m * v):
+        candidates += [np.clip(np.floor(brk), first, last), np.clip(np.ceil(brk), first, last)]
+    worst = None
+    for r in candidates:
+        kept, deferred = in_flight(sched, pp, m, v, r)
+        bytes_ = act * kept + held * deferred
+        worst = bytes_ if worst is None else np.maximum(worst, bytes_)
+    return worst
 
 
 def in_flight(sched: np.ndarray, pp: np.ndarray, m: np.ndarray, v: np.ndarray, rank: np.ndarray):
