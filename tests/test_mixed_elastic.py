@@ -82,6 +82,15 @@ def test_the_mixed_replanner_moves_a_pipeline_onto_the_group_left():
         MixReplanner("gpt", TINY, A, "gloo")(old, Mix((H,), (1,)))
 
 
+def test_a_new_plan_that_leaves_a_groups_ranks_idle_is_one_line():
+    """One A100 and one H100 left of a job on one A100 and two H100s: for the tiny GPT the search's best is the
+    H100 alone, which would leave the A100 rank idle."""
+    old = MixedPlan((on(A, micro_batch_size=2).lanes[0], on(H, dp=2, micro_batch_size=3).lanes[0]))
+    with pytest.raises(PlanError, match=f"leaves 1 {A} rank\\(s\\) idle, and autopar run runs every rank") as e:
+        MixReplanner("gpt", TINY, f"{A}:1,{H}:2", "gloo")(old, Mix((A, H), (1, 1)))
+    assert "\n" not in str(e.value)
+
+
 def test_a_replan_record_of_a_mixed_job_says_the_groups_and_old_records_still_load():
     fields = {"world_before": 2, "world_after": 1, "old_plan": {}, "new_plan": {}, "decision": "replanned",
               "reason": "r", "resumed_step": 4, "steps_lost": 1, "global_batch_before": 4, "global_batch_after": 4,

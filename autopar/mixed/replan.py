@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 
 from autopar.capability.mixed import mixed_refusals
 from autopar.cluster.mixed import MixedCluster, load_any_cluster, mixed_cluster
 from autopar.cost import estimate
 from autopar.errors import PlanError
-from autopar.executor.mixed_layout import Mix
+from autopar.executor.mixed_layout import Mix, rank_labels
 from autopar.executor.options import ElasticSpec
 from autopar.executor.support import target
 from autopar.knobs import storage_dtype
@@ -32,7 +33,7 @@ from autopar.mixed.plan import MixedPlan
 from autopar.mixed.search import RL_OPTIONS, MixedResult, search_mixed
 from autopar.mixed.workload import MixedWorkload
 from autopar.profile import profile_model
-from autopar.replan import ReplanDecision
+from autopar.replan import ReplanDecision, mix_text
 from autopar.search import get_planner
 from autopar.search.exhaustive import ExhaustivePlanner
 from autopar.workload import Workload
@@ -119,7 +120,8 @@ def mix_workload(profile, original: MixedCluster, mix: Mix, global_batch: int, f
 class MixReplanner:
     """`replan(old, mix) -> ReplanDecision` of an elastic mixed job (`autopar.executor.elastic`): the
     plan to continue `old` (a MixedPlan) under on the ranks `mix` declares, on the groups of the job's
-    `--cluster`. Refused in one line: a plan the executor cannot run, or one that leaves ranks idle."""
+    `--cluster`. Refused in one line: a plan the executor cannot run, or one that leaves ranks idle (the
+    search may find a group alone fastest: the job cannot drop a running group's ranks)."""
 
     def __init__(self, model, model_args: dict, cluster: str, backend: str | None = None,
                  tolerance: float = TOLERANCE, method: str = "rl"):
@@ -136,11 +138,14 @@ class MixReplanner:
                             f"its plan was made for")
         workload = mix_workload(profile, original, mix, old.global_batch, fp8=precision == "fp8")
         decision, _ = replan_mixed(old, workload, self.method, self.tolerance, TIME_LIMIT_S)
-        plan, running = decision.plan, len(mix.groups)
-        if plan.world_size != running:
-            raise PlanError(f"the plan for {mix.describe()} ranks ({plan.describe()}) uses {plan.world_size} of "
-                            f"the {running} ranks, and autopar run cannot leave ranks idle; start the job on the "
-                            f"nodes it uses")
+        plan = decision.plan
+        uses = Counter(lb.group for lb in rank_labels(plan)) if isinstance(plan, MixedPlan) else \
+            Counter({next(iter(mix.ranks())): plan.world_size})  # one group left
+        idle = Counter(mix.groups) - uses
+        if idle:
+            raise PlanError(f"the plan for {mix.describe()} ranks ({plan.describe()}) leaves {mix_text(dict(idle))} "
+                            f"rank(s) idle, and autopar run runs every rank; stop those nodes, or re-plan with "
+                            f"`autopar search --replan-from` and start the job again")
         refused = mixed_refusals(plan, target(self.backend)) if isinstance(plan, MixedPlan) else []
         if refused:
             raise PlanError(f"the plan for {mix.describe()} ranks is one the executor cannot run: {refused[0]}")
