@@ -16,7 +16,6 @@ from autopar.executor.options import ElasticSpec
 from autopar.replan import ReplanRecord
 
 REPLANNER = "autopar.search.replan:from_worker_args"  # what the workers call to re-plan (ElasticSpec.replanner)
-MIXED_REPLANNER = "autopar.mixed.replan:from_worker_args"  # the same, for a mixed plan's job
 
 
 def add_elastic_flags(p) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.capability.mixed import check_mixed
-from autopar.cli.elastic import MIXED_REPLANNER
 from autopar.cluster.mixed import MixedCluster, load_any_cluster
 from autopar.errors import AutoparError, ModelFileError
 from autopar.executor.launch import LaunchResult, launch
@@ -33,6 +32,8 @@ from autopar.profile import profile_model
 from autopar.profile.isolated import DEFAULT_PROFILE_TIMEOUT
 from autopar.traces.record import model_entry
 from autopar.traces.run_plan import claim_job_folder
+
+MIXED_REPLANNER = "autopar.mixed.replan:from_worker_args"  # an elastic mixed job's `ElasticSpec.replanner`
 
 
 @dataclass(frozen=True)
