@@ -19,7 +19,7 @@ import torch.distributed as dist
 from conftest import free_port, profile, run_cli
 
 from autopar.cluster.mixed import load_any_cluster
-from autopar.errors import PlanError
+from autopar.errors import AutoparError, PlanError
 from autopar.executor.elastic import JobDir, train_elastic
 from autopar.executor.mixed_layout import Mix, one_lane, plan_ranks, rank_labels
 from autopar.executor.parity import reference_losses, without_dropout
@@ -158,6 +158,25 @@ def test_a_mixed_elastic_run_refuses_in_one_line(tmp_path, capsys, flags, messag
     err = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and message in err[0], err
     assert not (tmp_path / "job").exists()
+
+
+def test_on_nccl_a_nodes_group_defaults_to_the_group_of_its_gpu_model(monkeypatch):
+    """Checked against a stand-in for torch's device query (no GPU here; unverified on a mixed machine)."""
+    from types import SimpleNamespace
+
+    from autopar.executor.options import ElasticSpec, RunOptions
+    from autopar.traces.run_mixed import check_node_group
+
+    device = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=85e9)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: device)
+    options = RunOptions(backend="nccl", elastic=ElasticSpec(checkpoint_dir="job", rdzv_endpoint="h:1"))
+    chosen = check_node_group(options, load_any_cluster(CLUSTER)).elastic
+    assert chosen.node_group == H and chosen.replanner == "autopar.mixed.replan:from_worker_args"
+    with pytest.raises(AutoparError, match=f"is the GPU of 2 groups \\({H}, {H}#2\\) of --cluster {H}:1,{H}:1; give"):
+        check_node_group(options, load_any_cluster(f"{H}:1,{H}:1"))
+    device.name = "NVIDIA L4"
+    with pytest.raises(AutoparError, match="is the GPU of 0 groups"):
+        check_node_group(options, load_any_cluster(CLUSTER))
 
 
 def test_node_group_with_a_homogeneous_plan_is_one_line(tmp_path, capsys):

@@ -36,7 +36,8 @@ def add_elastic_flags(p) -> None:
                    help=f"node losses to survive (default {spec.max_restarts}; joins cost none)")
     g.add_argument("--node-group", metavar="GROUP",
                    help="a mixed plan's job: the group of --cluster (a preset of PRESET:NODES,...) this node's GPUs "
-                        "belong to; every node gives its own, and a re-plan counts the groups of the nodes running")
+                        "belong to; every node gives its own, and a re-plan counts the groups of the nodes running "
+                        "(default on NCCL: the group of this node's GPU model)")
     g.add_argument("--replan-tolerance", type=float, default=spec.replan_tolerance, metavar="F",
                    help=f"keep the old plan (dp rescaled) when it is predicted at most F slower than the new best "
                         f"(default {spec.replan_tolerance})")

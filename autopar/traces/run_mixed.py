@@ -5,8 +5,9 @@ line before torchrun starts: the plan against the cluster and the model (`MixedP
 the executor cannot run (`autopar.capability.mixed`, then the cuts and tensor-parallel styles each
 rank would lay out: `preflight_mixed`), a launch of another number of ranks. The ranks run on gloo
 here; each is labelled with its group (`autopar.executor.mixed_layout.RankLabel`). No trace record:
-trace records hold homogeneous plans. Under --elastic each node names its group (--node-group) and
-the workers re-plan for the mix that runs (`autopar.executor.elastic`, `autopar.mixed.replan.MixReplanner`).
+trace records hold homogeneous plans. Under --elastic each node names its group (--node-group; on NCCL
+by default the group of its GPU model, unverified) and the workers re-plan for the mix that runs
+(`autopar.executor.elastic`, `autopar.mixed.replan.MixReplanner`).
 The NCCL path of a mixed plan (each node of its own GPU type) is unverified: no mixed machine.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.capability.mixed import check_mixed
+from autopar.cluster.gpus import GPUS, match_gpu
 from autopar.cluster.mixed import MixedCluster, load_any_cluster
 from autopar.errors import AutoparError, ModelFileError
 from autopar.executor.launch import LaunchResult, launch
@@ -54,21 +56,39 @@ def check_options(options: RunOptions, cluster: str | None, trace) -> None:
     if not cluster:
         raise AutoparError("a mixed plan needs its cluster: add --cluster PRESET:NODES,PRESET:NODES (the groups its "
                            "lanes name)")
-    if options.elastic and not options.elastic.node_group:
-        raise AutoparError("--elastic with a mixed plan needs --node-group GROUP on every node: the group of --cluster "
-                           "its GPUs belong to (a re-plan counts the groups of the nodes running)")
 
 
 def check_node_group(options: RunOptions, where: MixedCluster) -> RunOptions:
-    """An elastic run's --node-group is a group of the cluster; its workers re-plan through the mixed
+    """An elastic run's --node-group (on NCCL, by default the one group whose GPU model this node's first
+    GPU matches: `this_gpus_group`) is a group of the cluster; its workers re-plan through the mixed
     re-planner."""
     if not options.elastic:
         return options
     group = options.elastic.node_group
+    if group is None and options.backend == "nccl":
+        group = this_gpus_group(where)
+    if group is None:
+        raise AutoparError("--elastic with a mixed plan needs --node-group GROUP on every node: the group of --cluster "
+                           "its GPUs belong to (a re-plan counts the groups of the nodes running)")
     if group not in where.group_names:
         raise AutoparError(f"--node-group {group} is not a group of --cluster {where.name}; give one of "
                            f"{', '.join(where.group_names)}")
-    return replace(options, elastic=replace(options.elastic, replanner=MIXED_REPLANNER))
+    return replace(options, elastic=replace(options.elastic, replanner=MIXED_REPLANNER, node_group=group))
+
+
+def this_gpus_group(where: MixedCluster) -> str:
+    """The group of `where` whose GPU model is this node's first CUDA GPU's (`match_gpu` on its name and
+    memory); one line where none or several are. Unverified on a machine of two GPU types."""
+    import torch  # torch: only this default needs the device
+
+    props = torch.cuda.get_device_properties(0)
+    key = match_gpu(props.name, props.total_memory)
+    found = [g for g in where.group_names if key and where.group(g).gpu.name == GPUS[key].name]
+    if len(found) != 1:
+        which = f" ({', '.join(found)})" if found else ""
+        raise AutoparError(f"this node's GPU ({props.name}) is the GPU of {len(found)} groups{which} of --cluster "
+                           f"{where.name}; give --node-group GROUP")
+    return found[0]
 
 
 def run_mixed(plan_path, model, model_args: dict, options: RunOptions, *, cluster: str | None,
@@ -80,10 +100,10 @@ def run_mixed(plan_path, model, model_args: dict, options: RunOptions, *, cluste
     if not isinstance(where, MixedCluster):
         raise AutoparError(f"--cluster {cluster} is one group, but the plan is a mixed plan; give the groups its "
                            f"lanes name: --cluster PRESET:NODES,PRESET:NODES")
-    options = check_node_group(options, where)
     if not options.elastic:  # an elastic job re-plans for the ranks that come
         check_world(mixed, options.world_size, f"--nnodes {options.nnodes} x --nproc-per-node {options.nproc_per_node}")
     options = replace(options, backend=resolve_backend(options.backend, options.nproc_per_node))
+    options = check_node_group(options, where)
     check_mixed(mixed, target(options.backend))  # what the executor cannot run, before the profile's process
     model_file = load_model_file(model)
     precision = mixed.lanes[0].plan.precision
