@@ -139,8 +139,11 @@ def test_a_change_of_group_replans_loads_the_checkpoint_across_kinds_and_continu
 
 
 def test_a_job_started_on_ranks_of_another_mix_without_a_replanner_is_one_line(tmp_path):
-    with pytest.raises(PlanError, match="no replan function"):
+    with pytest.raises(PlanError, match=f"the last plan is for 1 {A} ranks but 1 {H} are running and no replan"):
         _job(tmp_path, on(A, micro_batch_size=2), H, 2)
+    _job(tmp_path / "mixed", on(A, micro_batch_size=2), A, 2)
+    with pytest.raises(PlanError, match="saved under a mixed plan; continue the job with the mixed plan"):
+        _job(tmp_path / "mixed", Plan(micro_batch_size=2, precision="fp32"), None, 4)
 
 
 # -- refusals before launch ----------------------------------------------------------------------------

@@ -192,6 +192,9 @@ def train_elastic(plan: Plan | MixedPlan, build_model, optimizer, loss_fn, batch
     if mix is not None:
         before = (latest or {}).get("mix") or _mix_of(previous)
         changed, was, now = mix.ranks() != before, mix_text(before), mix.describe()
+    elif isinstance(previous, MixedPlan):
+        raise PlanError(f"the last checkpoint of {checkpoint_dir} was saved under a mixed plan; continue the job with "
+                        f"the mixed plan and each node's group (autopar run mixed.json --node-group GROUP)")
     else:
         changed, was, now = previous.world_size != world, str(previous.world_size), str(world)
     decision = None
