@@ -30,6 +30,7 @@ from autopar.cost import PlanArrays, evaluate
 from autopar.envs.features import workload_features
 from autopar.envs.knobs import PlanSpace
 from autopar.errors import AutoparError
+from autopar.knobs import ZERO_BUBBLE
 from autopar.plan import Plan
 from autopar.policies.decode import beam_search, sample
 from autopar.policies.fingerprint import stale_note
@@ -69,10 +70,10 @@ class Confidence:
                 f"alike to it, and the cost model ranked its candidates")
 
 
-def solved_schedule(plan: Plan) -> Plan:
-    """A pipelined plan under a schedule the per-stage solver does not solve (zero-bubble, DualPipe), as
-    1F1B, which it solves (a per-stage 1F1B plan can beat a uniform zero-bubble one); others unchanged."""
-    if plan.pp < 2 or stages.solvable(plan):
+def as_1f1b(plan: Plan) -> Plan:
+    """A pipelined zero-bubble or DualPipe plan as 1F1B, a neighbour the finish weighs too (a per-stage
+    1F1B plan, its split and recompute free, can beat a zero-bubble one); others unchanged."""
+    if plan.pp < 2 or plan.schedule not in ZERO_BUBBLE:
         return plan
     return plan.with_(schedule="1f1b", virtual_stages=1)
 
@@ -159,7 +160,7 @@ class RLPlanner(Planner):
         if "recompute" in dict(getattr(workload, "fixed", ())):
             return None  # a held recompute setting holds every stage's
         outer = list(dict.fromkeys(stages.outer_of(p) for p in plans if stages.solvable(p)))[:FINISH]
-        rest = [p for p in dict.fromkeys(stages.outer_of(p) for p in [*plans, *others, *map(solved_schedule, plans)]
+        rest = [p for p in dict.fromkeys(stages.outer_of(p) for p in [*plans, *others, *map(as_1f1b, plans)]
                                          if stages.solvable(p)) if p not in outer]
         if rest and NEIGHBOURS:
             pa = PlanArrays.from_plans(rest, workload.profile)
@@ -171,8 +172,7 @@ class RLPlanner(Planner):
             firsts.sort(key=order.index)
             outer += [rest[i] for i in (firsts + [i for i in order if i not in firsts])[:NEIGHBOURS]]
         self.finished = outer
-        found = [s for s in stages.solve(workload, outer) if s is not None and s.fits
-                 and s.iteration_time < best_time * (1 - TIE)]
+        found = [s for s in stages.solve(workload, outer, target=best_time * (1 - TIE)) if s is not None and s.fits]
         self.evaluations += len(outer)
         for s in sorted(found, key=lambda s: s.iteration_time):
             try:

@@ -1,7 +1,7 @@
 """The exact per-stage solver (autopar/search/stages.py) against brute force (issue 41, acceptance 1).
 
 On 200 random workloads of 6-16 blocks of 1-3 kinds (scaled copies of the tiny GPT's block: more or
-less compute, activations, parameters), pp 2-4, 1F1B or GPipe, every layer split (0-block first and
+less compute, activations, parameters), pp 2-4, 1F1B, GPipe or zero-bubble (zb), every layer split (0-block first and
 last stages included) times every per-stage recompute is priced by `evaluate` as whole plans, and the
 solver must find the same least iteration time among the plans that fit. Half the workloads get a
 memory budget between the leanest plan's peak and the unconstrained optimum's (binding); the test
@@ -23,7 +23,7 @@ import pytest
 from autopar.cluster import load_cluster
 from autopar.cost import PlanArrays, evaluate
 from autopar.cost.arrays import RankTable
-from autopar.knobs import balanced_split, stage_full_blocks
+from autopar.knobs import ZERO_BUBBLE, balanced_split, stage_full_blocks, stage_rank
 from autopar.plan import Plan
 from autopar.search import stages
 from autopar.search.stages import solve, stage_options
@@ -43,6 +43,8 @@ def _kind(block, name: str, compute: float, memory: float, params: float, count:
 
 def random_workload(rng: random.Random, base):
     pp, dp = rng.choice((2, 3, 4)), rng.choice((1, 2))
+    schedule = rng.choice(("1f1b", "gpipe", "zb"))
+    m = 12 if schedule == "zb" and pp == 3 else 8  # zb: micro-batches divisible by pp
     blocks = rng.randint(*BLOCKS[pp])
     kinds = [(f"K{i}", rng.choice((0.5, 1, 2, 4)), rng.choice((0.5, 1, 3, 8)), rng.choice((0.5, 1, 2)))
              for i in range(rng.choice((1, 2, 2, 3)))]  # one kind: the solver's shortcut over K
@@ -53,10 +55,10 @@ def random_workload(rng: random.Random, base):
     profile = dataclasses.replace(base.profile, name="mixed", blocks=(
         _kind(base.profile.embed, "embed", ends, ends, ends, 1), *(_kind(layer, *kinds[k], count=n) for k, n in groups),
         _kind(base.profile.head, "head", ends, ends, ends, 1)))
-    w = dataclasses.replace(base, profile=profile, global_batch=8 * dp,
+    w = dataclasses.replace(base, profile=profile, global_batch=m * dp,
                             cluster=load_cluster("dgx-a100-80g", nodes=dp, gpus_per_node=pp))  # dp over nodes
-    return w, Plan(dp=dp, tp=1, pp=pp, micro_batch_size=1, num_micro_batches=8,
-                   schedule=rng.choice(("1f1b", "gpipe")))
+    zero = 2 if schedule == "zb" and dp > 1 else 0  # what torch's zero-bubble schedules run under data parallelism
+    return w, Plan(dp=dp, tp=1, pp=pp, micro_batch_size=1, num_micro_batches=m, schedule=schedule, zero=zero)
 
 
 def splits(blocks: int, pp: int) -> list[tuple[int, ...]]:
@@ -79,18 +81,19 @@ def brute_force(w, outer: Plan, split_choices):
     described, counts, full, sel = [], [], [], []
     for split in split_choices:
         starts = np.concatenate([[0], np.cumsum(split)]).astype(int)
-        options = [stage_options(n, True) for n in split]
+        options = [stage_options(n, outer.schedule not in ZERO_BUBBLE) for n in split]  # zero-bubble: no selective
         picks = np.array(list(itertools.product(*[range(len(o)) for o in options])))  # (plans, stages)
         c, f, s = (np.zeros((len(picks), pp, n_kinds)) for _ in range(3))
         for stage, opts in enumerate(options):
             held = before[starts[stage + 1]] - before[starts[stage]]
             stage_full = np.array([before[starts[stage] + stage_full_blocks(o)] - before[starts[stage]] for o in opts])
             stage_sel = np.array([held * (o == "selective") for o in opts])
-            c[:, stage % pp] += held
-            f[:, stage % pp] += stage_full[picks[:, stage]]
-            s[:, stage % pp] += stage_sel[picks[:, stage]]
-        c[:, 0, 0] += 1  # the embedding on the first rank, the head on the last
-        c[:, pp - 1, -1] += 1
+            rank = stage_rank(stage, pp, outer.schedule)
+            c[:, rank] += held
+            f[:, rank] += stage_full[picks[:, stage]]
+            s[:, rank] += stage_sel[picks[:, stage]]
+        c[:, 0, 0] += 1  # the embedding on the first stage's rank, the head on the last stage's
+        c[:, stage_rank(len(split) - 1, pp, outer.schedule), -1] += 1
         described += [(split, tuple(opts[j] for opts, j in zip(options, row))) for row in picks]
         counts.append(c)
         full.append(f)
@@ -108,8 +111,8 @@ def brute_force(w, outer: Plan, split_choices):
 def uniform_best(w, outer: Plan) -> float:
     """The best uniform plan that fits: balanced split, one recompute setting for every rank."""
     most = max(balanced_split(w.profile.num_layers, outer.pp))
-    plans = [outer, outer.with_(recompute="selective")] + [outer.with_(recompute="full", recompute_blocks=k)
-                                                           for k in range(1, most + 1)]
+    plans = [outer] + ([outer.with_(recompute="selective")] if outer.schedule not in ZERO_BUBBLE else []) + [
+        outer.with_(recompute="full", recompute_blocks=k) for k in range(1, most + 1)]
     res = evaluate(w, PlanArrays.from_plans(plans, w.profile))
     return float(res["iteration_time"][res["fits"]].min()) if res["fits"].any() else np.inf
 
@@ -137,6 +140,10 @@ def test_solver_equals_brute_force_on_random_workloads():
         assert found is not None and found.fits, (i, described[int(np.argmin(np.where(fits, times, np.inf)))])
         assert found.iteration_time == pytest.approx(best, rel=1e-9), (i, found.plan.describe())
         found.plan.validate(w)
+        # given a target (the search's best so far) the solver answers the optimum where it beats the target,
+        # and nothing where it does not
+        assert solve(w, [outer], target=best * (1 + 1e-6))[0].iteration_time == found.iteration_time
+        assert solve(w, [outer], target=best * (1 - 1e-6)) == [None]
         outer_pa = PlanArrays.from_plans([outer], w.profile)  # the exhaustive search's bound holds
         assert stages.lower_bound(outer_pa, evaluate(w, outer_pa, ranks=True))[0] <= best * (1 + 1e-12)
         binding += not fits[free]
@@ -149,16 +156,18 @@ def test_solver_equals_brute_force_on_random_workloads():
     assert elapsed < 60
 
 
-def test_interleaved_patterns_are_exact_over_the_balanced_split():
-    """Under the interleaved schedule the split stays balanced and each rank's per-chunk recompute is
-    searched exactly: the solver equals brute force over every per-stage recompute of that split."""
+@pytest.mark.parametrize("schedule", ["interleaved", "zb", "zbv", "dualpipev"])
+def test_chunked_patterns_are_exact_over_the_balanced_split(schedule):
+    """With two chunks per rank (interleaved, zb on 2 chunks, and the V of zbv and dualpipev: both ends on
+    rank 0) the split stays balanced and each rank's per-chunk recompute is searched exactly: the solver
+    equals brute force over every per-stage recompute of that split."""
     rng = random.Random(7)
     base = workload(global_batch=8, nodes=1, gpus_per_node=2, size="tiny")
     for _ in range(4):
         w, outer = random_workload(rng, base)
         pp = 2
-        w = dataclasses.replace(w, cluster=load_cluster("dgx-a100-80g", nodes=1, gpus_per_node=pp))
-        outer = Plan(dp=1, tp=1, pp=pp, micro_batch_size=1, num_micro_batches=8, schedule="interleaved",
+        w = dataclasses.replace(w, global_batch=8, cluster=load_cluster("dgx-a100-80g", nodes=1, gpus_per_node=pp))
+        outer = Plan(dp=1, tp=1, pp=pp, micro_batch_size=1, num_micro_batches=8, schedule=schedule,
                      virtual_stages=2)
         split = balanced_split(w.profile.num_layers, 2 * pp)
         described, times, peak = brute_force(w, outer, [split])
@@ -167,6 +176,27 @@ def test_interleaved_patterns_are_exact_over_the_balanced_split():
         found = solve(w, [outer])[0]
         assert found.iteration_time == pytest.approx(float(times[fits].min()), rel=1e-9)
         assert found.plan.layer_split in ((), split)
+        found.plan.validate(w)
+
+
+def test_the_pipe_is_the_ranks_shares_less_the_slowest_ones_plus_m_slowest_micro_batches():
+    """What the solver combines (module doc) is what evaluate prices, under every schedule: iteration =
+    sum of rank_share x mult - the slowest rank's share + m x its micro-batch + the largest tail + const."""
+    from autopar.search.space import enumerate_plans
+
+    w = workload(global_batch=64, nodes=2, gpus_per_node=8, size="tiny")
+    space = enumerate_plans(w)
+    pa = space.take(np.flatnonzero(np.asarray(space.columns["pp"]) > 1))
+    res = evaluate(w, pa, ranks=True)
+    per_mb, share, mult = res["rank_per_mb"], res["rank_share"], res["rank_mult"]
+    slowest = np.argmax(per_mb, axis=1)[:, None]
+    m = np.asarray(pa.columns["num_micro_batches"], dtype=float)
+    pipe = ((share * mult).sum(axis=1) - np.take_along_axis(share, slowest, axis=1)[:, 0]
+            + m * per_mb.max(axis=1))
+    rebuilt = pipe + res["rank_tail"].max(axis=1) + res["rank_const"]
+    schedules = set(np.asarray(pa.schedule).tolist())
+    assert len(schedules) >= 5, schedules  # the zero-bubble schedules among them
+    np.testing.assert_allclose(rebuilt, res["iteration_time"], rtol=1e-9)
 
 
 def test_solver_refuses_what_it_cannot_solve_exactly():
@@ -189,7 +219,7 @@ def test_exhaustive_search_finishes_outer_plans_with_the_solver():
     for _ in range(40):
         w, outer = random_workload(rng, base)
         held = (("tp", 1), ("pp", outer.pp), ("micro_batch_size", 1), ("schedule", (outer.schedule, 1)),
-                ("zero", 0), ("compile", False))
+                ("zero", outer.zero), ("compile", False))
         w = dataclasses.replace(w, fixed=held)
         uniform = ExhaustivePlanner(per_stage=False).ranked(w, 1)[1]["iteration_time"][0]
         planner = ExhaustivePlanner()

@@ -146,7 +146,7 @@ class ExhaustivePlanner(Planner):
             if len(batch) > MAX_OUTER - self.solved:
                 batch, self.exact = batch[:MAX_OUTER - self.solved], False
             seen.update(batch)
-            for found in stages.solve(workload, batch, self.coeffs):
+            for found in stages.solve(workload, batch, self.coeffs, target=best_time):
                 self.solved += 1
                 if found is None or not found.fits or found.iteration_time >= best_time:
                     continue

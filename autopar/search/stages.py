@@ -6,20 +6,26 @@ It follows the structure of the cost model's objective (autopar/cost/model.py): 
 time per micro-batch, its data-parallel tail (exposed gradient collectives and optimizer step) and its
 peak memory depend only on the rank's position and its blocks (by kind, and how each is recomputed), and
 
-    iteration = pipe(sum of the ranks' micro-batch times, the slowest rank's) + the largest tail + constants
+    iteration = S - sigma + m x M + the largest tail + constants
 
-with `pipe` (`model._schedule`) increasing in both. So a dynamic programme over the ranks in pipeline
-order that keeps, for each number of blocks placed so far, the Pareto front of (sum, slowest, largest
-tail) over the partial plans whose ranks fit finds an optimum: a partial plan dominated in all three
-completes no better than the one that dominates it. Every rank candidate (position, blocks, their
-recompute) is priced once, all in one `evaluate(..., ranks=True)` call over a `RankTable`: the same
-functions that price whole plans, no second cost model.
+with M the slowest rank's micro-batch time, S the sum of the ranks' shares (`zero_bubble.rank_share`:
+1F1B and GPipe a rank's micro-batch, interleaved a v-th of it, the zero-bubble schedules what their W
+passes leave idle) and sigma the slowest rank's share. A dynamic programme over the ranks in pipeline
+order keeps, for each number of blocks placed so far, the partial plans whose ranks fit that no other
+dominates (`_front`): a partial plan dominated completes no better than the one that dominates it, for
+every completion. Under 1F1B, GPipe and interleaved (sigma = M / v) that is the Pareto front of
+(S, S - sigma + m M, largest tail); under the zero-bubble schedules, whose share is not a function of
+the micro-batch time (a faster rank can leave the slowest rank's place to one with a smaller share),
+dominance across different M also needs the bounds of share / micro-batch over the candidates. Every
+rank candidate (position, blocks, their recompute) is priced once, all in one `evaluate(...,
+ranks=True)` call over a `RankTable`: the same functions that price whole plans, no second cost model.
 
-Under 1F1B and GPipe (one stage per rank) the split and the recompute are both searched, and the first
-and the last stage may hold no block (embedding-only, head-only). Under the interleaved schedule a
-rank's figures depend on all its chunks together, which the DP over stages cannot carry: there the
-split stays balanced and every rank's pattern of per-chunk recompute is searched exactly (up to
-MAX_PATTERNS patterns per rank; beyond, and under other schedules, the plan is not solved: None).
+With one stage per rank (1F1B, GPipe, zb on one chunk) the split and the recompute are both searched,
+and the first and the last stage may hold no block (embedding-only, head-only). With several chunks per
+rank (interleaved, zb on v chunks, and zbv / dualpipev's V of two) a rank's figures depend on all its
+chunks together, which the DP over stages cannot carry: there the split stays balanced and every rank's
+pattern of per-chunk recompute is searched exactly (up to MAX_PATTERNS patterns per rank; beyond, the
+plan is not solved: None).
 """
 
 from __future__ import annotations
@@ -29,12 +35,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.cost import Coefficients, PlanArrays, evaluate
+from autopar.cost import Coefficients, PlanArrays, evaluate, zero_bubble
 from autopar.cost.arrays import RankTable
-from autopar.knobs import SCHEDULES, balanced_split, knob
+from autopar.knobs import SCHEDULES, balanced_split, knob, rank_stages, stage_rank
+from autopar.errors import PlanError
 from autopar.plan import Plan
 
-SOLVED_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SOLVED_SCHEDULES = SCHEDULES  # every schedule (docstring)
 MAX_PATTERNS = 4096  # per-chunk recompute patterns of one rank under the interleaved schedule
 
 
@@ -106,9 +113,10 @@ class _Problem:
         self.moves: list[dict] = []  # per rank: (from, to) blocks placed -> [(row, choice)]
 
     def ends(self, rank: int) -> np.ndarray:
+        """The embedding on the rank of the first stage, the head on the rank of the last (V: both on rank 0)."""
         e = np.zeros(self.cum.shape[1])
-        e[0] += rank == 0
-        e[-1] += rank == self.pp - 1
+        e[0] += rank == stage_rank(0, self.pp, self.plan.schedule)
+        e[-1] += rank == stage_rank(self.pp * self.v - 1, self.pp, self.plan.schedule)
         return e
 
     def build(self, cands: _Candidates, index: int) -> bool:
@@ -184,7 +192,7 @@ class _Problem:
     def confirmed(self, memory: np.ndarray, budget: float) -> bool:
         """Whether each refined rank's least fitting K is priced: K fits and K - 1 does not."""
         for moves in self.moves:
-            for opts in moves.values():
+            for opts in {id(o): o for o in moves.values()}.values():
                 if opts.one_kind is None:
                     continue
                 fit = sorted(int(o[5:]) for row, (_, o) in zip(opts.rows, opts.choices)
@@ -199,7 +207,7 @@ class _Problem:
         split = balanced_split(self.layers, pp * v)
         starts = np.concatenate([[0], np.cumsum(split)])
         for r in range(pp):
-            stages = list(range(r, pp * v, pp))
+            stages = rank_stages(pp, v, self.plan.schedule, r)
             per_stage = [stage_options(split[s], self.selective) for s in stages]
             if np.prod([len(o) for o in per_stage], dtype=float) > MAX_PATTERNS:
                 return False
@@ -215,59 +223,173 @@ class _Problem:
         return True
 
 
+def _selective(workload, outer: Plan) -> bool:
+    """Whether a stage may recompute selectively: the model has an attention core to drop at this pp, and
+    the schedule runs it (the zero-bubble schedules do not: the schedule knob's rule says why)."""
+    if not any(mode == "selective" for mode, _ in knob("recompute").choices(workload, {"pp": outer.pp})):
+        return False
+    try:
+        knob("schedule").check(outer.with_(recompute="selective"))
+    except PlanError:
+        return False
+    return True
+
+
 def _price(workload, base: PlanArrays, cands: _Candidates, c: Coefficients):
-    """Each candidate rank priced by `evaluate` (ranks=True): its micro-batch time, tail and peak memory."""
+    """Each candidate rank priced by `evaluate` (ranks=True): its micro-batch time, share, tail and peak memory."""
     outer_idx, ranks, counts, full, sel = cands.arrays()
     pa = PlanArrays({name: col[outer_idx] for name, col in base.columns.items() if name != "split"}
                     | {"split": np.arange(len(ranks))}, RankTable(ranks, counts, full, sel))
     res = evaluate(workload, pa, c, ranks=True)
-    return res["rank_per_mb"][:, 0], res["rank_tail"][:, 0], res["rank_memory"][:, 0]
+    return (*(res[f"rank_{name}"][:, 0] for name in ("per_mb", "share", "tail", "memory")), res["rank_const"])
 
 
-def _front(b, s, m, t) -> np.ndarray:
-    """Indices of the points not dominated in (s, m, t) among those with the same b (ties: the first kept)."""
-    order = np.lexsort((t, m, s, b))
-    keep = []
-    bounds = np.flatnonzero(np.diff(b[order])) + 1
-    for group in np.split(order, bounds):
-        gm, gt = m[group], t[group]
-        # sorted by s: a point is dominated when an earlier one has m and t no larger
-        dominated = np.triu((gm[:, None] <= gm[None, :]) & (gt[:, None] <= gt[None, :]), k=1).any(axis=0)
-        keep.append(group[~dominated])
-    return np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
+@dataclass(frozen=True)
+class _Dominance:
+    """How partial plans of one outer plan compare (module doc): m micro-batches, and the least and the
+    largest share / micro-batch time of its candidate ranks (any later rank is one of them)."""
+
+    m: float
+    low: float
+    high: float
+
+    def front(self, b, S, M, sig, T) -> np.ndarray:
+        """Indices of the points no other point with the same b dominates (ties: the first kept). A dominates
+        B when A completes no worse whatever the later ranks: with c = S - sigma + m M (the objective if no
+        later rank is slower), S_A <= S_B (a later rank slower than both), c_A <= c_B (none slower), T_A <= T_B,
+        and where their slowest differ, for a later slowest x between them (its share within [low, high] x):
+        M_A < M_B needs S_A + (m - low) M_B <= c_B, M_A > M_B needs c_A <= S_B + (m - high) M_B."""
+        c = S - sig + self.m * M
+        order = np.lexsort((T, c, S, b))
+        keep = []
+        bounds = np.flatnonzero(np.diff(b[order])) + 1
+        for group in np.split(order, bounds):
+            if len(group) == 1:
+                keep.append(group)
+                continue
+            gS, gM, gc, gT = S[group], M[group], c[group], T[group]
+            i, j = gS[:, None], gS[None, :]  # earlier (row) against later (column): S_i <= S_j by the order
+            ok = (gc[:, None] <= gc[None, :]) & (gT[:, None] <= gT[None, :])
+            lower = gM[:, None] < gM[None, :]
+            higher = gM[:, None] > gM[None, :]
+            ok &= ~lower | (i + (self.m - self.low) * gM[None, :] <= gc[None, :] * (1 + 1e-12))
+            ok &= ~higher | (gc[:, None] <= j + (self.m - self.high) * gM[None, :])
+            dominated = np.triu(ok, k=1).any(axis=0)
+            keep.append(group[~dominated])
+        return np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
 
 
-def _solve_one(problem: _Problem, per_mb, tail, fits):
-    """The DP over ranks: (blocks placed, sum, slowest, largest tail, parent, choice) per rank, Pareto-pruned."""
-    b, s, m, t = (np.zeros(1) for _ in range(4))
-    layers = []
-    reduced: dict = {}  # the options of a rank's blocks that fit and are not dominated in (time, tail)
+def _dominance(problem: _Problem, per_mb, share) -> list[_Dominance | None]:
+    """Per rank, how its partial plans compare: the bounds of share / micro-batch over the candidates of the
+    ranks after it (only those can be a later slowest rank); None for the last (no later rank: the
+    objective itself, c, and the tail decide)."""
+    m = float(problem.plan.num_micro_batches)
+    ratios = []
     for moves in problem.moves:
-        src_b, dst_b, p, tl, choice = [], [], [], [], []
+        rows = np.array([row for opts in moves.values() for row in opts.rows])
+        rows = rows[per_mb[rows] > 0]
+        ratio = share[rows] / per_mb[rows]
+        ratios.append((ratio.min(), ratio.max()) if len(ratio) else (np.inf, -np.inf))
+    out: list[_Dominance | None] = [None]
+    low, high = np.inf, -np.inf
+    for lo, hi in reversed(ratios[1:]):
+        low, high = min(low, lo), max(high, hi)
+        out.append(_Dominance(m, float(low), float(high)))
+    return out[::-1]
+
+
+def _bounds(problem: _Problem, per_mb, share) -> tuple[float, float]:
+    """The least and the largest share / micro-batch over all the problem's candidate ranks."""
+    rows = np.array([row for moves in problem.moves for opts in moves.values() for row in opts.rows])
+    rows = rows[per_mb[rows] > 0]
+    ratio = share[rows] / per_mb[rows] if len(rows) else np.zeros(1)
+    return float(ratio.min()), float(ratio.max())
+
+
+def _reduce(options: list, reduced: dict, dom: _Dominance, per_mb, share, tail, fits) -> None:
+    """Each option set's rows that fit and that no other row of the set dominates (a rank alone is a partial
+    plan: the dominance applies as it is), in one `front` call: reduced[id(set)] = [(row, choice)]."""
+    if not options:
+        return
+    rows = [np.asarray(o.rows) for o in options]
+    which = np.concatenate([np.full(len(r), i) for i, r in enumerate(rows)])
+    index = np.concatenate([np.arange(len(r)) for r in rows])
+    rows = np.concatenate(rows)
+    ok = np.flatnonzero(fits[rows])
+    r = rows[ok]
+    kept = ok[dom.front(which[ok], share[r], per_mb[r], share[r], tail[r])]
+    for o in options:
+        reduced[id(o)] = []
+    for k in np.sort(kept):
+        o = options[which[k]]
+        reduced[id(o)].append((int(rows[k]), o.choices[index[k]]))
+
+
+def _floors(problem: _Problem, per_mb, share, tail, fits) -> np.ndarray:
+    """(pp + 1, 3): per rank r, what the ranks from r on add at least (each takes one of its candidates
+    that fit): the sum of their least shares, the largest of their least micro-batch times and of their
+    least tails."""
+    out = np.zeros((problem.pp + 1, 3))
+    for r in range(problem.pp - 1, -1, -1):
+        rows = np.array([row for opts in problem.moves[r].values() for row in opts.rows])
+        rows = rows[fits[rows]]
+        least = (share[rows].min(), per_mb[rows].min(), tail[rows].min()) if len(rows) else (np.inf,) * 3
+        out[r] = (out[r + 1, 0] + least[0], max(out[r + 1, 1], least[1]), max(out[r + 1, 2], least[2]))
+    return out
+
+
+def _solve_one(problem: _Problem, per_mb, share, tail, fits, target: float = np.inf, const: float = 0.0):
+    """The DP over ranks: (blocks placed, S, M, sigma, largest tail, parent, choice) per rank, pruned to
+    the points no other dominates (`_Dominance.front`) and, given a `target` iteration time, to those
+    whose completion can still beat it: iteration >= S + (m - high) M + the largest tail + const, with
+    sigma <= high M (high: the largest share / micro-batch of any candidate) and every later rank at least
+    its least share, micro-batch time and tail (`_floors`)."""
+    doms = _dominance(problem, per_mb, share)
+    whole = _Dominance(float(problem.plan.num_micro_batches), *_bounds(problem, per_mb, share))
+    floors = _floors(problem, per_mb, share, tail, fits) if np.isfinite(target) else None
+    b, S, M, sig, T = (np.zeros(1) for _ in range(5))
+    layers = []
+    reduced: dict = {}  # the options of a rank's blocks that fit and that no other option dominates (`_reduce`)
+    for r, (moves, dom) in enumerate(zip(problem.moves, doms)):
+        _reduce([o for o in {id(o): o for o in moves.values()}.values() if id(o) not in reduced], reduced, whole,
+                per_mb, share, tail, fits)
+        src_b, dst_b, p, sh, tl, choice = [], [], [], [], [], []
         for (a, end), opts in moves.items():
-            if id(opts) not in reduced:
-                rows = np.array(opts.rows)
-                ok = np.flatnonzero(fits[rows])
-                front = _front(np.zeros(len(ok)), per_mb[rows[ok]], tail[rows[ok]], np.zeros(len(ok)))
-                reduced[id(opts)] = [(int(rows[ok[j]]), opts.choices[ok[j]]) for j in front]
             for row, pick in reduced[id(opts)]:
                 src_b.append(a)
                 dst_b.append(end)
                 p.append(per_mb[row])
+                sh.append(share[row])
                 tl.append(tail[row])
                 choice.append(pick)
         if not src_b:
             return None
-        src_b, dst_b, p, tl = map(np.asarray, (src_b, dst_b, p, tl))
+        src_b, dst_b, p, sh, tl = map(np.asarray, (src_b, dst_b, p, sh, tl))
         # join every point with every move from its block count
         pair_pt, pair_mv = np.nonzero(b[:, None] == src_b[None, :])
         if len(pair_pt) == 0:
             return None
-        nb, ns = dst_b[pair_mv], s[pair_pt] + p[pair_mv]
-        nm, nt = np.maximum(m[pair_pt], p[pair_mv]), np.maximum(t[pair_pt], tl[pair_mv])
-        keep = _front(nb, ns, nm, nt)
+        slower = p[pair_mv] > M[pair_pt]  # the new rank is the slowest (ties: the earlier rank stays)
+        nb, nS = dst_b[pair_mv], S[pair_pt] + sh[pair_mv]
+        nM = np.where(slower, p[pair_mv], M[pair_pt])
+        nsig = np.where(slower, sh[pair_mv], sig[pair_pt])
+        nT = np.maximum(T[pair_pt], tl[pair_mv])
+        if floors is not None:  # branch and bound: drop what cannot beat the target
+            rest = floors[r + 1]
+            least = (nS + rest[0] + (whole.m - whole.high) * np.maximum(nM, rest[1]) + np.maximum(nT, rest[2])
+                     + const)
+            alive = np.flatnonzero(least < target * (1 + 1e-9))
+            if len(alive) == 0:
+                return None
+            pair_pt, pair_mv = pair_pt[alive], pair_mv[alive]
+            nb, nS, nM, nsig, nT = nb[alive], nS[alive], nM[alive], nsig[alive], nT[alive]
+        if dom is None:  # the last rank: the objective and the tail alone
+            c = nS - nsig + whole.m * nM
+            keep = whole.front(nb, c, np.zeros_like(c), np.zeros_like(c), nT)
+        else:
+            keep = dom.front(nb, nS, nM, nsig, nT)
         layers.append((pair_pt[keep], [choice[i] for i in pair_mv[keep]]))
-        b, s, m, t = nb[keep], ns[keep], nm[keep], nt[keep]
+        b, S, M, sig, T = nb[keep], nS[keep], nM[keep], nsig[keep], nT[keep]
     done = np.flatnonzero(b == (problem.layers if problem.v == 1 else 0))
     return (done, layers) if len(done) else None
 
@@ -280,9 +402,11 @@ def _trace(layers, point: int) -> list:
     return choices[::-1]
 
 
-def solve(workload, plans: list[Plan], coeffs: Coefficients | None = None) -> list[Solved | None]:
+def solve(workload, plans: list[Plan], coeffs: Coefficients | None = None,
+          target: float = np.inf) -> list[Solved | None]:
     """Per outer plan (its recompute and split are ignored), the best per-stage plan in memory, or None
-    (nothing fits, or the schedule is not solved here)."""
+    (nothing fits, the schedule is not solved here, or, given a `target` iteration time, no plan beats it:
+    the search only needs those)."""
     c = coeffs if coeffs is not None else Coefficients.for_cluster(workload.cluster, workload.runtime)
     profile = workload.profile
     kinds = np.array([k for k, e in enumerate(profile.layers, start=1) for _ in range(e.count)], dtype=np.int64)
@@ -296,10 +420,10 @@ def solve(workload, plans: list[Plan], coeffs: Coefficients | None = None) -> li
         if not solvable(outer):
             problems.append(None)
             continue
-        if outer.pp not in selective:
-            selective[outer.pp] = any(mode == "selective" for mode, _ in knob("recompute").choices(
-                workload, {"pp": outer.pp}))
-        problem = _Problem(workload, outer, selective[outer.pp], cum, kinds)
+        key = (outer.pp, outer.schedule)
+        if key not in selective:
+            selective[key] = _selective(workload, outer)
+        problem = _Problem(workload, outer, selective[key], cum, kinds)
         problems.append(problem if problem.build(cands, i) else None)
     out: list[Solved | None] = [None] * len(plans)
     if not cands.rank:
@@ -308,20 +432,22 @@ def solve(workload, plans: list[Plan], coeffs: Coefficients | None = None) -> li
     budget = workload.memory_budget
     priced = [_price(workload, base, cands, c)]
     for everything in (False, True):  # the least K that fits, for the ranges of one kind (`_Problem.refine`)
-        memory = np.concatenate([p[2] for p in priced])
+        memory = np.concatenate([p[3] for p in priced])
         more = _Candidates(n_kinds, start=len(memory))
         for i, problem in enumerate(problems):
             if problem is not None and problem.v == 1 and (not everything or not problem.confirmed(memory, budget)):
                 problem.refine(more, i, memory, budget, everything)
         if more.rank:
             priced.append(_price(workload, base, more, c))
-    per_mb, tail, memory = (np.concatenate([p[j] for p in priced]) for j in range(3))
+    per_mb, share, tail, memory, const = (np.concatenate([p[j] for p in priced]) for j in range(5))
     fits = memory <= budget
     # the last front of each plan: its points, whole plans, priced by evaluate itself (pipe's formula
     # is the schedule's own); the least is the optimum
     finals, owner = [], []
     for i, problem in enumerate(problems):
-        found = None if problem is None else _solve_one(problem, per_mb, tail, fits)
+        first = problem.moves[0] if problem is not None else {}
+        row = next(iter(first.values())).rows[0] if first else None
+        found = None if problem is None else _solve_one(problem, per_mb, share, tail, fits, target, const[row])
         if found is None:
             continue
         points, layers = found
@@ -334,7 +460,8 @@ def solve(workload, plans: list[Plan], coeffs: Coefficients | None = None) -> li
         for i in np.unique(owner):
             rows = np.flatnonzero(owner == i)
             best = int(rows[np.argmin(times[rows])])
-            out[i] = Solved(finals[best], float(times[best]), bool(res["fits"][best]))
+            if times[best] < target:
+                out[i] = Solved(finals[best], float(times[best]), bool(res["fits"][best]))
     return out
 
 
@@ -344,17 +471,20 @@ def lower_bound(pa: PlanArrays, res: dict) -> np.ndarray:
     recompute (which only adds time), and the blocks shared perfectly. Why it holds: a rank's GPU and host
     times per micro-batch are linear in its blocks, so their sums over the ranks, G and H, are the same for
     every split; its micro-batch takes the host_overlap-norm of the two, and a norm is subadditive, so the
-    ranks' sum is at least norm(G, H) (G + H ... max(G, H): at least max(G, H) whatever the norm) and the
-    slowest rank at least a pp-th of that; the pipe of `model._schedule` grows with both (1F1B, GPipe:
-    sum + (m - 1) slowest; interleaved: sum / v + (m - 1/v) slowest); the data-parallel tail is at least 0.
-    Plans the solver does not solve get +inf."""
+    ranks' sum is at least total = norm(G, H) >= max(G, H) and the slowest rank M at least a pp-th of it.
+    The pipe is S - sigma + m M (module doc) with every share at least 0 and at least (per_mb - kappa W) /
+    nu (`zero_bubble.share_floor`; W, the weight-gradient passes, summed over the ranks is the same for every
+    split and recompute): so at least m total / pp and at least (total - kappa W) / nu + (m - 1 / nu) total
+    / pp (1F1B, GPipe: sum + (m - 1) slowest; interleaved: sum / v + (m - 1/v) slowest); the data-parallel
+    tail is at least 0."""
     g, h, mult = res["rank_gpu_mb"], res["rank_host_mb"], res["rank_mult"]
     total = np.maximum((g * mult).sum(axis=1), (h * mult).sum(axis=1))
+    weight = (res["rank_weight"] * mult).sum(axis=1)
     pp, m, v = (np.asarray(pa.columns[n], dtype=float) for n in ("pp", "num_micro_batches", "virtual_stages"))
+    kappa, nu = zero_bubble.share_floor(np.asarray(pa.schedule), v)
     slowest = total / pp
-    pipe = np.where(v > 1, total / v + (m - 1 / v) * slowest, total + (m - 1) * slowest)
-    solved = np.isin(np.asarray(pa.schedule), [SCHEDULES.index(s) for s in SOLVED_SCHEDULES])
-    return np.where(solved, pipe + res["rank_const"], np.inf)
+    pipe = np.maximum(m * slowest, (total - kappa * weight) / nu + (m - 1 / nu) * slowest)
+    return pipe + res["rank_const"]
 
 
 def _plan_of(problem: _Problem, choices: list) -> Plan:
@@ -368,8 +498,8 @@ def _plan_of(problem: _Problem, choices: list) -> Plan:
         split = balanced_split(problem.layers, problem.pp * problem.v)
         entries = [""] * len(split)
         for r, pattern in enumerate(choices):
-            for j, e in enumerate(pattern):
-                entries[r + j * problem.pp] = e
+            for stage, e in zip(rank_stages(problem.pp, problem.v, plan.schedule, r), pattern):
+                entries[stage] = e
         entries = tuple(entries)
     if all(split) and split == balanced_split(problem.layers, len(split)):
         split = ()
