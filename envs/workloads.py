@@ -3,7 +3,9 @@
 Training draws the zoo's named sizes (GPT, Llama, BERT, ViT, ResNet, and any family the zoo
 adds, by its named sizes) at several sequence lengths on the training presets, single nodes of
 1-8 GPUs or 2-64 nodes (non-powers of two included), with global batches of 1/8 to 32 samples per
-GPU (at least 16), in every precision of `autopar.knobs.PRECISIONS` the preset's GPU runs fast.
+GPU (at least 16), in every precision of `autopar.knobs.PRECISIONS` the preset's GPU runs fast; a
+quarter of the draws are lanes of mixed jobs: one group of GPUs at a share of a larger job's batch,
+what the mixed search (issue 42) asks the policy (`_as_lane`).
 Node counts are capped so that the exhaustive oracle, which the reward needs once per workload,
 stays around a second.
 
@@ -83,6 +85,8 @@ TEST_SIZES = ("tiny",)  # the zoo's sizes for tests: no workload to plan
 # share of draws per precision; a precision the registry adds (fp8) gets NEW_PRECISION_SHARE
 PRECISION_SHARE = {"bf16": 0.8, "fp16": 0.15, "fp32": 0.05}
 NEW_PRECISION_SHARE = 0.3
+LANE_SHARE = 0.25  # of the draws: a group's lane of a mixed job (issue 42), as the mixed search poses it
+LANE_JOB = (1.5, 2.0, 3.0, 4.0)  # the job's batch over the group's drawn batch
 
 
 @dataclass(frozen=True)
@@ -203,7 +207,8 @@ def _zoo_sizes(family: str) -> dict:
 
 
 def sample_training_spec(rng: np.random.Generator, family: str | None = None) -> WorkloadSpec | None:
-    """One draw from the training distribution (None when the draw admits no cluster size)."""
+    """One draw from the training distribution (None when the draw admits no cluster size); a share
+    (LANE_SHARE) of them are lanes of mixed jobs (`_as_lane`)."""
     family = family or str(_pick(rng, families()))
     sizes, seq_lens = family_sizes(family)
     args = {"size": sizes[rng.integers(len(sizes))]}
@@ -211,7 +216,23 @@ def sample_training_spec(rng: np.random.Generator, family: str | None = None) ->
         args["seq_len"] = int(seq_lens[rng.integers(len(seq_lens))])
     cluster = TRAIN_CLUSTERS[rng.integers(len(TRAIN_CLUSTERS))]
     spec = WorkloadSpec(family, tuple(sorted(args.items())), cluster, precision=_precision(rng, cluster))
-    return _size_cluster(rng, spec, _approx_params(spec), TRAIN_NODES, MAX_TRAIN_GPUS)
+    spec = _size_cluster(rng, spec, _approx_params(spec), TRAIN_NODES, MAX_TRAIN_GPUS)
+    return _as_lane(rng, spec) if spec is not None and rng.random() < LANE_SHARE else spec
+
+
+def _as_lane(rng: np.random.Generator, spec: WorkloadSpec) -> WorkloadSpec:
+    """The workload the mixed search (`autopar.mixed.search`) asks the policy about for one group of a
+    job over several GPU types: the group's GPUs (the draw's cluster) at a share of the job's batch, k of
+    its grid units (`autopar.mixed.shares.quantum`), k = all of them being the group alone. The job's
+    batch is the group's times LANE_JOB (the other groups' part), so a lane's batch need not follow its
+    GPU count."""
+    from autopar.mixed.shares import quantum  # the grid the mixed search prices shares on
+
+    job = max(MIN_BATCH, int(round(spec.global_batch * float(rng.choice(LANE_JOB)))))
+    q = quantum(job)
+    share = q * int(rng.integers(1, job // q + 1))
+    return WorkloadSpec(spec.model, spec.model_args, spec.cluster, spec.nodes, spec.gpus_per_node, share,
+                        spec.precision)
 
 
 def _collect(sample, n: int, seed: int, progress: bool) -> list:

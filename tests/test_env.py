@@ -182,3 +182,32 @@ def test_the_oracle_cache_key_tells_workloads_of_one_profile_apart():
                 dataclasses.replace(base, memory_headroom=0.2), dataclasses.replace(base, global_batch=32)]
     keys = {workload_key(w) for w in [base, *variants]}
     assert len(keys) == 5 and workload_key(base) == workload_key(dataclasses.replace(base))
+
+
+def test_training_mix_draws_lanes_of_mixed_jobs_at_their_share(monkeypatch):
+    """A quarter of the training draws are what the mixed search asks the policy (issue 42): one group's
+    GPUs at k grid units of a larger job's batch (the cluster sizing needs the parameter count: a
+    stand-in here, so no model is profiled)."""
+    import autopar.envs.workloads as W
+    from autopar.mixed.shares import quantum
+
+    monkeypatch.setattr(W, "_approx_params", lambda spec: 1e9)
+    lanes, whole = [], []
+    original = W._as_lane
+
+    def recorded(rng, spec):
+        lane = original(rng, spec)
+        lanes.append((spec, lane))
+        return lane
+
+    monkeypatch.setattr(W, "_as_lane", recorded)
+    rng = np.random.default_rng(11)
+    drawn = [s for s in (W.sample_training_spec(rng) for _ in range(400)) if s is not None]
+    assert 0.15 * len(drawn) < len(lanes) < 0.35 * len(drawn)
+    for spec, lane in lanes:
+        assert (lane.cluster, lane.nodes, lane.gpus_per_node, lane.model) == (spec.cluster, spec.nodes,
+                                                                              spec.gpus_per_node, spec.model)
+        jobs = [max(W.MIN_BATCH, round(spec.global_batch * f)) for f in W.LANE_JOB]
+        assert any(lane.global_batch % quantum(job) == 0 and lane.global_batch <= job for job in jobs)
+        whole.append(lane.global_batch in jobs)
+    assert any(whole) and not all(whole)  # the group alone at the job's batch, and shares of it
