@@ -82,13 +82,19 @@ def test_the_mixed_replanner_moves_a_pipeline_onto_the_group_left():
         MixReplanner("gpt", TINY, A, "gloo")(old, Mix((H,), (1,)))
 
 
-def test_a_new_plan_that_leaves_a_groups_ranks_idle_is_one_line():
+def test_a_replan_uses_every_group_whose_ranks_run():
     """One A100 and one H100 left of a job on one A100 and two H100s: for the tiny GPT the search's best is the
-    H100 alone, which would leave the A100 rank idle."""
+    H100 alone, which would leave the A100 rank idle (the job cannot drop a running rank); the re-planner
+    weighs only plans over both groups (`search_mixed`'s every_group), and one of them runs on every rank."""
+    from autopar.mixed.search import search_mixed
+
     old = MixedPlan((on(A, micro_batch_size=2).lanes[0], on(H, dp=2, micro_batch_size=3).lanes[0]))
-    with pytest.raises(PlanError, match=f"leaves 1 {A} rank\\(s\\) idle, and autopar run runs every rank") as e:
-        MixReplanner("gpt", TINY, f"{A}:1,{H}:2", "gloo")(old, Mix((A, H), (1, 1)))
-    assert "\n" not in str(e.value)
+    workload = mix_workload(profile("gpt", dtype="fp32", **TINY), load_any_cluster(f"{A}:1,{H}:2"),
+                            Mix((A, H), (1, 1)), old.global_batch)
+    assert search_mixed(workload, "rl").plan.groups == (H,)  # free, the H100 alone
+    decided = MixReplanner("gpt", TINY, f"{A}:1,{H}:2", "gloo")(old, Mix((A, H), (1, 1)))
+    assert isinstance(decided.plan, MixedPlan) and decided.decision == "replanned"
+    assert sorted(label.group for label in rank_labels(decided.plan)) == [A, H]
 
 
 def test_a_replan_record_of_a_mixed_job_says_the_groups_and_old_records_still_load():

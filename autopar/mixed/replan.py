@@ -51,11 +51,12 @@ def old_step(old: MixedPlan, mw) -> tuple[float | None, str]:
     return (est.iteration_time_s, "") if est.fits else (None, "a group's GPUs would run out of memory")
 
 
-def replan_mixed(old: MixedPlan, mw, method: str = "rl", tolerance: float = TOLERANCE,
-                 time_limit: float = TIME_LIMIT_S) -> tuple[ReplanDecision, MixedResult | None]:
+def replan_mixed(old: MixedPlan, mw, method: str = "rl", tolerance: float = TOLERANCE, time_limit: float = TIME_LIMIT_S,
+                 every_group: bool = False) -> tuple[ReplanDecision, MixedResult | None]:
     """The plan to continue `old` under on `mw`, the new mix at the old plan's global batch (a
     MixedWorkload; a Workload where one group is left: a homogeneous plan, found by the method's own
-    planner of one group, and no MixedResult). NoValidPlanError when the new mix holds no plan there."""
+    planner of one group, and no MixedResult). `every_group`: only plans using every group of `mw` (the old
+    one kept only if it does). NoValidPlanError when the new mix holds no plan there."""
     if mw.global_batch != old.global_batch:
         raise PlanError(f"the new mix trains {mw.global_batch} samples per step but the plan {old.global_batch}; "
                         f"re-planning keeps the plan's global batch")
@@ -67,9 +68,11 @@ def replan_mixed(old: MixedPlan, mw, method: str = "rl", tolerance: float = TOLE
         after, result = estimate(mw, new).iteration_time_s, None
         kept = old.lanes[0].plan
     else:
-        result = search_mixed(mw, method, time_limit=time_limit)
+        result = search_mixed(mw, method, time_limit=time_limit, every_group=every_group)
         new, after = result.plan, result.estimate.iteration_time_s
         before, why = old_step(old, mw)
+        if every_group and set(old.groups) != set(mw.cluster.group_names):
+            before, why = None, f"it leaves {', '.join(g for g in mw.cluster.group_names if g not in old.groups)} idle"
         kept = old
     if before is not None and before <= after * (1 + tolerance):
         plan, decision = kept, "kept"
@@ -120,8 +123,10 @@ def mix_workload(profile, original: MixedCluster, mix: Mix, global_batch: int, f
 class MixReplanner:
     """`replan(old, mix) -> ReplanDecision` of an elastic mixed job (`autopar.executor.elastic`): the
     plan to continue `old` (a MixedPlan) under on the ranks `mix` declares, on the groups of the job's
-    `--cluster`. Refused in one line: a plan the executor cannot run, or one that leaves ranks idle (the
-    search may find a group alone fastest: the job cannot drop a running group's ranks)."""
+    `--cluster`. Only plans that use every group running are weighed (`search_mixed`'s every_group: the
+    job cannot drop a running group's ranks, and a group alone is often the fastest for a small model).
+    Refused in one line: no such plan fits, a plan the executor cannot run, or one that still leaves ranks
+    idle."""
 
     def __init__(self, model, model_args: dict, cluster: str, backend: str | None = None,
                  tolerance: float = TOLERANCE, method: str = "rl"):
@@ -137,7 +142,7 @@ class MixReplanner:
             raise PlanError(f"--cluster {self.cluster} is one group; an elastic mixed job needs the mixed cluster "
                             f"its plan was made for")
         workload = mix_workload(profile, original, mix, old.global_batch, fp8=precision == "fp8")
-        decision, _ = replan_mixed(old, workload, self.method, self.tolerance, TIME_LIMIT_S)
+        decision, _ = replan_mixed(old, workload, self.method, self.tolerance, TIME_LIMIT_S, every_group=True)
         plan = decision.plan
         uses = Counter(lb.group for lb in rank_labels(plan)) if isinstance(plan, MixedPlan) else \
             Counter({next(iter(mix.ranks())): plan.world_size})  # one group left

@@ -246,10 +246,13 @@ def lane_of(group: str, plan: Plan) -> Lane:
     return Lane((Segment(group, plan.tp, plan.pp),), plan)
 
 
-def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None) -> MixedResult:
+def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None,
+                 every_group: bool = False) -> MixedResult:
     """The best mixed plan `method` finds for `mw` (a MixedWorkload); see the module docstring.
     `time_limit` (seconds) stops pricing new shares once spent (the result then says exact=False);
-    each group alone is always priced. NoValidPlanError when no kind of plan fits."""
+    each group alone is always priced. `every_group`: only plans that use every group (lanes over all of
+    them, or the pipeline spanning them): what an elastic job whose ranks all run needs. NoValidPlanError
+    when no kind of plan fits."""
     if method not in METHODS:
         raise AutoparError(f"unknown mixed search method {method!r}; choose one of {', '.join(METHODS)}")
     started = time.perf_counter()
@@ -268,8 +271,9 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
     for g in names:
         found = lanes.best(g, batch, required=True)
         single[g] = None if found is None else (found[0], estimate(mw.on_group(g, _gpus(mw, g), batch), found[0]))
-    candidates = [MixedPlan((lane_of(g, v[0]),)) for g, v in single.items() if v is not None]
+    candidates = [MixedPlan((lane_of(g, v[0]),)) for g, v in single.items() if v is not None and not every_group]
     speed = {g: v[1].tokens_per_s for g, v in single.items() if v is not None}
+    subsets = (lambda: [tuple(names)]) if every_group else (lambda: _subsets(names, speed))  # noqa: E731
     near = _proportional(speed, names, units)
     if method != "metis":  # rl re-batches its policy's plans to every share (no policy call: cheap)
         ks = {g: range(1, units + 1) for g in names}
@@ -286,7 +290,7 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
                             math.inf if upper is None else upper.iteration_time_s - floor)
     else:
         wide = {g: lanes.table(g, units, q, ks[g]) for g in names}
-    found = [mp for _, mp in _lane_plans(lanes, wide, _subsets(names, speed), units, q)]
+    found = [mp for _, mp in _lane_plans(lanes, wide, subsets(), units, q)]
     for round_ in range(RL_FINISH_ROUNDS if method == "rl" else 0):  # the best lanes finished exactly, the DP again
         best, _ = _fastest(mw, found)
         todo = [] if best is None else _finishing(lanes, best, q, neighbours=round_ == 0)
@@ -295,19 +299,19 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
         for g, share in todo:
             lanes.finish(g, share)
         wide = {g: lanes.table(g, units, q, ks[g]) for g in names}
-        found = [mp for _, mp in _lane_plans(lanes, wide, _subsets(names, speed), units, q)]
+        found = [mp for _, mp in _lane_plans(lanes, wide, subsets(), units, q)]
     candidates += found
     spanning = None
     if method != "rl":
         spanning = search_spanning(mw, speed, exact=method == "exhaustive", deadline=deadline)
-    elif _weigh_spanning(*_fastest(mw, candidates)):  # rl: see the docstring
+    elif every_group or _weigh_spanning(*_fastest(mw, candidates)):  # rl: see the docstring
         spanning = search_spanning(mw, speed, exact=True, top=1, deadline=deadline, quick=True,
                                    walk_deadline=time.perf_counter() + RL_SPANNING_S)
     if spanning is not None:
         candidates.append(MixedPlan((spanning,)))
     best, best_est = _fastest(mw, candidates)
     if lanes.narrow_dtype is not None:  # lanes whose gradients cross in 16 bits: a cheaper cross-lane all-reduce
-        for used in _subsets(names, speed):
+        for used in subsets():
             bound = (math.inf if best_est is None else best_est.iteration_time_s) - cross_sync(
                 mw, [sync_probe(mw, g, lanes.narrow_dtype) for g in used])
             if best_shares([wide[g] for g in used], units)[0] >= bound:
@@ -316,6 +320,10 @@ def search_mixed(mw, method: str = "exhaustive", time_limit: float | None = None
                       for g in used}
             found = [mp for _, mp in _lane_plans(lanes, narrow, [used], units, q, narrow=True)]
             best, best_est = _fastest(mw, found, best, best_est)
+    if best is None and every_group:
+        raise NoValidPlanError(f"{mw.profile.name} fits no plan on {mw.cluster.name} that uses every group: no "
+                               f"data-parallel lanes over all of them and no pipeline across them fit in memory; "
+                               f"use fewer groups, more GPUs, or a smaller global batch")
     if best is None:
         raise NoValidPlanError(f"{mw.profile.name} fits no plan on {mw.cluster.name}: no group alone, no "
                                f"data-parallel lanes and no pipeline across the groups fit in memory; use more "
