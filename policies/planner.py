@@ -159,9 +159,10 @@ class RLPlanner(Planner):
         152k-token vocabulary, its ends each beside one block) can be the fastest per stage."""
         if "recompute" in dict(getattr(workload, "fixed", ())):
             return None  # a held recompute setting holds every stage's
-        outer = list(dict.fromkeys(stages.outer_of(p) for p in plans if stages.solvable(p)))[:FINISH]
+        worth = lambda p: stages.worth_solving(p, workload.profile)  # noqa: E731
+        outer = list(dict.fromkeys(stages.outer_of(p) for p in plans if worth(p)))[:FINISH]
         rest = [p for p in dict.fromkeys(stages.outer_of(p) for p in [*plans, *others, *map(as_1f1b, plans)]
-                                         if stages.solvable(p)) if p not in outer]
+                                         if worth(p)) if p not in outer]
         if rest and NEIGHBOURS:
             pa = PlanArrays.from_plans(rest, workload.profile)
             bound = stages.lower_bound(pa, evaluate(workload, pa, ranks=True))

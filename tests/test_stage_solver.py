@@ -202,7 +202,7 @@ def test_the_pipe_is_the_ranks_shares_less_the_slowest_ones_plus_m_slowest_micro
 def test_solver_refuses_what_it_cannot_solve_exactly():
     w = workload(global_batch=8, nodes=1, gpus_per_node=2, size="tiny")
     plan = Plan(dp=1, tp=1, pp=2, micro_batch_size=1, num_micro_batches=8)
-    assert stages.solvable(plan) and solve(w, [plan])[0] is not None
+    assert stages.worth_solving(plan, w.profile) and solve(w, [plan])[0] is not None
     tight = dataclasses.replace(w, memory_headroom=0.999999)  # nothing fits
     assert solve(tight, [plan]) == [None]
 

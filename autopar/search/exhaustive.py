@@ -125,7 +125,6 @@ class ExhaustivePlanner(Planner):
         outer, bounds = np.concatenate(outer), np.concatenate(bounds)
         order = np.argsort(bounds, kind="stable")
         outer, bounds = outer[order], bounds[order]
-        one_kind = len(workload.profile.layers) == 1  # then one stage's recompute is the uniform one's
         best, best_time, seen = None, target, set()
         queue = [stages.outer_of(p) for p in first]
         position = 0
@@ -134,7 +133,7 @@ class ExhaustivePlanner(Planner):
                 queue.append(space.plan(int(outer[position])))
                 position += 1
             batch = [p for p in dict.fromkeys(stages.outer_of(p) for p in queue)
-                     if p not in seen and stages.solvable(p) and not (one_kind and p.pp == 1)]
+                     if p not in seen and stages.worth_solving(p, workload.profile)]
             queue = []
             if not batch:
                 if position >= len(outer) or bounds[position] >= best_time:

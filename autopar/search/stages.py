@@ -37,11 +37,10 @@ import numpy as np
 
 from autopar.cost import Coefficients, PlanArrays, evaluate, zero_bubble
 from autopar.cost.arrays import RankTable
-from autopar.knobs import SCHEDULES, balanced_split, knob, rank_stages, stage_rank
+from autopar.knobs import balanced_split, knob, rank_stages, stage_rank
 from autopar.errors import PlanError
 from autopar.plan import Plan
 
-SOLVED_SCHEDULES = SCHEDULES  # every schedule (docstring)
 MAX_PATTERNS = 4096  # per-chunk recompute patterns of one rank under the interleaved schedule
 
 
@@ -65,8 +64,10 @@ def outer_of(plan: Plan) -> Plan:
     return plan.with_(recompute="none", recompute_blocks=0, stage_recompute=(), layer_split=())
 
 
-def solvable(plan: Plan) -> bool:
-    return plan.schedule in SOLVED_SCHEDULES
+def worth_solving(plan: Plan, profile) -> bool:
+    """Whether the solver can find a plan no uniform plan is: not for one stage of a model of one block kind,
+    whose one recompute setting is a uniform plan's (the uniform search has those)."""
+    return plan.pp > 1 or len(profile.layers) > 1
 
 
 class _Candidates:
@@ -110,7 +111,8 @@ class _Problem:
         self.layers = len(kinds)
         self.selective = selective
         self.cum, self.kinds = cum, kinds
-        self.moves: list[dict] = []  # per rank: (from, to) blocks placed -> [(row, choice)]
+        self.moves: list[dict] = []  # per rank: (from, to) blocks placed -> its _Options
+        self.options: list[list[_Options]] = []  # per rank: its distinct _Options
 
     def ends(self, rank: int) -> np.ndarray:
         """The embedding on the rank of the first stage, the head on the rank of the last (V: both on rank 0)."""
@@ -119,8 +121,10 @@ class _Problem:
         e[-1] += rank == stage_rank(self.pp * self.v - 1, self.pp, self.plan.schedule)
         return e
 
-    def build(self, cands: _Candidates, index: int) -> bool:
-        return self._build_looped(cands, index) if self.v == 1 else self._build_interleaved(cands, index)
+    def build(self, cands: _Candidates, index: int, skeletons: dict) -> bool:
+        """Its candidate rows in `cands`; `skeletons`: the ranges of each pp (`_skeleton`) and the blocks each
+        range's options recompute, shared by the outer plans of a `solve` call."""
+        return self._build_looped(cands, index, skeletons) if self.v == 1 else self._build_interleaved(cands, index)
 
     def _range(self, a: int, n: int, options: list[str]):
         """Blocks [a, a + n) and, per option, those fully and selectively recomputed (by kind)."""
@@ -130,24 +134,39 @@ class _Problem:
         sel = np.array([held if o == "selective" else 0 * held for o in options])
         return held, full, sel
 
-    def _build_looped(self, cands: _Candidates, index: int) -> bool:
-        seq_rows: dict = {}  # (rank, blocks' kinds) -> its options: ranks alike price alike
+    def _build_looped(self, cands: _Candidates, index: int, skeletons: dict) -> bool:
+        if self.pp not in skeletons:
+            skeletons[self.pp] = self._skeleton()
+        ranges, keys = skeletons[self.pp]
+        options_of = {}
+        for key, (r, a, n) in keys.items():
+            options = stage_options(n, self.selective)
+            one_kind = n > 3 and bool((self.kinds[a:a + n] == self.kinds[a]).all())
+            if one_kind:  # full:1 and full:n first; the least K that fits is found from them (`_refine`)
+                options = [o for o in options if not o.startswith("full:")] + ["full:1", f"full:{n}"]
+            priced = (a, n, tuple(options))  # the same blocks and options price alike in every outer plan
+            if priced not in skeletons:
+                skeletons[priced] = self._range(a, n, options)
+            held, full, sel = skeletons[priced]
+            rows = cands.add(index, r, held + self.ends(r), full, sel)
+            options_of[key] = _Options(list(rows), [(n, o) for o in options], (r, a, n, held) if one_kind else None)
+        self.moves = [{span: options_of[key] for span, key in rank_ranges} for rank_ranges in ranges]
+        self.options = [[o for key, o in options_of.items() if keys[key][0] == r] for r in range(self.pp)]
+        return True
+
+    def _skeleton(self) -> tuple[list[list[tuple]], dict]:
+        """Per rank, ((from, to), key) of each range of blocks it may hold, and each key's (rank, first block,
+        blocks): a key per rank and sequence of block kinds, since ranks alike price alike. The same for every
+        outer plan of this pp (one stage per rank: the ends on the first and the last rank)."""
+        ranges, keys = [], {}
         for r in range(self.pp):
-            moves: dict = {}
+            rank_ranges = []
             for a, n in self._ranges(r):
                 key = (r, self.kinds[a:a + n].tobytes())
-                if key not in seq_rows:
-                    options = stage_options(n, self.selective)
-                    one_kind = n > 3 and bool((self.kinds[a:a + n] == self.kinds[a]).all())
-                    if one_kind:  # full:1 and full:n first; the least K that fits is found from them (`_refine`)
-                        options = [o for o in options if not o.startswith("full:")] + ["full:1", f"full:{n}"]
-                    held, full, sel = self._range(a, n, options)
-                    rows = cands.add(index, r, held + self.ends(r), full, sel)
-                    seq_rows[key] = _Options(list(rows), [(n, o) for o in options],
-                                             (r, a, n, held) if one_kind else None)
-                moves[(a, a + n)] = seq_rows[key]
-            self.moves.append(moves)
-        return True
+                keys.setdefault(key, (r, a, n))
+                rank_ranges.append(((a, a + n), key))
+            ranges.append(rank_ranges)
+        return ranges, keys
 
     def _ranges(self, r: int):
         """(first block, blocks) rank r may hold: every rank before and after it can still hold its share
@@ -169,8 +188,8 @@ class _Problem:
         and their time grows with K (a recomputed block keeps its output instead of its activations; its
         forward runs again), so only the least K that fits can be in an optimum: estimated between the two
         (memory is affine in K), then priced with K - 1 to confirm (`everything`: every K, when it did not)."""
-        for moves in self.moves:
-            for opts in {id(o): o for o in moves.values()}.values():
+        for rank_options in self.options:
+            for opts in rank_options:
                 if opts.one_kind is None:
                     continue
                 r, a, n, held = opts.one_kind
@@ -191,8 +210,8 @@ class _Problem:
 
     def confirmed(self, memory: np.ndarray, budget: float) -> bool:
         """Whether each refined rank's least fitting K is priced: K fits and K - 1 does not."""
-        for moves in self.moves:
-            for opts in {id(o): o for o in moves.values()}.values():
+        for rank_options in self.options:
+            for opts in rank_options:
                 if opts.one_kind is None:
                     continue
                 fit = sorted(int(o[5:]) for row, (_, o) in zip(opts.rows, opts.choices)
@@ -220,6 +239,7 @@ class _Problem:
                 sels.append(sum(ranges[i][2][j] for i, j in enumerate(combo)))
             rows = cands.add(index, r, held + self.ends(r), np.array(fulls), np.array(sels))
             self.moves.append({(0, 0): _Options(list(rows), patterns, None)})
+            self.options.append(list(self.moves[-1].values()))
         return True
 
 
@@ -285,8 +305,8 @@ def _dominance(problem: _Problem, per_mb, share) -> list[_Dominance | None]:
     objective itself, c, and the tail decide)."""
     m = float(problem.plan.num_micro_batches)
     ratios = []
-    for moves in problem.moves:
-        rows = np.array([row for opts in moves.values() for row in opts.rows])
+    for rank_options in problem.options:
+        rows = np.array([row for opts in rank_options for row in opts.rows])
         rows = rows[per_mb[rows] > 0]
         ratio = share[rows] / per_mb[rows]
         ratios.append((ratio.min(), ratio.max()) if len(ratio) else (np.inf, -np.inf))
@@ -300,7 +320,7 @@ def _dominance(problem: _Problem, per_mb, share) -> list[_Dominance | None]:
 
 def _bounds(problem: _Problem, per_mb, share) -> tuple[float, float]:
     """The least and the largest share / micro-batch over all the problem's candidate ranks."""
-    rows = np.array([row for moves in problem.moves for opts in moves.values() for row in opts.rows])
+    rows = np.array([row for rank_options in problem.options for opts in rank_options for row in opts.rows])
     rows = rows[per_mb[rows] > 0]
     ratio = share[rows] / per_mb[rows] if len(rows) else np.zeros(1)
     return float(ratio.min()), float(ratio.max())
@@ -331,7 +351,7 @@ def _floors(problem: _Problem, per_mb, share, tail, fits) -> np.ndarray:
     least tails."""
     out = np.zeros((problem.pp + 1, 3))
     for r in range(problem.pp - 1, -1, -1):
-        rows = np.array([row for opts in problem.moves[r].values() for row in opts.rows])
+        rows = np.array([row for opts in problem.options[r] for row in opts.rows])
         rows = rows[fits[rows]]
         least = (share[rows].min(), per_mb[rows].min(), tail[rows].min()) if len(rows) else (np.inf,) * 3
         out[r] = (out[r + 1, 0] + least[0], max(out[r + 1, 1], least[1]), max(out[r + 1, 2], least[2]))
@@ -351,8 +371,7 @@ def _solve_one(problem: _Problem, per_mb, share, tail, fits, target: float = np.
     layers = []
     reduced: dict = {}  # the options of a rank's blocks that fit and that no other option dominates (`_reduce`)
     for r, (moves, dom) in enumerate(zip(problem.moves, doms)):
-        _reduce([o for o in {id(o): o for o in moves.values()}.values() if id(o) not in reduced], reduced, whole,
-                per_mb, share, tail, fits)
+        _reduce([o for o in problem.options[r] if id(o) not in reduced], reduced, whole, per_mb, share, tail, fits)
         src_b, dst_b, p, sh, tl, choice = [], [], [], [], [], []
         for (a, end), opts in moves.items():
             for row, pick in reduced[id(opts)]:
@@ -405,8 +424,8 @@ def _trace(layers, point: int) -> list:
 def solve(workload, plans: list[Plan], coeffs: Coefficients | None = None,
           target: float = np.inf) -> list[Solved | None]:
     """Per outer plan (its recompute and split are ignored), the best per-stage plan in memory, or None
-    (nothing fits, the schedule is not solved here, or, given a `target` iteration time, no plan beats it:
-    the search only needs those)."""
+    (nothing fits, more per-chunk patterns than MAX_PATTERNS, or, given a `target` iteration time, no plan
+    beats it: the search only needs those)."""
     c = coeffs if coeffs is not None else Coefficients.for_cluster(workload.cluster, workload.runtime)
     profile = workload.profile
     kinds = np.array([k for k, e in enumerate(profile.layers, start=1) for _ in range(e.count)], dtype=np.int64)
@@ -415,16 +434,14 @@ def solve(workload, plans: list[Plan], coeffs: Coefficients | None = None,
     selective = {}
     problems: list[_Problem | None] = []
     cands = _Candidates(n_kinds)
+    skeletons: dict = {}
     for i, plan in enumerate(plans):
         outer = outer_of(plan)
-        if not solvable(outer):
-            problems.append(None)
-            continue
         key = (outer.pp, outer.schedule)
         if key not in selective:
             selective[key] = _selective(workload, outer)
         problem = _Problem(workload, outer, selective[key], cum, kinds)
-        problems.append(problem if problem.build(cands, i) else None)
+        problems.append(problem if problem.build(cands, i, skeletons) else None)
     out: list[Solved | None] = [None] * len(plans)
     if not cands.rank:
         return out
