@@ -34,6 +34,7 @@ from autopar.envs.knobs import PlanSpace
 from autopar.envs.rewards import OracleCache
 from autopar.errors import AutoparError
 from autopar.knobs import PRECISIONS, STATE_BYTES_PER_PARAM, storage_dtype  # sizes clusters to models
+from autopar.mixed.shares import quantum  # the grid the mixed search prices a lane's shares on
 from autopar.profile import profile_model
 from autopar.schema import (
     MAX_GLOBAL_BATCH,
@@ -226,8 +227,6 @@ def _as_lane(rng: np.random.Generator, spec: WorkloadSpec) -> WorkloadSpec:
     its grid units (`autopar.mixed.shares.quantum`), k = all of them being the group alone. The job's
     batch is the group's times LANE_JOB (the other groups' part), so a lane's batch need not follow its
     GPU count."""
-    from autopar.mixed.shares import quantum  # the grid the mixed search prices shares on
-
     job = max(MIN_BATCH, int(round(spec.global_batch * float(rng.choice(LANE_JOB)))))
     q = quantum(job)
     share = q * int(rng.integers(1, job // q + 1))

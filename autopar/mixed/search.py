@@ -23,9 +23,10 @@ What is exact and what is not (method "exhaustive", the oracle):
 
 "metis" (Metis, Um et al., ATC'24): shares (and a spanning pipeline's blocks) proportional to each group's
 measured speed -- its single plan's tokens/s -- then each group's degrees and knobs by the exact
-homogeneous search at its share. "rl": the policy proposes, the exact homogeneous search finishes. Today's
-policy (the homogeneous rl planner, greedy, finished by the per-stage solver; not retrained on mixed
-workloads) plans each group alone and at its proportional share; every share on the grid is priced by
+homogeneous search at its share. "rl": the policy proposes, the exact homogeneous search finishes. The
+policy (the homogeneous rl planner, greedy, finished by the per-stage solver; trained on a mix a quarter of
+which is such lanes: a group's GPUs at a share of a larger batch, `envs/workloads.py` `_as_lane`) plans each
+group alone and at its proportional share; every share on the grid is priced by
 re-batching the group's plans (`rebatched`: the same degrees and knobs, every micro-batch size, one
 vectorised pricing, no policy call); the share DP picks the lanes. The exact homogeneous search of the
 uniform plans (ExhaustivePlanner without the per-stage solver: `_Lanes.finish`) plans each group alone whose
