@@ -111,8 +111,8 @@ class _Problem:
         self.layers = len(kinds)
         self.selective = selective
         self.cum, self.kinds = cum, kinds
-        self.moves: list[dict] = []  # per rank: (from, to) blocks placed -> its _Options
         self.options: list[list[_Options]] = []  # per rank: its distinct _Options
+        self.spans: list[tuple] = []  # per rank: (from, to, index into its options) arrays, one per range it may hold
 
     def ends(self, rank: int) -> np.ndarray:
         """The embedding on the rank of the first stage, the head on the rank of the last (V: both on rank 0)."""
@@ -137,36 +137,40 @@ class _Problem:
     def _build_looped(self, cands: _Candidates, index: int, skeletons: dict) -> bool:
         if self.pp not in skeletons:
             skeletons[self.pp] = self._skeleton()
-        ranges, keys = skeletons[self.pp]
+        spans, keys = skeletons[self.pp]
         options_of = {}
         for key, (r, a, n) in keys.items():
-            options = stage_options(n, self.selective)
-            one_kind = n > 3 and bool((self.kinds[a:a + n] == self.kinds[a]).all())
-            if one_kind:  # full:1 and full:n first; the least K that fits is found from them (`_refine`)
-                options = [o for o in options if not o.startswith("full:")] + ["full:1", f"full:{n}"]
-            priced = (a, n, tuple(options))  # the same blocks and options price alike in every outer plan
-            if priced not in skeletons:
-                skeletons[priced] = self._range(a, n, options)
-            held, full, sel = skeletons[priced]
+            blocks = (a, n, self.selective)  # the same blocks and options price alike in every outer plan
+            if blocks not in skeletons:
+                options = stage_options(n, self.selective)
+                one_kind = n > 3 and bool((self.kinds[a:a + n] == self.kinds[a]).all())
+                if one_kind:  # full:1 and full:n first; the least K that fits is found from them (`_refine`)
+                    options = [o for o in options if not o.startswith("full:")] + ["full:1", f"full:{n}"]
+                skeletons[blocks] = (options, [(n, o) for o in options], one_kind, *self._range(a, n, options))
+            options, choices, one_kind, held, full, sel = skeletons[blocks]
             rows = cands.add(index, r, held + self.ends(r), full, sel)
-            options_of[key] = _Options(list(rows), [(n, o) for o in options], (r, a, n, held) if one_kind else None)
-        self.moves = [{span: options_of[key] for span, key in rank_ranges} for rank_ranges in ranges]
-        self.options = [[o for key, o in options_of.items() if keys[key][0] == r] for r in range(self.pp)]
+            options_of[key] = _Options(list(rows), list(choices), (r, a, n, held) if one_kind else None)
+        self.options = [[options_of[key] for key in rank_keys] for rank_keys, _ in spans]
+        self.spans = [rank_spans for _, rank_spans in spans]
         return True
 
-    def _skeleton(self) -> tuple[list[list[tuple]], dict]:
-        """Per rank, ((from, to), key) of each range of blocks it may hold, and each key's (rank, first block,
-        blocks): a key per rank and sequence of block kinds, since ranks alike price alike. The same for every
-        outer plan of this pp (one stage per rank: the ends on the first and the last rank)."""
-        ranges, keys = [], {}
+    def _skeleton(self) -> tuple[list[tuple], dict]:
+        """Per rank, its keys and the (from, to, key index) arrays of each range of blocks it may hold, and each
+        key's (rank, first block, blocks): a key per rank and sequence of block kinds, since ranks alike price
+        alike. The same for every outer plan of this pp (one stage per rank: the ends on the first and the
+        last rank)."""
+        spans, keys = [], {}
         for r in range(self.pp):
-            rank_ranges = []
+            index: dict = {}
+            src, dst, kid = [], [], []
             for a, n in self._ranges(r):
                 key = (r, self.kinds[a:a + n].tobytes())
                 keys.setdefault(key, (r, a, n))
-                rank_ranges.append(((a, a + n), key))
-            ranges.append(rank_ranges)
-        return ranges, keys
+                src.append(a)
+                dst.append(a + n)
+                kid.append(index.setdefault(key, len(index)))
+            spans.append((list(index), (np.array(src), np.array(dst), np.array(kid))))
+        return spans, keys
 
     def _ranges(self, r: int):
         """(first block, blocks) rank r may hold: every rank before and after it can still hold its share
@@ -238,8 +242,8 @@ class _Problem:
                 fulls.append(sum(ranges[i][1][j] for i, j in enumerate(combo)))
                 sels.append(sum(ranges[i][2][j] for i, j in enumerate(combo)))
             rows = cands.add(index, r, held + self.ends(r), np.array(fulls), np.array(sels))
-            self.moves.append({(0, 0): _Options(list(rows), patterns, None)})
-            self.options.append(list(self.moves[-1].values()))
+            self.options.append([_Options(list(rows), patterns, None)])
+            self.spans.append((np.zeros(1, dtype=np.int64),) * 3)  # blocks placed stay 0: the split is fixed
         return True
 
 
@@ -367,23 +371,29 @@ def _solve_one(problem: _Problem, per_mb, share, tail, fits, target: float = np.
     doms = _dominance(problem, per_mb, share)
     whole = _Dominance(float(problem.plan.num_micro_batches), *_bounds(problem, per_mb, share))
     floors = _floors(problem, per_mb, share, tail, fits) if np.isfinite(target) else None
+    if floors is not None:  # a rank with nothing that fits, or the whole plan's bound already no better
+        first = floors[0]
+        if not np.isfinite(first).all() or (first[0] + (whole.m - whole.high) * first[1] + first[2] + const
+                                            >= target * (1 + 1e-9)):
+            return None
     b, S, M, sig, T = (np.zeros(1) for _ in range(5))
     layers = []
     reduced: dict = {}  # the options of a rank's blocks that fit and that no other option dominates (`_reduce`)
-    for r, (moves, dom) in enumerate(zip(problem.moves, doms)):
+    for r, ((src, dst, kid), dom) in enumerate(zip(problem.spans, doms)):
         _reduce([o for o in problem.options[r] if id(o) not in reduced], reduced, whole, per_mb, share, tail, fits)
-        src_b, dst_b, p, sh, tl, choice = [], [], [], [], [], []
-        for (a, end), opts in moves.items():
-            for row, pick in reduced[id(opts)]:
-                src_b.append(a)
-                dst_b.append(end)
-                p.append(per_mb[row])
-                sh.append(share[row])
-                tl.append(tail[row])
-                choice.append(pick)
-        if not src_b:
+        # every range with each of its options' reduced rows: the moves, flattened
+        kept = [reduced[id(o)] for o in problem.options[r]]
+        counts = np.array([len(k) for k in kept])
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        rows = np.array([row for k in kept for row, _ in k], dtype=np.int64)
+        picks = [pick for k in kept for _, pick in k]
+        each = counts[kid]
+        if not each.sum():
             return None
-        src_b, dst_b, p, sh, tl = map(np.asarray, (src_b, dst_b, p, sh, tl))
+        first = np.repeat(starts[kid] - np.concatenate([[0], np.cumsum(each)[:-1]]), each)
+        flat = first + np.arange(int(each.sum()))  # index into rows / picks of each move
+        src_b, dst_b = np.repeat(src, each), np.repeat(dst, each)
+        p, sh, tl = per_mb[rows[flat]], share[rows[flat]], tail[rows[flat]]
         # join every point with every move from its block count
         pair_pt, pair_mv = np.nonzero(b[:, None] == src_b[None, :])
         if len(pair_pt) == 0:
@@ -407,7 +417,7 @@ def _solve_one(problem: _Problem, per_mb, share, tail, fits, target: float = np.
             keep = whole.front(nb, c, np.zeros_like(c), np.zeros_like(c), nT)
         else:
             keep = dom.front(nb, nS, nM, nsig, nT)
-        layers.append((pair_pt[keep], [choice[i] for i in pair_mv[keep]]))
+        layers.append((pair_pt[keep], [picks[i] for i in flat[pair_mv[keep]]]))
         b, S, M, sig, T = nb[keep], nS[keep], nM[keep], nsig[keep], nT[keep]
     done = np.flatnonzero(b == (problem.layers if problem.v == 1 else 0))
     return (done, layers) if len(done) else None
@@ -462,8 +472,7 @@ def solve(workload, plans: list[Plan], coeffs: Coefficients | None = None,
     # is the schedule's own); the least is the optimum
     finals, owner = [], []
     for i, problem in enumerate(problems):
-        first = problem.moves[0] if problem is not None else {}
-        row = next(iter(first.values())).rows[0] if first else None
+        row = problem.options[0][0].rows[0] if problem is not None else None
         found = None if problem is None else _solve_one(problem, per_mb, share, tail, fits, target, const[row])
         if found is None:
             continue
