@@ -405,8 +405,9 @@ def _activations(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     kept = (act_mb - head_act) * in_flight
     # zero-bubble: its own peak count, and the deferred W passes' inputs, all but the attention core's, at
     # the class's worst rank (cost/zero_bubble.py)
-    zb = zero_bubble.worst_in_flight(sched, pp, m, v, rank, last, act_mb - head_act, on_layers(act_sel))
-    kept = np.where(zero_bubble.applies(sched), zb, kept)
+    if zero_bubble.applies(sched).any():
+        zb = zero_bubble.worst_in_flight(sched, pp, m, v, rank, last, act_mb - head_act, on_layers(act_sel))
+        kept = np.where(zero_bubble.applies(sched), zb, kept)
     working = np.where((ckpt_frac > 0) | (full.sum(axis=2) > 0), (act_full * k["is_layer"]).max(axis=1, keepdims=True),
                        0.0)
     block_params = ((k["tp_params"] / t + k["params"] - k["tp_params"]) * k["is_layer"]).max(axis=1)

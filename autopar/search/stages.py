@@ -303,14 +303,19 @@ class _Dominance:
         return np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
 
 
-def _dominance(problem: _Problem, per_mb, share) -> list[_Dominance | None]:
+def _rank_rows(problem: _Problem, r: int) -> np.ndarray:
+    """The candidate rows of rank r, all its options'."""
+    return np.array([row for opts in problem.options[r] for row in opts.rows], dtype=np.int64)
+
+
+def _dominance(problem: _Problem, per_mb, share) -> tuple[list[_Dominance | None], _Dominance]:
     """Per rank, how its partial plans compare: the bounds of share / micro-batch over the candidates of the
     ranks after it (only those can be a later slowest rank); None for the last (no later rank: the
-    objective itself, c, and the tail decide)."""
+    objective itself, c, and the tail decide). And the bounds over every rank's candidates (`whole`)."""
     m = float(problem.plan.num_micro_batches)
     ratios = []
-    for rank_options in problem.options:
-        rows = np.array([row for opts in rank_options for row in opts.rows])
+    for r in range(problem.pp):
+        rows = _rank_rows(problem, r)
         rows = rows[per_mb[rows] > 0]
         ratio = share[rows] / per_mb[rows]
         ratios.append((ratio.min(), ratio.max()) if len(ratio) else (np.inf, -np.inf))
@@ -319,15 +324,8 @@ def _dominance(problem: _Problem, per_mb, share) -> list[_Dominance | None]:
     for lo, hi in reversed(ratios[1:]):
         low, high = min(low, lo), max(high, hi)
         out.append(_Dominance(m, float(low), float(high)))
-    return out[::-1]
-
-
-def _bounds(problem: _Problem, per_mb, share) -> tuple[float, float]:
-    """The least and the largest share / micro-batch over all the problem's candidate ranks."""
-    rows = np.array([row for rank_options in problem.options for opts in rank_options for row in opts.rows])
-    rows = rows[per_mb[rows] > 0]
-    ratio = share[rows] / per_mb[rows] if len(rows) else np.zeros(1)
-    return float(ratio.min()), float(ratio.max())
+    whole = _Dominance(m, float(min(lo for lo, _ in ratios)), float(max(hi for _, hi in ratios)))
+    return out[::-1], whole
 
 
 def _reduce(options: list, reduced: dict, dom: _Dominance, per_mb, share, tail, fits) -> None:
@@ -355,7 +353,7 @@ def _floors(problem: _Problem, per_mb, share, tail, fits) -> np.ndarray:
     least tails."""
     out = np.zeros((problem.pp + 1, 3))
     for r in range(problem.pp - 1, -1, -1):
-        rows = np.array([row for opts in problem.options[r] for row in opts.rows])
+        rows = _rank_rows(problem, r)
         rows = rows[fits[rows]]
         least = (share[rows].min(), per_mb[rows].min(), tail[rows].min()) if len(rows) else (np.inf,) * 3
         out[r] = (out[r + 1, 0] + least[0], max(out[r + 1, 1], least[1]), max(out[r + 1, 2], least[2]))
@@ -368,8 +366,7 @@ def _solve_one(problem: _Problem, per_mb, share, tail, fits, target: float = np.
     whose completion can still beat it: iteration >= S + (m - high) M + the largest tail + const, with
     sigma <= high M (high: the largest share / micro-batch of any candidate) and every later rank at least
     its least share, micro-batch time and tail (`_floors`)."""
-    doms = _dominance(problem, per_mb, share)
-    whole = _Dominance(float(problem.plan.num_micro_batches), *_bounds(problem, per_mb, share))
+    doms, whole = _dominance(problem, per_mb, share)
     floors = _floors(problem, per_mb, share, tail, fits) if np.isfinite(target) else None
     if floors is not None:  # a rank with nothing that fits, or the whole plan's bound already no better
         first = floors[0]
