@@ -42,6 +42,7 @@ from autopar.errors import PlanError
 from autopar.plan import Plan
 
 MAX_PATTERNS = 4096  # per-chunk recompute patterns of one rank under the interleaved schedule
+PACK = 64  # points of a dominance front compared in one block (`_Dominance.front`)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,17 @@ class _Candidates:
         self.sel.append(sel)
         return np.arange(start, start + n)
 
+    def add_rows(self, outer: int, rank: np.ndarray, counts: np.ndarray, full: np.ndarray, sel: np.ndarray) -> int:
+        """Rows for candidates of several ranks at once (`rank`, `counts` per row); the index of the first."""
+        start, n = self.start + self.size, len(rank)
+        self.size += n
+        self.outer.append(np.full(n, outer))
+        self.rank.append(rank)
+        self.counts.append(counts)
+        self.full.append(full)
+        self.sel.append(sel)
+        return start
+
     def arrays(self):
         cat = lambda parts: np.concatenate(parts) if parts else np.zeros((0, self.n_kinds))  # noqa: E731
         return (np.concatenate(self.outer).astype(np.int64), np.concatenate(self.rank),
@@ -124,7 +136,7 @@ class _Problem:
     def build(self, cands: _Candidates, index: int, skeletons: dict) -> bool:
         """Its candidate rows in `cands`; `skeletons`: the ranges of each pp (`_skeleton`) and the blocks each
         range's options recompute, shared by the outer plans of a `solve` call."""
-        return self._build_looped(cands, index, skeletons) if self.v == 1 else self._build_interleaved(cands, index)
+        return (self._build_looped if self.v == 1 else self._build_interleaved)(cands, index, skeletons)
 
     def _range(self, a: int, n: int, options: list[str]):
         """Blocks [a, a + n) and, per option, those fully and selectively recomputed (by kind)."""
@@ -138,21 +150,37 @@ class _Problem:
         if self.pp not in skeletons:
             skeletons[self.pp] = self._skeleton()
         spans, keys = skeletons[self.pp]
-        options_of = {}
-        for key, (r, a, n) in keys.items():
-            blocks = (a, n, self.selective)  # the same blocks and options price alike in every outer plan
-            if blocks not in skeletons:
-                options = stage_options(n, self.selective)
-                one_kind = n > 3 and bool((self.kinds[a:a + n] == self.kinds[a]).all())
-                if one_kind:  # full:1 and full:n first; the least K that fits is found from them (`_refine`)
-                    options = [o for o in options if not o.startswith("full:")] + ["full:1", f"full:{n}"]
-                skeletons[blocks] = (options, [(n, o) for o in options], one_kind, *self._range(a, n, options))
-            options, choices, one_kind, held, full, sel = skeletons[blocks]
-            rows = cands.add(index, r, held + self.ends(r), full, sel)
-            options_of[key] = _Options(list(rows), list(choices), (r, a, n, held) if one_kind else None)
+        table = ("rows", self.pp, self.plan.schedule, self.selective)
+        if table not in skeletons:  # every key's rows, the same in every outer plan of this pp and schedule
+            skeletons[table] = self._rows(keys)
+        (rank, counts, full, sel), offsets, choices, one_kind = skeletons[table]
+        start = cands.add_rows(index, rank, counts, full, sel)
+        options_of = {key: _Options(list(range(start + a, start + b)), list(choices[key]), one_kind[key])
+                      for key, (a, b) in offsets.items()}
         self.options = [[options_of[key] for key in rank_keys] for rank_keys, _ in spans]
         self.spans = [rank_spans for _, rank_spans in spans]
         return True
+
+    def _rows(self, keys: dict) -> tuple:
+        """The candidate rows of every key (`_skeleton`): each of its blocks' recompute options (a range of one
+        kind priced at full:1 and full:n only, the least K that fits found from them: `refine`), as arrays
+        (rank, blocks by kind with the ends, fully and selectively recomputed), with each key's (from, to)
+        offsets into them, its choices and, for a range of one kind, what `refine` needs."""
+        parts, offsets, choices, one_kind, size = [], {}, {}, {}, 0
+        for key, (r, a, n) in keys.items():
+            options = stage_options(n, self.selective)
+            single = n > 3 and bool((self.kinds[a:a + n] == self.kinds[a]).all())
+            if single:
+                options = [o for o in options if not o.startswith("full:")] + ["full:1", f"full:{n}"]
+            held, full, sel = self._range(a, n, options)
+            parts.append((np.full(len(options), r), np.broadcast_to(held + self.ends(r), (len(options), len(held))),
+                          full, sel))
+            offsets[key] = (size, size + len(options))
+            size += len(options)
+            choices[key] = [(n, o) for o in options]
+            one_kind[key] = (r, a, n, held) if single else None
+        arrays = tuple(np.concatenate([part[j] for part in parts]) for j in range(4))
+        return arrays, offsets, choices, one_kind
 
     def _skeleton(self) -> tuple[list[tuple], dict]:
         """Per rank, its keys and the (from, to, key index) arrays of each range of blocks it may hold, and each
@@ -225,26 +253,39 @@ class _Problem:
                     return False
         return True
 
-    def _build_interleaved(self, cands: _Candidates, index: int) -> bool:
+    def _build_interleaved(self, cands: _Candidates, index: int, skeletons: dict) -> bool:
+        table = ("chunks", self.pp, self.v, self.plan.schedule, self.selective)
+        if table not in skeletons:  # the same in every outer plan of this pp, v and schedule
+            skeletons[table] = self._patterns()
+        per_rank = skeletons[table]
+        if per_rank is None:
+            return False
+        for r, (held, full, sel, patterns) in enumerate(per_rank):
+            start = cands.add_rows(index, np.full(len(patterns), r), np.broadcast_to(held, (len(patterns), len(held))),
+                                   full, sel)
+            self.options.append([_Options(list(range(start, start + len(patterns))), patterns, None)])
+            self.spans.append((np.zeros(1, dtype=np.int64),) * 3)  # blocks placed stay 0: the split is fixed
+        return True
+
+    def _patterns(self) -> list | None:
+        """Per rank of the balanced split over pp x v stages: its blocks with the ends, and for every pattern of
+        its chunks' recompute options, the blocks fully and selectively recomputed; None past MAX_PATTERNS."""
         pp, v = self.pp, self.v
         split = balanced_split(self.layers, pp * v)
         starts = np.concatenate([[0], np.cumsum(split)])
+        out = []
         for r in range(pp):
             stages = rank_stages(pp, v, self.plan.schedule, r)
             per_stage = [stage_options(split[s], self.selective) for s in stages]
             if np.prod([len(o) for o in per_stage], dtype=float) > MAX_PATTERNS:
-                return False
+                return None
             held = sum(self.cum[starts[s + 1]] - self.cum[starts[s]] for s in stages)
             ranges = [self._range(int(starts[s]), split[s], o) for s, o in zip(stages, per_stage)]
-            patterns, fulls, sels = [], [], []
-            for combo in itertools.product(*[range(len(o)) for o in per_stage]):
-                patterns.append(tuple(per_stage[i][j] for i, j in enumerate(combo)))
-                fulls.append(sum(ranges[i][1][j] for i, j in enumerate(combo)))
-                sels.append(sum(ranges[i][2][j] for i, j in enumerate(combo)))
-            rows = cands.add(index, r, held + self.ends(r), np.array(fulls), np.array(sels))
-            self.options.append([_Options(list(rows), patterns, None)])
-            self.spans.append((np.zeros(1, dtype=np.int64),) * 3)  # blocks placed stay 0: the split is fixed
-        return True
+            combos = np.array(list(itertools.product(*[range(len(o)) for o in per_stage])), dtype=np.int64)
+            full = sum(ranges[i][1][combos[:, i]] for i in range(len(stages)))
+            sel = sum(ranges[i][2][combos[:, i]] for i in range(len(stages)))
+            out.append((held + self.ends(r), full, sel, list(itertools.product(*per_stage))))
+        return out
 
 
 def _selective(workload, outer: Plan) -> bool:
@@ -285,22 +326,25 @@ class _Dominance:
         M_A < M_B needs S_A + (m - low) M_B <= c_B, M_A > M_B needs c_A <= S_B + (m - high) M_B."""
         c = S - sig + self.m * M
         order = np.lexsort((T, c, S, b))
-        keep = []
-        bounds = np.flatnonzero(np.diff(b[order])) + 1
-        for group in np.split(order, bounds):
-            if len(group) == 1:
-                keep.append(group)
+        bs, Ss, Ms, cs, Ts = b[order], S[order], M[order], c[order], T[order]
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(bs)) + 1]) if len(order) else np.zeros(0, dtype=np.int64)
+        # groups of the same b compared in blocks of about PACK points (a pair from two groups never counts):
+        # fewer, larger numpy calls than one per group
+        firsts = starts[np.flatnonzero(np.diff(np.concatenate([[-1], starts // PACK])))]
+        keep = np.ones(len(order), dtype=bool)
+        for lo, hi in zip(firsts, np.append(firsts[1:], len(order))):
+            if hi - lo < 2:
                 continue
-            gS, gM, gc, gT = S[group], M[group], c[group], T[group]
+            sl = slice(lo, hi)
+            gS, gM, gc, gT, gb = Ss[sl], Ms[sl], cs[sl], Ts[sl], bs[sl]
             i, j = gS[:, None], gS[None, :]  # earlier (row) against later (column): S_i <= S_j by the order
-            ok = (gc[:, None] <= gc[None, :]) & (gT[:, None] <= gT[None, :])
+            ok = (gb[:, None] == gb[None, :]) & (gc[:, None] <= gc[None, :]) & (gT[:, None] <= gT[None, :])
             lower = gM[:, None] < gM[None, :]
             higher = gM[:, None] > gM[None, :]
             ok &= ~lower | (i + (self.m - self.low) * gM[None, :] <= gc[None, :] * (1 + 1e-12))
             ok &= ~higher | (gc[:, None] <= j + (self.m - self.high) * gM[None, :])
-            dominated = np.triu(ok, k=1).any(axis=0)
-            keep.append(group[~dominated])
-        return np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
+            keep[sl] = ~np.triu(ok, k=1).any(axis=0)
+        return order[keep]
 
 
 def _rank_rows(problem: _Problem, r: int) -> np.ndarray:
@@ -429,10 +473,11 @@ def _trace(layers, point: int) -> list:
 
 
 def solve(workload, plans: list[Plan], coeffs: Coefficients | None = None,
-          target: float = np.inf) -> list[Solved | None]:
+          target: float = np.inf, skeletons: dict | None = None) -> list[Solved | None]:
     """Per outer plan (its recompute and split are ignored), the best per-stage plan in memory, or None
     (nothing fits, more per-chunk patterns than MAX_PATTERNS, or, given a `target` iteration time, no plan
-    beats it: the search only needs those)."""
+    beats it: the search only needs those). `skeletons`: a dict the caller keeps across calls for one
+    workload, where the candidate ranges and rows each pp shares are kept (`_Problem.build`)."""
     c = coeffs if coeffs is not None else Coefficients.for_cluster(workload.cluster, workload.runtime)
     profile = workload.profile
     kinds = np.array([k for k, e in enumerate(profile.layers, start=1) for _ in range(e.count)], dtype=np.int64)
@@ -441,7 +486,7 @@ def solve(workload, plans: list[Plan], coeffs: Coefficients | None = None,
     selective = {}
     problems: list[_Problem | None] = []
     cands = _Candidates(n_kinds)
-    skeletons: dict = {}
+    skeletons = {} if skeletons is None else skeletons
     for i, plan in enumerate(plans):
         outer = outer_of(plan)
         key = (outer.pp, outer.schedule)
