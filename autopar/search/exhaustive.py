@@ -10,6 +10,7 @@ import numpy as np
 
 from autopar import axes
 from autopar.cost import Coefficients, PlanArrays, evaluate
+from autopar.cost.arrays import unique_rows
 from autopar.errors import NoValidPlanError
 from autopar.knobs import knobs
 from autopar.plan import Plan
@@ -23,6 +24,7 @@ from autopar.search.space import degree_choices, enumerate_plans
 CHUNK = 1 << 17
 SOLVE_BATCH = 16  # outer plans per call of the per-stage solver
 MAX_OUTER = 32  # outer plans the per-stage solver finishes at most per search (`exact` says if that cut it short)
+PROMISING = MAX_OUTER // 2  # of those at most, the outer plans of the fastest uniform plans that fit (`_promising`)
 
 
 def structure_fields() -> list[str]:
@@ -71,7 +73,7 @@ class ExhaustivePlanner(Planner):
             raise no_plan_error(workload)
         keep_per_chunk = max(64, 32 * k)
         per_stage = self.per_stage and "recompute" not in dict(getattr(workload, "fixed", ()))
-        rows, least_memory, outer, bounds = [], np.inf, [], []
+        rows, least_memory, outer, bounds, fitting = [], np.inf, [], [], []
         for start in range(0, len(space), CHUNK):
             index = np.arange(start, min(start + CHUNK, len(space)))
             chunk = space.take(index)
@@ -84,10 +86,11 @@ class ExhaustivePlanner(Planner):
                 plain = np.flatnonzero((chunk.recompute == RECOMPUTE_MODES.index("none")) & np.isfinite(bound))
                 outer.append(index[plain])
                 bounds.append(bound[plain])
+                fitting.append(_fastest_per_outer(chunk, index, res))
         rows = np.concatenate(rows)
         self.solved, self.exact = 0, True
         if len(rows) == 0:
-            staged = self._per_stage(workload, space, [], outer, bounds, np.inf) if per_stage else None
+            staged = self._per_stage(workload, space, [], outer, bounds, fitting, np.inf) if per_stage else None
             if staged is None:
                 raise memory_error(workload, least_memory)
             best = PlanArrays.from_plans([staged], workload.profile)
@@ -108,7 +111,7 @@ class ExhaustivePlanner(Planner):
         staged = None
         if per_stage:  # worth a place only beyond the tie band of the best uniform plan (which is simpler)
             first = [shortlist.plan(int(j)) for j in distinct(shortlist, order, SOLVE_BATCH)]
-            staged = self._per_stage(workload, space, first, outer, bounds,
+            staged = self._per_stage(workload, space, first, outer, bounds, fitting,
                                      float(results["iteration_time"][0]) * (1 - TIE))
         if staged is not None:
             best = PlanArrays.from_plans([staged] + [best.plan(i) for i in range(min(k - 1, len(best)))],
@@ -116,19 +119,28 @@ class ExhaustivePlanner(Planner):
             results = evaluate(workload, best, self.coeffs)
         return best, results
 
-    def _per_stage(self, workload, space: PlanArrays, first: list, outer: list, bounds: list,
+    def _per_stage(self, workload, space: PlanArrays, first: list, outer: list, bounds: list, fitting: list,
                    target: float) -> Plan | None:
         """The best per-stage plan faster than `target`, or None. The outer plans of the best uniform plans
-        (`first`) come first, then the rows of `space` without recompute in order of their lower bounds
-        (`stages.lower_bound`), in batches until the next bound cannot beat the best found, which is exact
-        (a skipped plan's optimum is at least its bound), or until MAX_OUTER outer plans (`exact` False)."""
+        (`first`) come first; then, batch by batch, up to PROMISING outer plans of the fastest uniform plans
+        that fit (`fitting`: an outer plan whose uniform plan is fast is often fastest per stage, whatever its
+        bound) beside the rows of `space` without recompute in order of their lower bounds
+        (`stages.lower_bound`), until the next bound cannot beat the best found, which is exact (a skipped
+        plan's optimum is at least its bound), or until MAX_OUTER outer plans (`exact` False)."""
         outer, bounds = np.concatenate(outer), np.concatenate(bounds)
         order = np.argsort(bounds, kind="stable")
         outer, bounds = outer[order], bounds[order]
-        best, best_time, seen = None, target, set()
+        promising = iter(self._promising(workload, space, fitting))
+        best, best_time, seen, skeletons = None, target, set(), {}
         queue = [stages.outer_of(p) for p in first]
-        position = 0
+        position, promised = 0, 0
         while True:
+            for plan, bound in promising:  # half a batch of them, while the cap leaves room
+                if promised >= PROMISING or len(queue) >= SOLVE_BATCH // 2:
+                    break
+                if bound < best_time and plan not in seen and plan not in queue:
+                    queue.append(plan)
+                    promised += 1
             while len(queue) < SOLVE_BATCH and position < len(outer) and bounds[position] < best_time:
                 queue.append(space.plan(int(outer[position])))
                 position += 1
@@ -145,7 +157,7 @@ class ExhaustivePlanner(Planner):
             if len(batch) > MAX_OUTER - self.solved:
                 batch, self.exact = batch[:MAX_OUTER - self.solved], False
             seen.update(batch)
-            for found in stages.solve(workload, batch, self.coeffs, target=best_time):
+            for found in stages.solve(workload, batch, self.coeffs, target=best_time, skeletons=skeletons):
                 self.solved += 1
                 if found is None or not found.fits or found.iteration_time >= best_time:
                     continue
@@ -155,6 +167,38 @@ class ExhaustivePlanner(Planner):
                     continue
                 best, best_time = found.plan, found.iteration_time
         return best
+
+    def _promising(self, workload, space: PlanArrays, fitting: list) -> list[tuple[Plan, float]]:
+        """The distinct outer plans (worth solving) of the fastest uniform plans that fit, fastest first, at
+        most PROMISING, each with its lower bound."""
+        rows = np.concatenate([r for r, _ in fitting]) if fitting else np.zeros(0, dtype=np.int64)
+        times = np.concatenate([t for _, t in fitting]) if fitting else np.zeros(0)
+        plans: dict[Plan, None] = {}
+        for i in rows[np.argsort(times, kind="stable")]:
+            plan = stages.outer_of(space.plan(int(i)))
+            if stages.worth_solving(plan, workload.profile):
+                plans.setdefault(plan)
+                if len(plans) >= PROMISING:
+                    break
+        if not plans:
+            return []
+        pa = PlanArrays.from_plans(list(plans), workload.profile)
+        bound = stages.lower_bound(pa, evaluate(workload, pa, self.coeffs, ranks=True))
+        return list(zip(plans, bound.tolist()))
+
+
+def _fastest_per_outer(chunk: PlanArrays, index: np.ndarray, res: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Of one chunk's plans that fit, the fastest of each outer plan (its recompute set aside), at most
+    4 x PROMISING of them, fastest first: (rows of the space, their iteration times)."""
+    fit = np.flatnonzero(res["fits"])
+    if len(fit) == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
+    fit = fit[np.argsort(res["iteration_time"][fit], kind="stable")]
+    _, group = unique_rows([chunk.columns[name][fit] for name in chunk.columns
+                            if name not in ("recompute", "recompute_blocks")])
+    _, first = np.unique(group, return_index=True)  # the fastest row of each outer plan
+    first = np.sort(first)[:4 * PROMISING]  # (not all are worth solving: `stages.worth_solving`)
+    return index[fit[first]], res["iteration_time"][fit[first]]
 
 
 def no_plan_error(workload) -> NoValidPlanError:
