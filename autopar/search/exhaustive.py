@@ -130,17 +130,15 @@ class ExhaustivePlanner(Planner):
         outer, bounds = np.concatenate(outer), np.concatenate(bounds)
         order = np.argsort(bounds, kind="stable")
         outer, bounds = outer[order], bounds[order]
-        promising = iter(self._promising(workload, space, fitting))
+        promising = self._promising(workload, space, fitting)
         best, best_time, seen, skeletons = None, target, set(), {}
         queue = [stages.outer_of(p) for p in first]
-        position, promised = 0, 0
+        position = 0
         while True:
-            for plan, bound in promising:  # half a batch of them, while the cap leaves room
-                if promised >= PROMISING or len(queue) >= SOLVE_BATCH // 2:
-                    break
+            while promising and len(queue) < SOLVE_BATCH // 2:  # half a batch of them
+                plan, bound = promising.pop(0)
                 if bound < best_time and plan not in seen and plan not in queue:
                     queue.append(plan)
-                    promised += 1
             while len(queue) < SOLVE_BATCH and position < len(outer) and bounds[position] < best_time:
                 queue.append(space.plan(int(outer[position])))
                 position += 1
