@@ -134,8 +134,9 @@ class _Problem:
         return e
 
     def build(self, cands: _Candidates, index: int, skeletons: dict) -> bool:
-        """Its candidate rows in `cands`; `skeletons`: the ranges of each pp (`_skeleton`) and the blocks each
-        range's options recompute, shared by the outer plans of a `solve` call."""
+        """Its candidate rows in `cands`; `skeletons`: what outer plans of one model share, kept by the caller
+        across `solve` calls: the ranges of each pp (`_skeleton`) and their rows (`_rows`) under one stage per
+        rank, each rank's chunk patterns (`_patterns`) under several."""
         return (self._build_looped if self.v == 1 else self._build_interleaved)(cands, index, skeletons)
 
     def _range(self, a: int, n: int, options: list[str]):
