@@ -165,7 +165,7 @@ class RLPlanner(Planner):
                                          if worth(p)) if p not in outer]
         if rest and NEIGHBOURS:
             pa = PlanArrays.from_plans(rest, workload.profile)
-            bound = stages.lower_bound(pa, evaluate(workload, pa, ranks=True))
+            bound = stages.lower_bound(pa, evaluate(workload, pa, ranks=True), workload.memory_budget)
             self.evaluations += len(rest)
             order = [int(i) for i in np.argsort(bound, kind="stable") if bound[i] < best_time * (1 - TIE)]
             # the least bound of each layout and micro-batching first (their data-parallel details after)

@@ -145,7 +145,7 @@ def test_solver_equals_brute_force_on_random_workloads():
         assert solve(w, [outer], target=best * (1 + 1e-6))[0].iteration_time == found.iteration_time
         assert solve(w, [outer], target=best * (1 - 1e-6)) == [None]
         outer_pa = PlanArrays.from_plans([outer], w.profile)  # the exhaustive search's bound holds
-        assert stages.lower_bound(outer_pa, evaluate(w, outer_pa, ranks=True))[0] <= best * (1 + 1e-12)
+        assert stages.lower_bound(outer_pa, evaluate(w, outer_pa, ranks=True), w.memory_budget)[0] <= best * (1 + 1e-12)
         binding += not fits[free]
         end_only += found.plan.layer_split[:1] == (0,) or found.plan.layer_split[-1:] == (0,)
         non_uniform += best < uniform_best(w, outer) * (1 - 1e-9)
@@ -205,6 +205,10 @@ def test_solver_refuses_what_it_cannot_solve_exactly():
     assert stages.worth_solving(plan, w.profile) and solve(w, [plan])[0] is not None
     tight = dataclasses.replace(w, memory_headroom=0.999999)  # nothing fits
     assert solve(tight, [plan]) == [None]
+    # and the search's bound says so before solving: the model's states alone exceed pp budgets
+    pa = PlanArrays.from_plans([plan], w.profile)
+    assert np.isfinite(stages.lower_bound(pa, evaluate(w, pa, ranks=True), w.memory_budget)[0])
+    assert stages.lower_bound(pa, evaluate(tight, pa, ranks=True), tight.memory_budget)[0] == np.inf
 
 
 def test_exhaustive_search_finishes_outer_plans_with_the_solver():
@@ -250,7 +254,7 @@ def test_exhaustive_search_solves_the_outer_plans_of_the_fastest_uniform_plans_t
     uniform = ExhaustivePlanner(per_stage=False).ranked(w, 1)[1]["iteration_time"][0]
     assert best_of_outer.iteration_time < uniform * (1 - TIE)  # a real per-stage gain to find
     pa = PlanArrays.from_plans([outer], w.profile)
-    bound = stages.lower_bound(pa, evaluate(w, pa, ranks=True))[0]
+    bound = stages.lower_bound(pa, evaluate(w, pa, ranks=True), w.memory_budget)[0]
     planner = ExhaustivePlanner()
     plan = planner.propose(w, 1)[0]
     time_of = evaluate(w, PlanArrays.from_plans([plan], w.profile))["iteration_time"][0]

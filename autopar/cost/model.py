@@ -411,7 +411,11 @@ def _activations(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     working = np.where((ckpt_frac > 0) | (full.sum(axis=2) > 0), (act_full * k["is_layer"]).max(axis=1, keepdims=True),
                        0.0)
     block_params = ((k["tp_params"] / t + k["params"] - k["tp_params"]) * k["is_layer"]).max(axis=1)
-    return {"activations": kept + head_act * head_in_flight + working, "block_params": block_params}
+    # the least a rank's blocks can keep, whatever their recompute and the rank's place: every block its least
+    # activation once (a rank keeps at least one micro-batch in flight, one chunk's worth of its v)
+    least = on_layers(np.minimum(np.minimum(act_full, act_sel), act_ckpt)) / v
+    return {"activations": kept + head_act * head_in_flight + working, "block_params": block_params,
+            "least_activations": least}
 
 
 def _tied(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
@@ -459,6 +463,7 @@ def _parts(workload, g: PlanArrays, x: dict) -> dict[str, np.ndarray]:
         "tied_params": tied_rank,
         "expert_local": on(routed["expert_params"]),
         "activations": x["activations"],
+        "least_activations": x["least_activations"],
         "block_params": x["block_params"],
         "model_flops_per_sample": np.full(len(g), _model_flops(profile, k, total_counts)),
         "recompute_flops_per_sample": (recompute_flops * mult).sum(axis=1),
@@ -628,7 +633,12 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
         # + m x the slowest rank_per_mb) + max of rank_tail + rank_const
         out.update(rank_per_mb=part["per_mb"], rank_gpu_mb=part["gpu_mb"], rank_host_mb=part["host_mb"],
                    rank_mult=part["mult"], rank_share=part["share"], rank_weight=part["weight"],
-                   rank_tail=dp_time + optimizer, rank_memory=peak_rank,
+                   rank_tail=dp_time + optimizer, rank_optimizer=optimizer, rank_memory=peak_rank,
+                   # what no split or recompute lowers below, summed over the ranks (`stages.lower_bound`): the
+                   # model states (linear in the blocks a rank holds), the workspace, the least activations
+                   rank_least_memory=sum(mem[n] for n in ("gradients", "master_weights", "optimizer_states",
+                                                           "workspace"))
+                   + param_bytes / np.where(sharded_weights, shard, 1.0) + part["least_activations"],
                    rank_const=c.step_overhead_s + extra_time)
     unpriced = [p for p in (*time_parts(), *HIDDEN_PARTS, *memory_parts()) if p not in out]
     if unpriced:  # a part declared in TIME_PARTS, MEMORY_PARTS or HIDDEN_PARTS that nothing above computes

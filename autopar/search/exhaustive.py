@@ -82,7 +82,7 @@ class ExhaustivePlanner(Planner):
             fit = np.flatnonzero(res["fits"])
             rows.append(index[fit[np.argsort(res["iteration_time"][fit], kind="stable")[:keep_per_chunk]]])
             if per_stage:  # the plans without recompute stand for their outer plans (recompute is the solver's)
-                bound = stages.lower_bound(chunk, res)
+                bound = stages.lower_bound(chunk, res, workload.memory_budget)
                 plain = np.flatnonzero((chunk.recompute == RECOMPUTE_MODES.index("none")) & np.isfinite(bound))
                 outer.append(index[plain])
                 bounds.append(bound[plain])
@@ -181,7 +181,7 @@ class ExhaustivePlanner(Planner):
         if not plans:
             return []
         pa = PlanArrays.from_plans(list(plans), workload.profile)
-        bound = stages.lower_bound(pa, evaluate(workload, pa, self.coeffs, ranks=True))
+        bound = stages.lower_bound(pa, evaluate(workload, pa, self.coeffs, ranks=True), workload.memory_budget)
         return list(zip(plans, bound.tolist()))
 
 

@@ -534,18 +534,21 @@ def solve(workload, plans: list[Plan], coeffs: Coefficients | None = None,
     return out
 
 
-def lower_bound(pa: PlanArrays, res: dict) -> np.ndarray:
+def lower_bound(pa: PlanArrays, res: dict, budget: float = np.inf) -> np.ndarray:
     """(N,) a lower bound of the solver's optimum for each outer plan of `pa`, from `evaluate(workload,
-    pa, ranks=True)` of the plans without recompute (their split does not matter): memory ignored, no
-    recompute (which only adds time), and the blocks shared perfectly. Why it holds: a rank's GPU and host
-    times per micro-batch are linear in its blocks, so their sums over the ranks, G and H, are the same for
-    every split; its micro-batch takes the host_overlap-norm of the two, and a norm is subadditive, so the
-    ranks' sum is at least total = norm(G, H) >= max(G, H) and the slowest rank M at least a pp-th of it.
-    The pipe is S - sigma + m M (module doc) with every share at least 0 and at least (per_mb - kappa W) /
-    nu (`zero_bubble.share_floor`; W, the weight-gradient passes, summed over the ranks is the same for every
-    split and recompute): so at least m total / pp and at least (total - kappa W) / nu + (m - 1 / nu) total
-    / pp (1F1B, GPipe: sum + (m - 1) slowest; interleaved: sum / v + (m - 1/v) slowest); the data-parallel
-    tail is at least 0."""
+    pa, ranks=True)` of the plans without recompute (their split does not matter); inf where no split and
+    recompute can fit the per-GPU `budget`. Why it holds: a rank's GPU and host times per micro-batch, its
+    optimizer step and its model states are linear in its blocks, so their sums over the ranks are the same
+    for every split and recompute (G, H, O, and the states). Time: a rank's micro-batch takes the
+    host_overlap-norm of its two times, and a norm is subadditive, so the ranks' sum is at least total =
+    norm(G, H) >= max(G, H) and the slowest rank M at least a pp-th of it. The pipe is S - sigma + m M (module
+    doc) with every share at least 0 and at least (per_mb - kappa W) / nu (`zero_bubble.share_floor`; W, the
+    weight-gradient passes, summed over the ranks is the same for every split and recompute): so at least
+    m total / pp and at least (total - kappa W) / nu + (m - 1 / nu) total / pp (1F1B, GPipe: sum + (m - 1)
+    slowest; interleaved: sum / v + (m - 1/v) slowest); recompute only adds time; the data-parallel tail is
+    the largest rank's exposed collectives and step, at least the mean step O / pp. Memory: every rank
+    within the budget needs the ranks' least memory (`rank_least_memory`: states, workspace, each block's
+    least activation once) summed within pp budgets."""
     g, h, mult = res["rank_gpu_mb"], res["rank_host_mb"], res["rank_mult"]
     total = np.maximum((g * mult).sum(axis=1), (h * mult).sum(axis=1))
     weight = (res["rank_weight"] * mult).sum(axis=1)
@@ -553,7 +556,8 @@ def lower_bound(pa: PlanArrays, res: dict) -> np.ndarray:
     kappa, nu = zero_bubble.share_floor(np.asarray(pa.schedule), v)
     slowest = total / pp
     pipe = np.maximum(m * slowest, (total - kappa * weight) / nu + (m - 1 / nu) * slowest)
-    return pipe + res["rank_const"]
+    bound = pipe + (res["rank_optimizer"] * mult).sum(axis=1) / pp + res["rank_const"]
+    return np.where((res["rank_least_memory"] * mult).sum(axis=1) <= pp * budget, bound, np.inf)
 
 
 def _plan_of(problem: _Problem, choices: list) -> Plan:
