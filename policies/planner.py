@@ -36,7 +36,7 @@ from autopar.policies.decode import beam_search, sample
 from autopar.policies.fingerprint import stale_note
 from autopar.policies.load import default_policy_path, load_policy
 from autopar.policies.refine import refine
-from autopar.policies.trade import policy_completion, trade
+from autopar.policies.trade import policy_completion, trade, traded_outer_plans
 from autopar.search.base import Planner
 from autopar.errors import PlanError
 from autopar.search import stages
@@ -47,7 +47,8 @@ DECODERS = ("beam", "sample")
 BEAM = 8  # plans decoded by default, whatever k: the cost model ranks them
 REFINE_STARTS = 4  # decoded plans that coordinate descent starts from
 FINISH = 2  # distinct outer plans of the best plans that the per-stage solver finishes
-NEIGHBOURS = 6  # more outer plans it finishes: of every plan the search saw, those of the least lower bound
+NEIGHBOURS = 10  # more outer plans it finishes: of every plan the search saw, those of the least lower bound
+PROMISING = 2  # and the fastest uniform plans' of other layouts among them (the exhaustive search does so too)
 
 
 def starts(plans: list[Plan], times: np.ndarray) -> list[int]:
@@ -142,6 +143,7 @@ class RLPlanner(Planner):
         self.confidences = [confidences[keep[i]] if keep[i] < len(decoded) else None for i in order]
         best = [candidates[i] for i in order]
         seen_plans = candidates + [space.plan(p) for p in traded]  # the trades' completions: other layouts
+        seen_plans += traded_outer_plans(space, best[0])  # layouts where no uniform plan fits
         staged = (self._finish(workload, best, float(res["iteration_time"][keep][order[0]]), seen_plans)
                   if self.per_stage else None)
         if staged is not None:
@@ -161,6 +163,17 @@ class RLPlanner(Planner):
             return None  # a held recompute setting holds every stage's
         worth = lambda p: stages.worth_solving(p, workload.profile)  # noqa: E731
         outer = list(dict.fromkeys(stages.outer_of(p) for p in plans if worth(p)))[:FINISH]
+        if others and PROMISING:  # the outer plans of the fastest uniform plans of other layouts it saw
+            res = evaluate(workload, PlanArrays.from_plans(list(others), workload.profile))
+            self.evaluations += len(others)
+            fastest: dict = {}
+            for i in np.argsort(np.where(res["fits"], res["iteration_time"], np.inf), kind="stable"):
+                o = stages.outer_of(others[int(i)])
+                if not res["fits"][i] or len(fastest) >= PROMISING:
+                    break
+                if worth(o) and o not in outer and layout(o) not in {layout(p) for p in outer}:
+                    fastest.setdefault(layout(o), o)
+            outer += list(fastest.values())
         rest = [p for p in dict.fromkeys(stages.outer_of(p) for p in [*plans, *others, *map(as_1f1b, plans)]
                                          if worth(p)) if p not in outer]
         if rest and NEIGHBOURS:
@@ -172,9 +185,19 @@ class RLPlanner(Planner):
             firsts = list({layout(rest[i]): i for i in reversed(order)}.values())[::-1]
             firsts.sort(key=order.index)
             outer += [rest[i] for i in (firsts + [i for i in order if i not in firsts])[:NEIGHBOURS]]
-        self.finished = outer
-        found = [s for s in stages.solve(workload, outer, target=best_time * (1 - TIE)) if s is not None and s.fits]
-        self.evaluations += len(outer)
+        target = best_time * (1 - TIE)
+        found = [s for s in stages.solve(workload, outer, target=target) if s is not None and s.fits]
+        # the best outer plan finished with its data-parallel details changed: memory its split frees can
+        # drop an offload or a ZeRO stage its uniform plans needed
+        lead = min(found, key=lambda s: s.iteration_time).plan if found else outer[0] if outer else None
+        variants = [v for v in stages.detail_variants(workload, lead) if v not in outer and worth(v)] if lead else []
+        if variants:
+            pa = PlanArrays.from_plans(variants, workload.profile)
+            bound = stages.lower_bound(pa, evaluate(workload, pa, ranks=True), workload.memory_budget)
+            variants = [v for v, b in zip(variants, bound) if b < min([target] + [s.iteration_time for s in found])]
+            found += [s for s in stages.solve(workload, variants, target=target) if s is not None and s.fits]
+        self.finished = outer + variants
+        self.evaluations += len(outer) + len(variants)
         for s in sorted(found, key=lambda s: s.iteration_time):
             try:
                 s.plan.validate(workload)  # what the runtime runs (capability rules)

@@ -26,7 +26,12 @@ from autopar import axes
 from autopar.cost import PlanArrays, evaluate
 from autopar.envs.knobs import PlanSpace
 from autopar.policies.decode import beam_search
+from autopar.errors import PlanError
+from autopar.plan import Plan
 from autopar.policies.refine import GAIN, Refined, refine
+from autopar.search import stages
+from autopar.knobs import knobs
+from autopar.search.space import choices, plan_of, values_of
 
 Completion = Callable[[tuple], "tuple | None"]  # a layout -> a complete decision sequence (None: none fits)
 MAX_CHANGED = 2  # explicit degrees one trade changes (dp, derived, takes up the difference)
@@ -104,3 +109,41 @@ def trade(space: PlanSpace, start: Refined, complete: Completion, seen: dict | N
         spent += found.evaluations
         best = Refined(found.prefix, found.time_s, 0)
     return Refined(best.prefix, best.time_s, spent)
+
+
+def traded_outer_plans(space: PlanSpace, plan: Plan) -> list[Plan]:
+    """`plan`'s outer plan (`stages.outer_of`) in every layout one trade away, its micro-batches the batch's at
+    the new data-parallel degree, its other knobs kept where the space still offers them (else its first
+    choice: sequence parallelism off at tp 1, a folded degree back to 1): candidates for the per-stage
+    solver where no uniform plan of the layout fits, so neither the policy (its masks allow only plans that
+    fit) nor the trades' completions offer one. Each at the plan's micro-batch size and at 1, what memory a
+    per-stage plan needs most often allows."""
+    workload, n = space.workload, degree_count(space)
+    names = space.names[:n]
+    here = tuple(getattr(plan, a) for a in names)
+    outer = values_of(stages.outer_of(plan))
+    out: list[Plan] = []
+    for layout in layouts(space):
+        if not is_trade(here, layout) or workload.world_size % int(np.prod(layout)):
+            continue
+        dp = workload.world_size // int(np.prod(layout))  # the derived axis takes the rest of the GPUs
+        for size in dict.fromkeys((plan.micro_batch_size, 1)):
+            if workload.global_batch % (dp * size):
+                continue
+            decided = {**outer, **dict(zip(names, layout)), axes.derived_axis(): dp, "micro_batch_size": size,
+                       "num_micro_batches": workload.global_batch // (dp * size)}
+            for k in knobs():
+                offered = choices(workload, k, decided)
+                if decided[k.name] not in offered:
+                    if not offered:
+                        break
+                    decided[k.name] = offered[0]
+            else:
+                try:
+                    candidate = plan_of(workload, decided)
+                    candidate.validate(workload)
+                except PlanError:
+                    continue
+                if candidate not in out:
+                    out.append(candidate)
+    return out

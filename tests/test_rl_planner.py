@@ -148,3 +148,49 @@ def test_rl_finishes_an_outer_plan_that_a_balanced_split_makes_slow():
     plan = planner.propose(w, 1)[0]
     ratio = estimate(w, exact).iteration_time_s / estimate(w, plan).iteration_time_s
     assert ratio >= 0.98, (ratio, plan.describe(), [p.describe() for p in planner.finished])
+
+
+def test_rl_finishes_layouts_where_no_uniform_plan_fits():
+    """A 71-layer Llama at 12K tokens on one L40S node: the exact search's plan is pp4 at tp1 with a
+    different number of blocks recomputed on each stage, and no uniform plan of that layout fits, so the
+    policy (its masks allow only plans that fit) and its trades never offer it; the policy's best plans
+    are tp2 x pp2 (0.807 of the exact search). rl's finish now also solves its best plan's outer plan in
+    every layout one trade away (tp2 x pp2 -> tp1 x pp4, sequence parallelism off at tp1), at its
+    micro-batch size and at 1."""
+    from autopar.envs.knobs import PlanSpace
+    from autopar.policies.trade import traded_outer_plans
+    from autopar.plan import Plan
+
+    w = workload("llama", "l40s-pcie", nodes=1, global_batch=256, ffn=16128, heads=56, hidden=5376, kv_heads=28,
+                 layers=71, seq_len=12288, size="small", vocab=256000)
+    exact = get_planner("exhaustive").propose(w, 1)[0]
+    assert (exact.tp, exact.pp) == (1, 4) and exact.stage_recompute, exact.describe()
+    space = PlanSpace(w)
+    assert not space.step((1, 4, 1)).allowed.any()  # tp1 x pp4 x cp1: no uniform plan fits
+    best = Plan(dp=2, tp=2, pp=2, micro_batch_size=2, num_micro_batches=64, zero=3, sequence_parallel=True,
+                offload_optimizer=True, grad_comm_dtype="bf16")
+    traded = traded_outer_plans(space, best)
+    assert any((p.tp, p.pp, p.micro_batch_size, p.sequence_parallel) == (1, 4, 1, False) for p in traded)
+    for p in traded:
+        p.validate(w)
+    plan = get_planner("rl").propose(w, 1)[0]
+    ratio = estimate(w, exact).iteration_time_s / estimate(w, plan).iteration_time_s
+    assert ratio >= 0.99, (ratio, plan.describe())
+
+
+def test_detail_variants_change_one_data_parallel_knob_each():
+    """The per-stage finish's second round: the best outer plan with one of ZeRO, offload, gradient dtype
+    or HSDP replicas changed, each a valid outer plan of the space."""
+    from autopar.search import stages
+    from autopar.plan import Plan
+
+    w = workload("llama", "l40s-pcie", nodes=7, global_batch=224, dtype="fp16", ffn=25600, heads=80, hidden=10240,
+                 kv_heads=40, layers=24, seq_len=12288, size="small", vocab=100352)
+    lead = Plan(dp=2, tp=2, pp=7, cp=2, micro_batch_size=1, num_micro_batches=112, precision="fp16", zero=2,
+                sequence_parallel=True, offload_optimizer=True)
+    variants = stages.detail_variants(w, lead)
+    assert lead.with_(offload_optimizer=False) in variants  # what the exact search's plan is, split per stage
+    for v in variants:
+        v.validate(w)
+        changed = [name for name in stages.DETAILS if getattr(v, name) != getattr(lead, name)]
+        assert len(changed) == 1 and v.with_(**{changed[0]: getattr(lead, changed[0])}) == lead, v.describe()

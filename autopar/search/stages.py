@@ -40,9 +40,11 @@ from autopar.cost.arrays import RankTable
 from autopar.knobs import balanced_split, knob, rank_stages, stage_rank
 from autopar.errors import PlanError
 from autopar.plan import Plan
+from autopar.search.space import choices, plan_of, values_of
 
 MAX_PATTERNS = 4096  # per-chunk recompute patterns of one rank under the interleaved schedule
 PACK = 64  # points of a dominance front compared in one block (`_Dominance.front`)
+DETAILS = ("zero", "offload_optimizer", "grad_comm_dtype", "dp_replicate")  # `detail_variants`' knobs
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,24 @@ def stage_options(n: int, selective: bool) -> list[str]:
 def outer_of(plan: Plan) -> Plan:
     """The uniform plan the solver starts from: its recompute and split left to the solver."""
     return plan.with_(recompute="none", recompute_blocks=0, stage_recompute=(), layer_split=())
+
+
+def detail_variants(workload, plan: Plan) -> list[Plan]:
+    """The outer plan with one of DETAILS at each other value the space offers it: memory a per-stage split
+    frees can drop an offload, a ZeRO stage or HSDP's replicas that every uniform plan of the layout needed,
+    so a search that met only those plans finishes these too."""
+    decided = values_of(outer_of(plan))
+    out: list[Plan] = []
+    for name in DETAILS:
+        for value in choices(workload, knob(name), decided):
+            try:
+                variant = plan_of(workload, {**decided, name: value})
+                variant.validate(workload)
+            except PlanError:
+                continue
+            if variant != outer_of(plan) and variant not in out:
+                out.append(variant)
+    return out
 
 
 def worth_solving(plan: Plan, profile) -> bool:
