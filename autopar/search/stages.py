@@ -174,9 +174,9 @@ class _Problem:
         table = ("rows", self.pp, self.plan.schedule, self.selective)
         if table not in skeletons:  # every key's rows, the same in every outer plan of this pp and schedule
             skeletons[table] = self._rows(keys)
-        (rank, counts, full, sel), offsets, choices, one_kind = skeletons[table]
+        (rank, counts, full, sel), offsets, entries, one_kind = skeletons[table]
         start = cands.add_rows(index, rank, counts, full, sel)
-        options_of = {key: _Options(list(range(start + a, start + b)), list(choices[key]), one_kind[key])
+        options_of = {key: _Options(list(range(start + a, start + b)), list(entries[key]), one_kind[key])
                       for key, (a, b) in offsets.items()}
         self.options = [[options_of[key] for key in rank_keys] for rank_keys, _ in spans]
         self.spans = [rank_spans for _, rank_spans in spans]
@@ -186,8 +186,8 @@ class _Problem:
         """The candidate rows of every key (`_skeleton`): each of its blocks' recompute options (a range of one
         kind priced at full:1 and full:n only, the least K that fits found from them: `refine`), as arrays
         (rank, blocks by kind with the ends, fully and selectively recomputed), with each key's (from, to)
-        offsets into them, its choices and, for a range of one kind, what `refine` needs."""
-        parts, offsets, choices, one_kind, size = [], {}, {}, {}, 0
+        offsets into them, its (blocks, recompute) entries and, for a range of one kind, what `refine` needs."""
+        parts, offsets, entries, one_kind, size = [], {}, {}, {}, 0
         for key, (r, a, n) in keys.items():
             options = stage_options(n, self.selective)
             single = n > 3 and bool((self.kinds[a:a + n] == self.kinds[a]).all())
@@ -198,10 +198,10 @@ class _Problem:
                           full, sel))
             offsets[key] = (size, size + len(options))
             size += len(options)
-            choices[key] = [(n, o) for o in options]
+            entries[key] = [(n, o) for o in options]
             one_kind[key] = (r, a, n, held) if single else None
         arrays = tuple(np.concatenate([part[j] for part in parts]) for j in range(4))
-        return arrays, offsets, choices, one_kind
+        return arrays, offsets, entries, one_kind
 
     def _skeleton(self) -> tuple[list[tuple], dict]:
         """Per rank, its keys and the (from, to, key index) arrays of each range of blocks it may hold, and each
@@ -486,11 +486,12 @@ def _solve_one(problem: _Problem, per_mb, share, tail, fits, target: float = np.
 
 
 def _trace(layers, point: int) -> list:
-    choices = []
+    """The choice of each rank on the path to `point` of the last front."""
+    path = []
     for parents, picks in reversed(layers):
-        choices.append(picks[point])
+        path.append(picks[point])
         point = int(parents[point])
-    return choices[::-1]
+    return path[::-1]
 
 
 def solve(workload, plans: list[Plan], coeffs: Coefficients | None = None,
