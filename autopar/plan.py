@@ -30,7 +30,7 @@ from autopar.knobs import (  # noqa: F401  (re-exported: the names plans are mad
     knobs,
     plan_fields,
 )
-from autopar.schema import check_plan_dict, loads, read_file
+from autopar.schema import check_plan_dict, load_document, loads
 
 PLAN_SCHEMA_VERSION = 2  # 2: layer_split may hold 0 at its ends; stage_recompute
 READ_VERSIONS = (1, 2)  # a version-1 plan reads as the same plan (it has neither)
@@ -270,11 +270,7 @@ class Plan:
 
     @classmethod
     def load(cls, path) -> Plan:
-        text = read_file(path, "plan file", PlanError)
-        try:
-            return cls.from_json(text)
-        except PlanError as e:
-            raise PlanError(f"{path}: {e}") from None
+        return load_document(path, "plan", cls.from_dict, PlanError)
 
     def save(self, path) -> None:
         """Write atomically, so an interrupted write never leaves half a plan."""

@@ -390,3 +390,13 @@ __all__ = [
     "plan_schema",
     "read_file",
 ]
+
+
+def load_document(path, what: str, parse, error: type[AutoparError] = SchemaError):
+    """`parse` of the JSON document in the data file at `path` (`what`: "plan", "mixed plan"): a file that
+    cannot be read, is not JSON, or that `parse` refuses is one `error` line naming the file."""
+    text = read_file(path, f"{what} file", error)
+    try:
+        return parse(loads(text, what, error))
+    except error as e:
+        raise error(f"{path}: {e}") from None

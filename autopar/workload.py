@@ -19,8 +19,24 @@ if TYPE_CHECKING:
 DEFAULT_MEMORY_HEADROOM = 0.10
 
 
+class JobFigures:
+    """What a workload, homogeneous or mixed, says of its job alone: GPUs, precision, tokens a step."""
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.num_gpus
+
+    @property
+    def precision(self) -> str:
+        return "fp8" if self.fp8 else self.profile.dtype
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.global_batch * self.profile.seq_len
+
+
 @dataclass(frozen=True)
-class Workload:
+class Workload(JobFigures):
     profile: ModelProfile
     cluster: Cluster
     global_batch: int
@@ -55,18 +71,6 @@ class Workload:
     def memory_budget(self) -> float:
         """Bytes a plan may use per GPU: the GPU's memory less the headroom."""
         return self.cluster.gpu.memory_bytes * (1 - self.memory_headroom)
-
-    @property
-    def world_size(self) -> int:
-        return self.cluster.num_gpus
-
-    @property
-    def precision(self) -> str:
-        return "fp8" if self.fp8 else self.profile.dtype
-
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.global_batch * self.profile.seq_len
 
     def describe(self) -> str:
         runtime = "" if self.runtime == "torch" else f", runtime {self.runtime}" + "".join(

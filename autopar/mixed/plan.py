@@ -21,7 +21,7 @@ from autopar.capability.mixed import lane_problem, segment_tp_problem
 from autopar.errors import PlanError
 from autopar.knobs import check_stage_blocks, device_blocks
 from autopar.plan import Plan
-from autopar.schema import MAX_GPUS, loads, read_file
+from autopar.schema import MAX_GPUS, load_document, loads, read_file
 
 MIXED_PLAN_VERSION = 1
 
@@ -208,11 +208,7 @@ class MixedPlan:
 
     @classmethod
     def load(cls, path) -> MixedPlan:
-        text = read_file(path, "mixed plan file", PlanError)
-        try:
-            return cls.from_json(text)
-        except PlanError as e:
-            raise PlanError(f"{path}: {e}") from None
+        return load_document(path, "mixed plan", cls.from_dict, PlanError)
 
     def save(self, path) -> None:
         self.to_json(path)

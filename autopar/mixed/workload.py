@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from autopar.errors import AutoparError, PlanError
 from autopar.knobs import fp8_problem
 from autopar.runtime import resolve_runtime
-from autopar.workload import DEFAULT_MEMORY_HEADROOM, Workload
+from autopar.workload import DEFAULT_MEMORY_HEADROOM, JobFigures, Workload
 
 if TYPE_CHECKING:
     from autopar.cluster.mixed import MixedCluster
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class MixedWorkload:
+class MixedWorkload(JobFigures):
     """What is trained (profile), on which groups (a MixedCluster), with which global batch; the
     other fields mean what they mean on a Workload and hold for every group."""
 
@@ -51,18 +51,6 @@ class MixedWorkload:
     @property
     def group_names(self) -> tuple[str, ...]:
         return self.cluster.group_names
-
-    @property
-    def world_size(self) -> int:
-        return self.cluster.num_gpus
-
-    @property
-    def precision(self) -> str:
-        return "fp8" if self.fp8 else self.profile.dtype
-
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.global_batch * self.profile.seq_len
 
     def on_group(self, group: str, gpus: int, global_batch: int) -> Workload:
         """The homogeneous workload a part of a mixed plan is priced on: `group`'s hardware (its GPU,
