@@ -208,33 +208,33 @@ class _Problem:
         key's (rank, first block, blocks): a key per rank and sequence of block kinds, since ranks alike price
         alike. The same for every outer plan of this pp (one stage per rank: the ends on the first and the
         last rank)."""
+        ident = _sequence_ids(self.kinds)
         spans, keys = [], {}
         for r in range(self.pp):
-            index: dict = {}
-            src, dst, kid = [], [], []
-            for a, n in self._ranges(r):
-                key = (r, self.kinds[a:a + n].tobytes())
-                keys.setdefault(key, (r, a, n))
-                src.append(a)
-                dst.append(a + n)
-                kid.append(index.setdefault(key, len(index)))
-            spans.append((list(index), (np.array(src), np.array(dst), np.array(kid))))
+            src, dst = self._ranges(r)
+            cid = ident[src, dst]
+            uniq, first, inverse = np.unique(cid, return_index=True, return_inverse=True)
+            order = np.argsort(first, kind="stable")  # keys in the order their first range comes
+            position = np.empty_like(order)
+            position[order] = np.arange(len(order))
+            rank_keys = [(r, int(uniq[o])) for o in order]
+            for key, o in zip(rank_keys, order):
+                keys.setdefault(key, (r, int(src[first[o]]), int(dst[first[o]] - src[first[o]])))
+            spans.append((rank_keys, (src, dst, position[inverse.reshape(-1)])))
         return spans, keys
 
-    def _ranges(self, r: int):
-        """(first block, blocks) rank r may hold: every rank before and after it can still hold its share
-        (a block each; the first and the last none, with a pipeline)."""
+    def _ranges(self, r: int) -> tuple[np.ndarray, np.ndarray]:
+        """(first block, end) arrays of the ranges rank r may hold, first block then end ascending: every rank
+        before and after it can still hold its share (a block each; the first and the last none, with a
+        pipeline)."""
         pp, L = self.pp, self.layers
         if pp == 1:
-            yield 0, L
-            return
-        lo_a, hi_end = (0 if r == 0 else max(r - 1, 0)), L - max(pp - r - 2, 0)
-        for a in range(lo_a, (0 if r == 0 else L) + 1):
-            lo_n = 0 if r in (0, pp - 1) else 1
-            ends = [L] if r == pp - 1 else range(a + lo_n, hi_end + 1)
-            for end in ends:
-                if end - a >= lo_n:
-                    yield a, end - a
+            return np.array([0]), np.array([L])
+        lo_a, hi_a = (0, 0) if r == 0 else (r - 1, L)
+        lo_n = 0 if r in (0, pp - 1) else 1
+        a, end = np.meshgrid(np.arange(lo_a, hi_a + 1), np.arange(L + 1), indexing="ij")
+        ok = (end - a >= lo_n) & ((end == L) if r == pp - 1 else (end <= L - max(pp - r - 2, 0)))
+        return a[ok], end[ok]
 
     def refine(self, cands: _Candidates, index: int, memory: np.ndarray, budget: float, everything: bool) -> None:
         """A second look at the ranks of one block kind priced at full:1 and full:n only. Their memory falls
@@ -366,6 +366,23 @@ class _Dominance:
             ok &= ~higher | (gc[:, None] <= j + (self.m - self.high) * gM[None, :])
             keep[sl] = ~np.triu(ok, k=1).any(axis=0)
         return order[keep]
+
+
+def _sequence_ids(kinds: np.ndarray) -> np.ndarray:
+    """(L + 1, L + 1): ids[a, end] names the sequence of block kinds kinds[a:end] (0 the empty one), equal
+    ids for equal sequences: a sequence is its one-shorter prefix and its last kind, numbered level by level."""
+    L = len(kinds)
+    ids = np.full((L + 1, L + 1), -1, dtype=np.int64)
+    ids[np.arange(L + 1), np.arange(L + 1)] = 0
+    prev, top = np.zeros(L + 1, dtype=np.int64), 1
+    for n in range(1, L + 1):
+        a = np.arange(L - n + 1)
+        pair = prev[a] * (int(kinds.max(initial=0)) + 1) + kinds[a + n - 1]
+        _, code = np.unique(pair, return_inverse=True)
+        prev = code.reshape(-1) + top
+        top = int(prev.max()) + 1
+        ids[a, a + n] = prev
+    return ids
 
 
 def _rank_rows(problem: _Problem, r: int) -> np.ndarray:
