@@ -143,7 +143,8 @@ class RLPlanner(Planner):
         self.confidences = [confidences[keep[i]] if keep[i] < len(decoded) else None for i in order]
         best = [candidates[i] for i in order]
         seen_plans = candidates + [space.plan(p) for p in traded]  # the trades' completions: other layouts
-        seen_plans += traded_outer_plans(space, best[0])  # layouts where no uniform plan fits
+        if self.per_stage:  # and its best plan in layouts where no uniform plan fits, for the finish
+            seen_plans += traded_outer_plans(space, best[0])
         staged = (self._finish(workload, best, float(res["iteration_time"][keep][order[0]]), seen_plans)
                   if self.per_stage else None)
         if staged is not None:

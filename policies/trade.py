@@ -25,12 +25,12 @@ import numpy as np
 from autopar import axes
 from autopar.cost import PlanArrays, evaluate
 from autopar.envs.knobs import PlanSpace
-from autopar.policies.decode import beam_search
 from autopar.errors import PlanError
+from autopar.knobs import knobs
 from autopar.plan import Plan
+from autopar.policies.decode import beam_search
 from autopar.policies.refine import GAIN, Refined, refine
 from autopar.search import stages
-from autopar.knobs import knobs
 from autopar.search.space import choices, plan_of, values_of
 
 Completion = Callable[[tuple], "tuple | None"]  # a layout -> a complete decision sequence (None: none fits)
