@@ -253,6 +253,16 @@ def loads(text: str | bytes, where: str, error: type[AutoparError] = SchemaError
         raise error(f"{prefix}not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def load_document(path, what: str, parse, error: type[AutoparError] = SchemaError):
+    """`parse` of the JSON document in the data file at `path` (`what`: "plan", "mixed plan"): a file that
+    cannot be read, is not JSON, or that `parse` refuses is one `error` line naming the file."""
+    text = read_file(path, f"{what} file", error)
+    try:
+        return parse(loads(text, what, error))
+    except error as e:
+        raise error(f"{path}: {e}") from None
+
+
 # -- schemas derived from dataclasses --------------------------------------------------------------------
 
 def _spec_for(hint, default=dataclasses.MISSING):
@@ -386,17 +396,9 @@ __all__ = [
     "check",
     "check_global_batch",
     "check_gpus",
+    "load_document",
     "loads",
     "plan_schema",
     "read_file",
 ]
 
-
-def load_document(path, what: str, parse, error: type[AutoparError] = SchemaError):
-    """`parse` of the JSON document in the data file at `path` (`what`: "plan", "mixed plan"): a file that
-    cannot be read, is not JSON, or that `parse` refuses is one `error` line naming the file."""
-    text = read_file(path, f"{what} file", error)
-    try:
-        return parse(loads(text, what, error))
-    except error as e:
-        raise error(f"{path}: {e}") from None

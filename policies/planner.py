@@ -178,8 +178,7 @@ class RLPlanner(Planner):
         rest = [p for p in dict.fromkeys(stages.outer_of(p) for p in [*plans, *others, *map(as_1f1b, plans)]
                                          if worth(p)) if p not in outer]
         if rest and NEIGHBOURS:
-            pa = PlanArrays.from_plans(rest, workload.profile)
-            bound = stages.lower_bound(pa, evaluate(workload, pa, ranks=True), workload.memory_budget)
+            bound = stages.outer_bounds(workload, rest)
             self.evaluations += len(rest)
             order = [int(i) for i in np.argsort(bound, kind="stable") if bound[i] < best_time * (1 - TIE)]
             # the least bound of each layout and micro-batching first (their data-parallel details after)
@@ -193,8 +192,7 @@ class RLPlanner(Planner):
         lead = min(found, key=lambda s: s.iteration_time).plan if found else outer[0] if outer else None
         variants = [v for v in stages.detail_variants(workload, lead) if v not in outer and worth(v)] if lead else []
         if variants:
-            pa = PlanArrays.from_plans(variants, workload.profile)
-            bound = stages.lower_bound(pa, evaluate(workload, pa, ranks=True), workload.memory_budget)
+            bound = stages.outer_bounds(workload, variants)
             variants = [v for v, b in zip(variants, bound) if b < min([target] + [s.iteration_time for s in found])]
             found += [s for s in stages.solve(workload, variants, target=target) if s is not None and s.fits]
         self.finished = outer + variants

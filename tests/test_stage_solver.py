@@ -206,9 +206,8 @@ def test_solver_refuses_what_it_cannot_solve_exactly():
     tight = dataclasses.replace(w, memory_headroom=0.999999)  # nothing fits
     assert solve(tight, [plan]) == [None]
     # and the search's bound says so before solving: the model's states alone exceed pp budgets
-    pa = PlanArrays.from_plans([plan], w.profile)
-    assert np.isfinite(stages.lower_bound(pa, evaluate(w, pa, ranks=True), w.memory_budget)[0])
-    assert stages.lower_bound(pa, evaluate(tight, pa, ranks=True), tight.memory_budget)[0] == np.inf
+    assert np.isfinite(stages.outer_bounds(w, [plan])[0])
+    assert stages.outer_bounds(tight, [plan])[0] == np.inf
 
 
 def test_exhaustive_search_finishes_outer_plans_with_the_solver():
@@ -253,8 +252,7 @@ def test_exhaustive_search_solves_the_outer_plans_of_the_fastest_uniform_plans_t
     best_of_outer = solve(w, [outer])[0]
     uniform = ExhaustivePlanner(per_stage=False).ranked(w, 1)[1]["iteration_time"][0]
     assert best_of_outer.iteration_time < uniform * (1 - TIE)  # a real per-stage gain to find
-    pa = PlanArrays.from_plans([outer], w.profile)
-    bound = stages.lower_bound(pa, evaluate(w, pa, ranks=True), w.memory_budget)[0]
+    bound = stages.outer_bounds(w, [outer])[0]
     planner = ExhaustivePlanner()
     plan = planner.propose(w, 1)[0]
     time_of = evaluate(w, PlanArrays.from_plans([plan], w.profile))["iteration_time"][0]

@@ -593,7 +593,8 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
     # to its next forward: then ZeRO-2 and 3 hold whole gradients and (3) whole weights
     unsharded = accumulate & (zero >= 2)
     sharded_weights = (zero == 3) & ~unsharded
-    weights = param_bytes / np.where(sharded_weights, shard, 1.0) \
+    own_weights = param_bytes / np.where(sharded_weights, shard, 1.0)  # linear in the blocks a rank holds
+    weights = own_weights \
         + np.where(sharded_weights, 2 * col(part["block_params"]) * prec_bytes, 0.0) \
         + fp8.fp8_weight_bytes(workload, pa, part["linear_params"])  # two gathered blocks; fp8 copies
     mem = {
@@ -638,7 +639,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
                    # model states (linear in the blocks a rank holds), the workspace, the least activations
                    rank_least_memory=sum(mem[n] for n in ("gradients", "master_weights", "optimizer_states",
                                                            "workspace"))
-                   + param_bytes / np.where(sharded_weights, shard, 1.0) + part["least_activations"],
+                   + own_weights + part["least_activations"],
                    rank_const=c.step_overhead_s + extra_time)
     unpriced = [p for p in (*time_parts(), *HIDDEN_PARTS, *memory_parts()) if p not in out]
     if unpriced:  # a part declared in TIME_PARTS, MEMORY_PARTS or HIDDEN_PARTS that nothing above computes

@@ -180,9 +180,7 @@ class ExhaustivePlanner(Planner):
                     break
         if not plans:
             return []
-        pa = PlanArrays.from_plans(list(plans), workload.profile)
-        bound = stages.lower_bound(pa, evaluate(workload, pa, self.coeffs, ranks=True), workload.memory_budget)
-        return list(zip(plans, bound.tolist()))
+        return list(zip(plans, stages.outer_bounds(workload, list(plans), self.coeffs).tolist()))
 
 
 def _fastest_per_outer(chunk: PlanArrays, index: np.ndarray, res: dict) -> tuple[np.ndarray, np.ndarray]:

@@ -100,13 +100,8 @@ class _Candidates:
 
     def add(self, outer: int, rank: int, counts: np.ndarray, full: np.ndarray, sel: np.ndarray) -> np.ndarray:
         """Rows for `len(full)` candidates of one rank with the same blocks (`counts`); their indices."""
-        start, n = self.start + self.size, len(full)
-        self.size += n
-        self.outer.append(np.full(n, outer))
-        self.rank.append(np.full(n, rank))
-        self.counts.append(np.broadcast_to(counts, (n, self.n_kinds)))
-        self.full.append(full)
-        self.sel.append(sel)
+        n = len(full)
+        start = self.add_rows(outer, np.full(n, rank), np.broadcast_to(counts, (n, self.n_kinds)), full, sel)
         return np.arange(start, start + n)
 
     def add_rows(self, outer: int, rank: np.ndarray, counts: np.ndarray, full: np.ndarray, sel: np.ndarray) -> int:
@@ -281,16 +276,16 @@ class _Problem:
         per_rank = skeletons[table]
         if per_rank is None:
             return False
-        for r, (held, full, sel, patterns) in enumerate(per_rank):
-            start = cands.add_rows(index, np.full(len(patterns), r), np.broadcast_to(held, (len(patterns), len(held))),
-                                   full, sel)
+        for rows, patterns in per_rank:
+            start = cands.add_rows(index, *rows)
             self.options.append([_Options(list(range(start, start + len(patterns))), patterns, None)])
             self.spans.append((np.zeros(1, dtype=np.int64),) * 3)  # blocks placed stay 0: the split is fixed
         return True
 
     def _patterns(self) -> list | None:
-        """Per rank of the balanced split over pp x v stages: its blocks with the ends, and for every pattern of
-        its chunks' recompute options, the blocks fully and selectively recomputed; None past MAX_PATTERNS."""
+        """Per rank of the balanced split over pp x v stages, a row per pattern of its chunks' recompute options
+        (rank, its blocks with the ends, those fully and selectively recomputed) and the patterns; None past
+        MAX_PATTERNS."""
         pp, v = self.pp, self.v
         split = balanced_split(self.layers, pp * v)
         starts = np.concatenate([[0], np.cumsum(split)])
@@ -305,7 +300,9 @@ class _Problem:
             combos = np.array(list(itertools.product(*[range(len(o)) for o in per_stage])), dtype=np.int64)
             full = sum(ranges[i][1][combos[:, i]] for i in range(len(stages)))
             sel = sum(ranges[i][2][combos[:, i]] for i in range(len(stages)))
-            out.append((held + self.ends(r), full, sel, list(itertools.product(*per_stage))))
+            n = len(combos)
+            out.append(((np.full(n, r), np.broadcast_to(held + self.ends(r), (n, len(held))), full, sel),
+                        list(itertools.product(*per_stage))))
         return out
 
 
@@ -596,6 +593,12 @@ def lower_bound(pa: PlanArrays, res: dict, budget: float = np.inf) -> np.ndarray
     pipe = np.maximum(m * slowest, (total - kappa * weight) / nu + (m - 1 / nu) * slowest)
     bound = pipe + (res["rank_optimizer"] * mult).sum(axis=1) / pp + res["rank_const"]
     return np.where((res["rank_least_memory"] * mult).sum(axis=1) <= pp * budget, bound, np.inf)
+
+
+def outer_bounds(workload, plans: list[Plan], coeffs: Coefficients | None = None) -> np.ndarray:
+    """`lower_bound` of each outer plan of `plans`, priced here (one `evaluate(..., ranks=True)` call)."""
+    pa = PlanArrays.from_plans(plans, workload.profile)
+    return lower_bound(pa, evaluate(workload, pa, coeffs, ranks=True), workload.memory_budget)
 
 
 def _plan_of(problem: _Problem, choices: list) -> Plan:
