@@ -61,6 +61,9 @@ COMM_BYTES = np.array([DTYPE_BYTES[p] for p in COMM_DTYPES], dtype=float)
 SIXTEEN_BIT = np.array([storage_dtype(p) in ("bf16", "fp16") for p in PRECISIONS])
 SELECTIVE, FULL = RECOMPUTE_MODES.index("selective"), RECOMPUTE_MODES.index("full")
 GPIPE, INTERLEAVED = SCHEDULES.index("gpipe"), SCHEDULES.index("interleaved")
+LAYER_FLOORS = ("kind_layers", "kind_params", "kind_expert_params", "kind_activations", "kind_least_activations",
+                "kind_seconds", "kind_rate", "kind_rate2", "kind_intercept", "kind_full_rate", "kind_held",
+                "first_seconds", "last_seconds", "rank_p2p")  # `_layer_floors`' figures: evaluate(..., ranks=True)
 
 HIDDEN_PARTS = ("hidden_tp_comm", "hidden_dp_comm")  # seconds of communication an overlap hid
 TIME_PARTS = ("compute", "recompute", "tp_comm", "ep_comm", "pp_p2p", "pp_bubble", "dp_comm", "optimizer", "overhead")
@@ -230,9 +233,10 @@ def _group(workload, g: PlanArrays, c: Coefficients) -> dict:
     links = _links(cluster, g, c)
     tp_bw, tp_lat = col(links["tp_bw"]), col(links["tp_lat"])
     split = vocabulary.tp_split(workload, g.tp, len(profile.blocks))  # t; less at Megatron's padded ends
-    return dict(profile=profile, cluster=cluster, k=k, tp_overlap=tp_overlap, t=t, m=m, v=v, pp=pp, b=b,
-                sp_div=sp_div, act_scale=act_scale, peak=peak, hbm_raw=hbm_raw, hbm=hbm, links=links, tp_bw=tp_bw,
-                tp_lat=tp_lat, split=split)
+    counts = np.array([1] + [blk.count for blk in profile.layers] + [1], dtype=float)  # the ends count once
+    return dict(profile=profile, profile_counts=counts, cluster=cluster, k=k, tp_overlap=tp_overlap, t=t, m=m, v=v,
+                pp=pp, b=b, sp_div=sp_div, act_scale=act_scale, peak=peak, hbm_raw=hbm_raw, hbm=hbm, links=links,
+                tp_bw=tp_bw, tp_lat=tp_lat, split=split)
 
 
 def _per_kind(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
@@ -396,8 +400,7 @@ def _activations(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     # all but its attention core
     act_mb = act_mb + np.einsum("gjk,gk->gj", full, act_ckpt - act_full) + np.einsum("gjk,gk->gj", sel, act_sel - act_full)
     sched = col(g.schedule)
-    chunks = np.minimum((pp - rank - 1) * 2 + (v - 1) * pp + 1, m * v)
-    in_flight = np.select([sched == GPIPE, sched == INTERLEAVED], [m, chunks / v], np.minimum(pp - rank, m))
+    in_flight = micro_batches_kept(sched, pp, m, v, rank)
     # the head ends the last chunk, whose backward follows each forward at once: one micro-batch's
     # worth in flight (GPipe: all of them), not the rank's average over its chunks
     head_act = counts[:, :, -1] * per_kind_act[:, -1:]
@@ -413,9 +416,60 @@ def _activations(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     block_params = ((k["tp_params"] / t + k["params"] - k["tp_params"]) * k["is_layer"]).max(axis=1)
     # the least a rank's blocks can keep, whatever their recompute and the rank's place: every block its least
     # activation once (a rank keeps at least one micro-batch in flight, one chunk's worth of its v)
-    least = on_layers(np.minimum(np.minimum(act_full, act_sel), act_ckpt)) / v
+    least_per_kind = np.minimum(np.minimum(act_full, act_sel), act_ckpt)
+    least = on_layers(least_per_kind) / v
     return {"activations": kept + head_act * head_in_flight + working, "block_params": block_params,
-            "least_activations": least}
+            "least_activations": least, **_layer_floors(x, least_per_kind)}
+
+
+def _per_expert_param(experts: dict, expert_local: np.ndarray) -> np.ndarray:
+    """(N, 1) bytes of model states per routed-expert parameter on a GPU (cost/moe.py's, linear in them)."""
+    held = expert_local > 0
+    per = (experts["expert_weights"] + experts["expert_optimizer"]) / np.where(held, expert_local, 1.0)
+    least = np.where(held, per, np.inf).min(axis=1, keepdims=True)
+    return np.where(np.isfinite(least), least, 0.0)
+
+
+def micro_batches_kept(sched, pp, m, v, rank):
+    """Micro-batches' worth of its blocks' activations rank `rank` keeps at its peak: GPipe all m,
+    1F1B min(pp - rank, m), interleaved its warm-up chunks over v; the zero-bubble schedules' own counts
+    (`zero_bubble.in_flight`: what they keep, besides the deferred W passes' inputs)."""
+    chunks = np.minimum((pp - rank - 1) * 2 + (v - 1) * pp + 1, m * v)
+    plain = np.select([sched == GPIPE, sched == INTERLEAVED], [m, chunks / v], np.minimum(pp - rank, m))
+    return np.where(zero_bubble.applies(sched), zero_bubble.in_flight(sched, pp, m, v, rank)[0], plain)
+
+
+def _layer_floors(x: dict, least_per_kind: np.ndarray) -> dict:
+    """What `stages.recompute_floors` needs of each layer kind (G, K), one layer on one GPU: its parameters
+    (dense, and routed experts'), its activations kept without recompute and with the most, its passes'
+    seconds, and h(d) = max(r1 d, r2 d + k2) under the seconds of recompute that save d bytes of its
+    activations (its options, selective and full, as points (bytes saved, seconds): their lower convex hull
+    through (0, 0) is at least its first slope r1 times d and at least its second segment's line), the seconds
+    a byte costs with full recompute alone (the zero-bubble schedules run no selective), what its deferred W
+    passes hold (zero-bubble: its inputs less the attention core's, whatever the recompute); and (G,) the ends'
+    passes and a rank's point-to-point time."""
+    k, split, act_full, act_sel, act_ckpt = _take(x, "k split act_full act_sel act_ckpt")
+    points = [(act_full - act_sel, x["selective_f"]),
+              (act_full - act_ckpt, x["compute_f"] + x["tp_f"] + x["routed"]["a2a_f"])]
+    (da, ta), (db, tb) = points
+    swap = da > db  # (da, ta): the option that saves less
+    (da, ta), (db, tb) = ((np.where(swap, db, da), np.where(swap, tb, ta)),
+                          (np.where(swap, da, db), np.where(swap, ta, tb)))
+    ratio = lambda t, d: np.where(d > 0, t / np.where(d > 0, d, 1.0), np.inf)  # noqa: E731
+    ra, rb = ratio(ta, da), ratio(tb, db)
+    first = np.minimum(ra, rb)
+    bend = (ra < rb) & (db > da)  # the hull turns at the option that saves less
+    second = np.where(bend, (tb - ta) / np.where(bend, db - da, 1.0), first)
+    passes = x["compute_f"] + x["compute_b"] + x["tp_f"] + x["tp_b"] + x["routed"]["a2a_f"] + x["routed"]["a2a_b"]
+    layers = x["profile_counts"] * k["is_layer"] * np.ones_like(act_full)
+    params = (k["tp_params"] / split + (k["params"] - k["tp_params"])) * np.ones_like(act_full)
+    return {"kind_layers": layers, "kind_params": params,
+            "kind_expert_params": x["routed"]["expert_params"] * np.ones_like(act_full),
+            "kind_activations": act_full, "kind_least_activations": least_per_kind, "kind_seconds": passes,
+            "kind_rate": first, "kind_rate2": second,
+            "kind_intercept": np.where(bend, ta - np.where(bend, second, 0.0) * da, 0.0),
+            "kind_full_rate": ratio(points[1][1], points[1][0]), "kind_held": act_sel,
+            "first_seconds": passes[:, 0], "last_seconds": passes[:, -1], "rank_p2p": x["p2p"].min(axis=1)}
 
 
 def _tied(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
@@ -446,7 +500,7 @@ def _parts(workload, g: PlanArrays, x: dict) -> dict[str, np.ndarray]:
         "tied_copy")
     on, _ = _sums(x)
     at = lambda part: np.take_along_axis(part, at_slowest, axis=1)[:, 0] * m1  # noqa: E731
-    total_counts = np.array([1] + [blk.count for blk in profile.layers] + [1], dtype=float)
+    total_counts = x["profile_counts"]
     recompute_flops = np.select([mode == FULL, mode == SELECTIVE],
                                 [ckpt_frac * (counts * (k["fwd_flops"] * k["is_layer"])).sum(axis=2),
                                  (counts * (k["attn_core_flops"] * k["is_layer"])).sum(axis=2)], 0.0)
@@ -464,6 +518,7 @@ def _parts(workload, g: PlanArrays, x: dict) -> dict[str, np.ndarray]:
         "expert_local": on(routed["expert_params"]),
         "activations": x["activations"],
         "least_activations": x["least_activations"],
+        **{name: x[name] for name in LAYER_FLOORS},
         "block_params": x["block_params"],
         "model_flops_per_sample": np.full(len(g), _model_flops(profile, k, total_counts)),
         "recompute_flops_per_sample": (recompute_flops * mult).sum(axis=1),
@@ -514,7 +569,8 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
     cluster = workload.cluster
     c = coeffs if coeffs is not None else Coefficients.for_cluster(cluster, workload.runtime)
     first, inverse = _groups(pa)
-    part = {name: value[inverse] for name, value in _pipeline(workload, pa.take(first), c).items()}
+    part = {name: value[inverse] for name, value in _pipeline(workload, pa.take(first), c).items()
+            if ranks or name not in LAYER_FLOORS}  # those only the per-stage search's bound reads
     col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (N,) -> (N, 1)
 
     # -- data parallel and optimizer, per representative rank: (N, J) ----------------------------------
@@ -564,6 +620,19 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
             scatters + nmb * np.maximum(2 * gather - hide_f - hide_b, (shard - 1) * shard_lat + base))
         return np.where(dpn > 1, t, 0.0)
 
+    def exposed_floor(hide_b, hide_f):
+        """What `exposed` never goes below, affine in the rank's parameters and hiding time (buckets counted
+        fractionally, each max at its first argument): summed over the ranks the same for every split."""
+        reduce_lin = 2 * (dpn - 1) / dpn * grad_bytes / dp_bw + grad_bytes / bucket * (2 * (dpn - 1) * dp_lat + base)
+        k = np.where(accumulate, 1.0, nmb)
+        t = np.select(
+            [zero == 0, zero == 1, zero == 2],
+            [reduce_lin - hide_b,
+             scatter_all + gather - hide_b - hide_f if megatron else reduce_lin - hide_b + broadcast,
+             k * (scatter_all - hide_b) + gather - hide_f],
+            k * (scatter_all - hide_b) + nmb * (2 * gather - hide_f - hide_b))
+        return np.where(dpn > 1, t, 0.0)
+
     offload = np.asarray(pa.offload_optimizer, dtype=bool)[:, None]
     fp32 = (pa.precision == PRECISIONS.index("fp32"))[:, None]
     experts = moe.data_parallel_terms(workload, pa, c, part["expert_local"], zero, nmb, accumulate, prec_bytes,
@@ -593,15 +662,18 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
     # to its next forward: then ZeRO-2 and 3 hold whole gradients and (3) whole weights
     unsharded = accumulate & (zero >= 2)
     sharded_weights = (zero == 3) & ~unsharded
-    own_weights = param_bytes / np.where(sharded_weights, shard, 1.0)  # linear in the blocks a rank holds
+    # the model states' bytes per local parameter: linear in the blocks a rank holds
+    per_param = {"weights": prec_bytes / np.where(sharded_weights, shard, 1.0),
+                 "gradients": prec_bytes / np.where((zero >= 2) & ~unsharded, shard, 1.0),
+                 "master_weights": np.where(fp32 | offload, 0.0, 4 / shard_states),
+                 "optimizer_states": np.where(offload, 0.0, 8 / shard_states)}
+    own_weights = local_params * per_param["weights"]
     weights = own_weights \
         + np.where(sharded_weights, 2 * col(part["block_params"]) * prec_bytes, 0.0) \
         + fp8.fp8_weight_bytes(workload, pa, part["linear_params"])  # two gathered blocks; fp8 copies
     mem = {
         "weights": weights,
-        "gradients": param_bytes / np.where((zero >= 2) & ~unsharded, shard, 1.0),
-        "master_weights": np.where(fp32 | offload, 0.0, local_params * 4 / shard_states),
-        "optimizer_states": np.where(offload, 0.0, local_params * 8 / shard_states),
+        **{name: local_params * per_param[name] for name in ("gradients", "master_weights", "optimizer_states")},
         "activations": part["activations"],
         "comm_buffers": np.where((dpn > 1) & (zero <= 1), np.minimum(grad_bytes, bucket), 0.0),
         "workspace": np.full_like(weights, c.workspace_bytes),
@@ -635,12 +707,18 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
         out.update(rank_per_mb=part["per_mb"], rank_gpu_mb=part["gpu_mb"], rank_host_mb=part["host_mb"],
                    rank_mult=part["mult"], rank_share=part["share"], rank_weight=part["weight"],
                    rank_tail=dp_time + optimizer, rank_optimizer=optimizer, rank_memory=peak_rank,
+                   rank_dp_floor=exposed_floor(hide_b, hide_f),  # dp_time >= it (a MoE's edp only hides less)
                    # what no split or recompute lowers below, summed over the ranks (`stages.lower_bound`): the
                    # model states (linear in the blocks a rank holds), the workspace, the least activations
                    rank_least_memory=sum(mem[n] for n in ("gradients", "master_weights", "optimizer_states",
                                                            "workspace"))
                    + own_weights + part["least_activations"],
-                   rank_const=c.step_overhead_s + extra_time)
+                   rank_const=c.step_overhead_s + extra_time,
+                   # each layer kind's figures (`_layer_floors`), its model states in bytes among them (the
+                   # experts' states per parameter as cost/moe.py keeps them)
+                   kind_states=part["kind_params"] * sum(per_param.values()).min(axis=1, keepdims=True)
+                   + part["kind_expert_params"] * _per_expert_param(experts, part["expert_local"]),
+                   **{name: part[name] for name in LAYER_FLOORS})
     unpriced = [p for p in (*time_parts(), *HIDDEN_PARTS, *memory_parts()) if p not in out]
     if unpriced:  # a part declared in TIME_PARTS, MEMORY_PARTS or HIDDEN_PARTS that nothing above computes
         raise RuntimeError(f"the cost model declares {unpriced} but does not price them (autopar/cost/model.py)")

@@ -23,8 +23,8 @@ from autopar.search.space import degree_choices, enumerate_plans
 
 CHUNK = 1 << 17
 SOLVE_BATCH = 16  # outer plans per call of the per-stage solver
-MAX_OUTER = 32  # outer plans the per-stage solver finishes at most per search (`exact` says if that cut it short)
-PROMISING = MAX_OUTER // 2  # of those at most, the outer plans of the fastest uniform plans that fit (`_promising`)
+MAX_OUTER = 512  # outer plans the per-stage solver finishes at most per search (`exact` says if that cut it short)
+PROMISING = 16  # of those at most, the outer plans of the fastest uniform plans that fit (`_promising`)
 
 
 def structure_fields() -> list[str]:
@@ -73,7 +73,7 @@ class ExhaustivePlanner(Planner):
             raise no_plan_error(workload)
         keep_per_chunk = max(64, 32 * k)
         per_stage = self.per_stage and "recompute" not in dict(getattr(workload, "fixed", ()))
-        rows, least_memory, outer, bounds, fitting = [], np.inf, [], [], []
+        rows, least_memory, outer, bounds, fitting, fastest = [], np.inf, [], [], [], np.inf
         for start in range(0, len(space), CHUNK):
             index = np.arange(start, min(start + CHUNK, len(space)))
             chunk = space.take(index)
@@ -81,11 +81,14 @@ class ExhaustivePlanner(Planner):
             least_memory = min(least_memory, float(res["peak_memory"].min()))
             fit = np.flatnonzero(res["fits"])
             rows.append(index[fit[np.argsort(res["iteration_time"][fit], kind="stable")[:keep_per_chunk]]])
+            fastest = min(fastest, float(res["iteration_time"][fit].min(initial=np.inf)))
             if per_stage:  # the plans without recompute stand for their outer plans (recompute is the solver's)
-                bound = stages.lower_bound(chunk, res, workload.memory_budget)
-                plain = np.flatnonzero((chunk.recompute == RECOMPUTE_MODES.index("none")) & np.isfinite(bound))
-                outer.append(index[plain])
-                bounds.append(bound[plain])
+                plain = np.flatnonzero(chunk.recompute == RECOMPUTE_MODES.index("none"))
+                # the per-stage target is below the fastest uniform plan: an outer plan bounded above it never runs
+                bound = stages.lower_bound(chunk, res, workload.memory_budget, rows=plain, below=fastest)
+                keep = bound < fastest
+                outer.append(index[plain[keep]])
+                bounds.append(bound[keep])
                 fitting.append(_fastest_per_outer(chunk, index, res))
         rows = np.concatenate(rows)
         self.solved, self.exact = 0, True

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.cost import Coefficients, PlanArrays, evaluate, zero_bubble
+from autopar.cost.model import LAYER_FLOORS, micro_batches_kept
 from autopar.cost.arrays import RankTable
-from autopar.knobs import balanced_split, knob, rank_stages, stage_rank
+from autopar.knobs import SCHEDULES, V_SCHEDULES, balanced_split, knob, rank_stages, stage_rank
 from autopar.errors import PlanError
 from autopar.plan import Plan
 from autopar.search.space import choices, plan_of, values_of
@@ -569,30 +570,148 @@ def solve(workload, plans: list[Plan], coeffs: Coefficients | None = None,
     return out
 
 
-def lower_bound(pa: PlanArrays, res: dict, budget: float = np.inf) -> np.ndarray:
-    """(N,) a lower bound of the solver's optimum for each outer plan of `pa`, from `evaluate(workload,
-    pa, ranks=True)` of the plans without recompute (their split does not matter); inf where no split and
-    recompute can fit the per-GPU `budget`. Why it holds: a rank's GPU and host times per micro-batch, its
-    optimizer step and its model states are linear in its blocks, so their sums over the ranks are the same
-    for every split and recompute (G, H, O, and the states). Time: a rank's micro-batch takes the
-    host_overlap-norm of its two times, and a norm is subadditive, so the ranks' sum is at least total =
-    norm(G, H) >= max(G, H) and the slowest rank M at least a pp-th of it. The pipe is S - sigma + m M (module
-    doc) with every share at least 0 and at least (per_mb - kappa W) / nu (`zero_bubble.share_floor`; W, the
-    weight-gradient passes, summed over the ranks is the same for every split and recompute): so at least
-    m total / pp and at least (total - kappa W) / nu + (m - 1 / nu) total / pp (1F1B, GPipe: sum + (m - 1)
-    slowest; interleaved: sum / v + (m - 1/v) slowest); recompute only adds time; the data-parallel tail is
-    the largest rank's exposed collectives and step, at least the mean step O / pp. Memory: every rank
-    within the budget needs the ranks' least memory (`rank_least_memory`: states, workspace, each block's
-    least activation once) summed within pp budgets."""
-    g, h, mult = res["rank_gpu_mb"], res["rank_host_mb"], res["rank_mult"]
-    total = np.maximum((g * mult).sum(axis=1), (h * mult).sum(axis=1))
-    weight = (res["rank_weight"] * mult).sum(axis=1)
+HUGE = 1e30  # seconds past every rank's pieces (`recompute_floors`)
+BOUND_INPUTS = ("rank_gpu_mb", "rank_host_mb", "rank_mult", "rank_weight", "rank_dp_floor", "rank_optimizer",
+                "rank_const", "rank_least_memory", "workspace", "kind_states",
+                *LAYER_FLOORS)  # what `lower_bound` reads of `evaluate(..., ranks=True)`
+
+
+def lower_bound(pa: PlanArrays, res: dict, budget: float = np.inf, rows: np.ndarray | None = None,
+                below: float = np.inf) -> np.ndarray:
+    """(N,) a lower bound of the solver's optimum for each outer plan of `pa` (or of its `rows`; the
+    recompute floors only where the bound without them is below `below`: a cheaper bound elsewhere), from
+    `evaluate(workload, pa, ranks=True)` of the plans without recompute (their split does not matter); inf
+    where no split and recompute can fit the per-GPU `budget`. Why it holds: a rank's GPU and host times per
+    micro-batch, its optimizer step, its model states and the affine floor of its exposed data-parallel
+    collectives (`rank_dp_floor`) are linear in its blocks, so their sums over the ranks are the same for every
+    split and recompute (G, H, O, D, the states). Time: a rank's micro-batch takes the host_overlap-norm of its
+    two times, and a norm is subadditive, so the ranks' sum is at least total = max(G + R, H), R the recompute
+    the budget forces (`recompute_floors`), and the slowest rank M at least a pp-th of it and at least the
+    floor `recompute_floors` gives. The pipe is S - sigma + m M (module doc) with every share at least 0 and at
+    least (per_mb - kappa W) / nu (`zero_bubble.share_floor`; W, the weight-gradient passes, summed over the
+    ranks is the same for every split and recompute): so at least m M and at least (total - kappa W) / nu +
+    (m - 1 / nu) M (1F1B, GPipe: sum + (m - 1) slowest; interleaved: sum / v + (m - 1/v) slowest), both
+    increasing in M and total; the data-parallel tail is the largest rank's exposed collectives and step, at
+    least their mean, (max(D, 0) + O) / pp. Memory: every rank within the budget needs the ranks' least memory
+    (`rank_least_memory`: states, workspace, each block's least activation once) summed within pp budgets."""
+    if rows is not None:
+        pa, res = pa.take(rows), {k: res[k][rows] for k in BOUND_INPUTS}
+    mult = res["rank_mult"]
     pp, m, v = (np.asarray(pa.columns[n], dtype=float) for n in ("pp", "num_micro_batches", "virtual_stages"))
+    gpu, host = (res["rank_gpu_mb"] * mult).sum(axis=1), (res["rank_host_mb"] * mult).sum(axis=1)
+    weight = (res["rank_weight"] * mult).sum(axis=1)
     kappa, nu = zero_bubble.share_floor(np.asarray(pa.schedule), v)
-    slowest = total / pp
-    pipe = np.maximum(m * slowest, (total - kappa * weight) / nu + (m - 1 / nu) * slowest)
-    bound = pipe + (res["rank_optimizer"] * mult).sum(axis=1) / pp + res["rank_const"]
-    return np.where((res["rank_least_memory"] * mult).sum(axis=1) <= pp * budget, bound, np.inf)
+    dp_floor = np.maximum((res["rank_dp_floor"] * mult).sum(axis=1), 0.0)
+    tail = (dp_floor + (res["rank_optimizer"] * mult).sum(axis=1)) / pp
+    fits = (res["rank_least_memory"] * mult).sum(axis=1) <= pp * budget
+
+    def bound(i, forced=0.0, least_slowest=0.0):
+        total = np.maximum(gpu[i] + forced, host[i])
+        slowest = np.maximum(total / pp[i], least_slowest)
+        pipe = np.maximum(m[i] * slowest, (total - kappa[i] * weight[i]) / nu[i] + (m[i] - 1 / nu[i]) * slowest)
+        return pipe + tail[i] + res["rank_const"][i]
+
+    out = np.where(fits, bound(slice(None)), np.inf)
+    sharpen = np.flatnonzero(out < below)
+    if len(sharpen):
+        forced, least_slowest = recompute_floors(pa.take(sharpen), {k: res[k][sharpen] for k in BOUND_INPUTS}, budget)
+        feasible = np.isfinite(forced)
+        out[sharpen] = np.where(feasible, bound(sharpen, np.where(feasible, forced, 0.0),
+                                                np.where(feasible, least_slowest, 0.0)), np.inf)
+    return out
+
+
+KIND_FLOORS = {"s": "kind_states", "a": "kind_activations", "c": "kind_least_activations", "t": "kind_seconds",
+               "e1": "kind_rate", "e2": "kind_rate2", "k": "kind_intercept", "ef": "kind_full_rate",
+               "h": "kind_held"}  # `_allocation_floors`' names
+
+
+def recompute_floors(pa: PlanArrays, res: dict, budget: float) -> tuple[np.ndarray, np.ndarray]:
+    """(N,) x 2: the least recompute, in seconds per micro-batch summed over the ranks, that any split must
+    spend for every rank to fit `budget`, and the least micro-batch time its slowest rank can have (both inf
+    where no split fits). Each is the larger of two floors (`_allocation_floors`): every layer at the least
+    of each figure over the layers' kinds, and the one kind whose layers hold the most, the others left out
+    (fewer layers only lower both)."""
+    n = len(pa)
+    if not np.isfinite(budget) or n == 0:
+        return np.zeros(n), np.zeros(n)
+    layers = res["kind_layers"]
+    is_layer = layers > 0
+    lowest = {name: np.where(is_layer, res[key], np.inf).min(axis=1) for name, key in KIND_FLOORS.items()}
+    forced, slowest = _allocation_floors(pa, res, budget, lowest, layers.sum(axis=1))
+    if (is_layer.sum(axis=1) > 1).any():
+        top = np.argmax(layers * (res["kind_states"] + res["kind_activations"]), axis=1)[:, None]
+        one = {name: np.take_along_axis(res[key], top, axis=1)[:, 0] for name, key in KIND_FLOORS.items()}
+        count = np.take_along_axis(layers, top, axis=1)[:, 0]
+        forced_one, slowest_one = _allocation_floors(pa, res, budget, one, count)
+        forced, slowest = np.maximum(forced, forced_one), np.maximum(slowest, slowest_one)
+    return forced, slowest
+
+
+def _allocation_floors(pa: PlanArrays, res: dict, budget: float, layer: dict, count: np.ndarray):
+    """`recompute_floors` for `count` layers each with at least a layer's figures `layer` (N,): states s (and,
+    under zb, what each deferred W pass holds), activations a without recompute and c with the most, passes'
+    seconds t, and h(d) = max(e1 d, e2 d + k) under the seconds of recompute that save d bytes of its
+    activations (full recompute's alone under the zero-bubble schedules) (`_layer_floors`), and each rank's
+    micro-batches in flight f_r (`micro_batches_kept`).
+
+    Rank r holding n_r layers keeps at least the workspace, n_r s of states and f_r times their activations
+    less what recompute saves, D_r: so D_r >= n_r (a + s / f_r) - B / f_r (B: the budget less the workspace)
+    and n_r <= B / (s + f_r c); h is convex, so those savings cost at least n_r h(D_r / n_r) = max(e1 D_r,
+    e2 D_r + k n_r): convex and piecewise linear in n_r, free up to B / (s + f_r a) layers. Dropping
+    integrality and the contiguity of stages, the least total over sum n_r = L is a convex allocation (the
+    ranks' pieces, cheapest first); the slowest rank is at least the least M at which the layers each rank
+    can take within M seconds (its p2p and end blocks, n_r t, its recompute) cover L. The ends' memory, tied
+    copies, gathered blocks and buffers are left out: they only add memory, so both floors hold."""
+    n = len(pa)
+    col = lambda x: np.asarray(x, dtype=float)[:, None]  # noqa: E731
+    finite = lambda x: np.where(np.isfinite(x), x, 0.0)  # noqa: E731  (nothing saves: then cap = free)
+    sched, pp, m, v = (col(pa.columns[name]) for name in ("schedule", "pp", "num_micro_batches", "virtual_stages"))
+    zb = zero_bubble.applies(sched)  # full recompute alone (`knobs._check_schedule`), and deferred W passes
+    e1, e2, ef, k = (col(finite(layer[name])) for name in ("e1", "e2", "ef", "k"))
+    e1, e2, k = np.where(zb, ef, e1), np.where(zb, ef, e2), np.where(zb, 0.0, k)
+    a, c, L = col(layer["a"]), col(layer["c"]), col(count)
+    t, B = col(np.maximum(layer["t"], 1e-12)), col(np.maximum(budget - res["workspace"], 0.0))
+    rank = np.arange(int(pp.max()), dtype=float)[None, :]
+    on = rank < pp  # the ranks of each plan (pp varies by row)
+    f = np.maximum(micro_batches_kept(sched, pp, m, v, rank), 1e-9)
+    s = col(layer["s"]) + zero_bubble.in_flight(sched, pp, m, v, rank)[1] * col(layer["h"])  # what recompute keeps
+    q = a + s / f  # bytes to save for each layer beyond the free ones
+    free = np.where(on, B / np.maximum(s + f * a, 1e-30), 0.0)
+    cap = np.where(on, np.maximum(B / np.maximum(s + f * c, 1e-30), free), 0.0)
+    lift = (e2 - e1) * q + k  # where > 0 the second line overtakes the first at `bend` layers
+    bend = np.where(lift > 0, (e2 - e1) * B / f / np.where(lift > 0, lift, 1.0), np.inf)
+    knee = np.clip(bend, free, cap)
+    lengths = [free, knee - free, cap - knee]
+    slopes = [np.zeros_like(free), e1 * q, np.where(lift > 0, e2 * q + k, e1 * q)]
+    feasible = cap.sum(axis=1) >= L[:, 0] * (1 - 1e-12)
+    # the least total: the convex allocation, the cheapest pieces first
+    ln, sl = np.concatenate(lengths, axis=1), np.concatenate(slopes, axis=1)
+    order = np.argsort(sl, axis=1, kind="stable")
+    ln, sl = np.take_along_axis(ln, order, axis=1), np.take_along_axis(sl, order, axis=1)
+    filled = np.clip(L - (np.cumsum(ln, axis=1) - ln), 0.0, ln)
+    forced = np.where(feasible, (filled * sl).sum(axis=1), np.inf)
+    # the least slowest rank: the layers the ranks can take within M seconds, sum_r n_r(M), is piecewise
+    # linear in M, each rank's rate 1 / (t + slope) on its pieces from its p2p and end blocks on
+    base = np.where(rank == 0, col(res["first_seconds"]), 0.0) + col(res["rank_p2p"])
+    v_shaped = np.isin(sched, [SCHEDULES.index(name) for name in V_SCHEDULES])
+    base = base + np.where(rank == np.where(v_shaped, 0.0, pp - 1), col(res["last_seconds"]), 0.0)
+    base = np.where(on, base, HUGE)
+    starts, rates = [base], []
+    for length, slope in zip(lengths, slopes):
+        rates.append(np.where(on, 1 / (t + slope), 0.0))
+        starts.append(np.minimum(starts[-1] + length * (t + slope), HUGE))
+    changes = [rates[0], rates[1] - rates[0], rates[2] - rates[1], -rates[2]]
+    at, change = np.concatenate(starts, axis=1), np.concatenate(changes, axis=1)
+    order = np.argsort(at, axis=1, kind="stable")
+    at, change = np.take_along_axis(at, order, axis=1), np.take_along_axis(change, order, axis=1)
+    rate = np.cumsum(change, axis=1)  # after each point
+    held = np.concatenate([np.zeros((n, 1)), np.cumsum(rate[:, :-1] * np.diff(at, axis=1), axis=1)], axis=1)
+    i = np.minimum((held < L).sum(axis=1) - 1, at.shape[1] - 1)[:, None]  # the last point below L layers
+    h_i, at_i, rate_i = (np.take_along_axis(x, i, axis=1)[:, 0] for x in (held, at, rate))
+    least = at_i + (L[:, 0] - h_i) / np.where(rate_i > 0, rate_i, np.inf)
+    slowest = np.where(feasible, np.maximum(least, np.where(on, base, 0.0).max(axis=1)), np.inf)
+    return forced, slowest
 
 
 def outer_bounds(workload, plans: list[Plan], coeffs: Coefficients | None = None) -> np.ndarray:
