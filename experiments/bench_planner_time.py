@@ -6,7 +6,8 @@ tokens, free and held at pp=16, GPT 7.5B on 8 x dgx-h100 at 4K, a second GPT fil
 dgx-h100), in one process with the profile cached, it prints for each planner the median of 3 wall
 times of `propose` (what `autopar search` spends planning) and its plan's predicted iteration time
 against the exact search's; and the best uniform plan (balanced split, one recompute setting) against
-the best plan, the gain the per-stage knobs bought.
+the best plan, the gain the per-stage knobs bought, and whether the exact search proved its plan optimal
+(every outer plan its lower bound could not rule out solved; how many it solved).
 
     python experiments/bench_planner_time.py [--repeats 3] [--planners rl,exhaustive] [--only 405b]
 """
@@ -49,14 +50,15 @@ def workload_of(args_text: str):
 
 
 def timed(planner_name: str, workload, repeats: int, **options):
-    """Median wall time of `propose` over `repeats` fresh planners, and the plan of the last."""
+    """Median wall time of `propose` over `repeats` fresh planners, the plan of the last, and the last planner
+    (the exact search's `exact` and `solved` say whether it proved its plan optimal, after how many solves)."""
     walls, plan = [], None
     for _ in range(repeats):
         planner = get_planner(planner_name, **options)
         started = time.perf_counter()
         plan = planner.propose(workload, 1)[0]
         walls.append(time.perf_counter() - started)
-    return statistics.median(walls), plan
+    return statistics.median(walls), plan, planner
 
 
 def main() -> None:
@@ -73,6 +75,7 @@ def main() -> None:
     for p in planners:
         table.add_column(f"{p} s", justify="right")
         table.add_column(f"{p} / exact", justify="right")
+    table.add_column("proved (solves)", justify="right")
     table.add_column("best uniform -> best", justify="right")
     table.add_column("best plan")
     for name in names:
@@ -83,9 +86,11 @@ def main() -> None:
         uniform_time = estimate(workload, uniform).iteration_time_s
         row = [name]
         for p in planners:
-            wall, plan = results[p]
+            wall, plan, _ = results[p]
             row += [f"{wall:.2f}", f"{exact_time / estimate(workload, plan).iteration_time_s:.4f}"]
-        row += [f"{uniform_time / exact_time - 1:+.2%}", results[planners[-1]][1].describe()]
+        reference = results[planners[-1]][2]
+        proved = f"{'yes' if reference.exact else 'no'} ({reference.solved})" if hasattr(reference, "exact") else "-"
+        row += [proved, f"{uniform_time / exact_time - 1:+.2%}", results[planners[-1]][1].describe()]
         table.add_row(*row)
         console.print(f"{name}: done")
     console.print(table)

@@ -269,7 +269,8 @@ def test_lower_bound_never_exceeds_the_solvers_optimum_on_real_spaces():
     degree, offload and replica count those spaces hold), each under a budget between its leanest uniform
     plan's peak and its plain plan's, so that recompute is forced: the bound is at most the solver's optimum,
     and its floors (`recompute_floors`: the recompute the budget forces, the slowest rank's least micro-batch
-    time) are at work: positive on most plans and at most what the optimum spends."""
+    time) are at work: positive on most plans and at most what the optimum spends. The search bounds a whole
+    chunk of outer plans of every pp at once: each plan's bound there is the one it has alone."""
     rng = np.random.default_rng(5)
     cases = [workload("gpt", "dgx-a100-40g", nodes=4, global_batch=64, size="1.7b", layers=24, seq_len=2048),
              workload("llama", "pcie-4090x8", nodes=2, global_batch=32, size="small", layers=20, seq_len=2048,
@@ -280,7 +281,11 @@ def test_lower_bound_never_exceeds_the_solvers_optimum_on_real_spaces():
     for w in cases:
         space = enumerate_plans(w)
         plain = np.flatnonzero(space.recompute == RECOMPUTE_MODES.index("none"))
-        for i in rng.choice(plain, size=min(40, len(plain)), replace=False):
+        drawn = rng.choice(plain, size=min(40, len(plain)), replace=False)
+        together = stages.lower_bound(space.take(drawn), evaluate(w, space.take(drawn), ranks=True), w.memory_budget)
+        alone = [stages.outer_bounds(w, [space.plan(int(i))])[0] for i in drawn]
+        assert len(set(space.pp[drawn])) > 2 and np.allclose(together, alone, rtol=1e-9), (together, alone)
+        for i in drawn:
             outer = stages.outer_of(space.plan(int(i)))
             if not stages.worth_solving(outer, w.profile):
                 continue

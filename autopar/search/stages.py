@@ -705,11 +705,14 @@ def _allocation_floors(pa: PlanArrays, res: dict, budget: float, layer: dict, co
     at, change = np.concatenate(starts, axis=1), np.concatenate(changes, axis=1)
     order = np.argsort(at, axis=1, kind="stable")
     at, change = np.take_along_axis(at, order, axis=1), np.take_along_axis(change, order, axis=1)
-    rate = np.cumsum(change, axis=1)  # after each point
+    rate = np.maximum(np.cumsum(change, axis=1), 0.0)  # after each point (>= 0: rounding left past the pieces)
     held = np.concatenate([np.zeros((n, 1)), np.cumsum(rate[:, :-1] * np.diff(at, axis=1), axis=1)], axis=1)
     i = np.minimum((held < L).sum(axis=1) - 1, at.shape[1] - 1)[:, None]  # the last point below L layers
     h_i, at_i, rate_i = (np.take_along_axis(x, i, axis=1)[:, 0] for x in (held, at, rate))
     least = at_i + (L[:, 0] - h_i) / np.where(rate_i > 0, rate_i, np.inf)
+    # caps that cover L only to rounding: every rank at its cap, so the slowest at the last piece's end
+    ends = np.where(on, starts[-1], 0.0).max(axis=1)
+    least = np.where(at_i >= HUGE / 2, ends, np.minimum(least, ends))
     slowest = np.where(feasible, np.maximum(least, np.where(on, base, 0.0).max(axis=1)), np.inf)
     return forced, slowest
 
