@@ -202,5 +202,22 @@ class RLPlanner(Planner):
                 s.plan.validate(workload)  # what the runtime runs (capability rules)
             except PlanError:
                 continue
-            return s.plan
+            return self._best_mesh(workload, s.plan, s.iteration_time)
         return None
+
+    def _best_mesh(self, workload, plan: Plan, time_s: float) -> Plan:
+        """`plan` in the mesh order (`stages.mesh_variants`) that makes it fastest and that the runtime runs."""
+        variants = stages.mesh_variants(workload, plan)
+        if not variants:
+            return plan
+        res = evaluate(workload, PlanArrays.from_plans(variants, workload.profile))
+        self.evaluations += len(variants)
+        for i in np.argsort(res["iteration_time"], kind="stable"):
+            if not res["fits"][i] or res["iteration_time"][i] >= time_s:
+                break
+            try:
+                variants[int(i)].validate(workload)
+            except PlanError:
+                continue
+            return variants[int(i)]
+        return plan

@@ -25,12 +25,17 @@ def test_search_json_and_plan_file(capsys, tmp_path):
     assert {"plan", "estimate", "alternatives"} <= set(d) and len(d["alternatives"]) == 2
     assert Plan.load(out_path) == Plan.from_dict(d["plan"])
     assert d["estimate"]["fits"] and d["plan"]["dp"] * d["plan"]["tp"] * d["plan"]["pp"] == 8
+    # what the exact search proved: its plan is the space's optimum (no outer plan left unsolved by the cap)
+    assert d["proved_optimal"] is True and d["outer_plans_solved"] >= 0
+    code, out, _ = run_cli(capsys, "search", GPT, *TINY, "--global-batch", "64", "--method", "rules", "--json")
+    assert code == 0 and "proved_optimal" not in json.loads(out)  # a heuristic proves nothing
 
 
 def test_search_prints_plan_reasons_and_runners_up(capsys):
     code, out, _ = run_cli(capsys, "search", GPT, *TINY, "--global-batch", "64")
     assert code == 0
-    for heading in ("Plan", "Iteration", "Memory", "Why", "Runners-up", "cost-model evaluations"):
+    for heading in ("Plan", "Iteration", "Memory", "Why", "Runners-up", "cost-model evaluations",
+                    "(optimum proved)"):
         assert heading in out
 
 

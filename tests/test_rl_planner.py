@@ -194,3 +194,25 @@ def test_detail_variants_change_one_data_parallel_knob_each():
         v.validate(w)
         changed = [name for name in stages.DETAILS if getattr(v, name) != getattr(lead, name)]
         assert len(changed) == 1 and v.with_(**{changed[0]: getattr(lead, changed[0])}) == lead, v.describe()
+
+
+def test_the_finished_plan_is_priced_in_every_mesh_order():
+    """rl's last step: its finished per-stage plan in each mesh order the space offers (`stages.mesh_variants`:
+    the split and per-stage recompute kept), the fastest that fits kept. A 65-layer Llama on 40 L40S nodes of
+    the stratified held-out set, where rl's plan was the exact search's in another mesh order (0.9954)."""
+    from autopar.cost import PlanArrays, evaluate
+    from autopar.plan import Plan
+    from autopar.search import stages
+
+    w = workload("llama", "l40s-pcie", nodes=40, global_batch=2560, ffn=43008, heads=96, hidden=12288, kv_heads=16,
+                 layers=65, seq_len=1536, size="small", vocab=100352)
+    plan = Plan(dp=16, tp=2, pp=10, micro_batch_size=1, num_micro_batches=160, zero=2, sequence_parallel=True,
+                grad_comm_dtype="bf16", offload_optimizer=True, layer_split=(6, 6, 6, 6, 7, 7, 7, 7, 7, 6),
+                stage_recompute=("full:3", "full:2", "full:2", "full:1", "full:2", "full:1", "none", "none", "none",
+                                 "none"))
+    variants = stages.mesh_variants(w, plan)
+    assert variants and all(v.with_(mesh_order=plan.mesh_order) == plan != v for v in variants)
+    times = evaluate(w, PlanArrays.from_plans([plan, *variants], w.profile))["iteration_time"]
+    planner = get_planner("rl")
+    chosen = planner._best_mesh(w, plan, float(times[0]))
+    assert chosen == [plan, *variants][int(np.argmin(times))] and times.min() < times[0]

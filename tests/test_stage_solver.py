@@ -317,7 +317,7 @@ def test_lower_bound_never_exceeds_the_solvers_optimum_on_real_spaces():
 def test_exact_search_proves_gpt3_175b_optimal_within_a_hundred_outer_plans():
     """GPT-3 175B on 128 DGX A100 80GB at global batch 1536 (issue 41's first command): with a bound blind to
     the recompute memory forces and to the data-parallel collectives, 3,086 outer plans had a bound below the
-    best plan and the search stopped at its cap, not exact; with `recompute_floors` and `rank_dp_floor` 165 do,
+    best plan and the search stopped at its cap, not exact; with `recompute_floors` and `rank_dp_floor` 61 do,
     and the search finishes every one it cannot rule out (`exact`) within a hundred solves."""
     from autopar.search.exhaustive import ExhaustivePlanner
 

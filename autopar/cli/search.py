@@ -114,6 +114,7 @@ def run(args) -> int:
             "confidence": None if confidence is None else {"probability": confidence.probability,
                                                            "min_step": confidence.min_step},
             "cost_model_evaluations": planner.evaluations, "wall_time_s": wall, "plot": written,
+            **exactness(planner),
         })
         return 0
     console.print(f"[bold]{workload.describe()}[/bold]  ·  {params_text(workload.profile.params)} parameters")
@@ -131,7 +132,19 @@ def run(args) -> int:
         console.print(alternatives_table(best_est, list(zip(plans[1:], estimates[1:]))))
     if confidence is not None:
         console.print(confidence.describe())
-    console.print(f"{args.method}: {planner.evaluations:,} cost-model evaluations, {wall:.2f} s"
+    proof = exactness(planner)
+    solved = ("" if not proof else f", {proof['outer_plans_solved']:,} outer plans solved per stage "
+              + ("(optimum proved)" if proof["proved_optimal"] else "(stopped at the cap: optimum not proved)"))
+    console.print(f"{args.method}: {planner.evaluations:,} cost-model evaluations{solved}, {wall:.2f} s"
                   + (f"; plan written to {args.output}" if args.output else "")
                   + (f"; plot written to {written}" if written else ""))
     return 0
+
+
+def exactness(planner) -> dict:
+    """What the exact search proved (`ExhaustivePlanner.exact`: every outer plan its lower bound could not rule
+    out was finished per stage, so no plan of the space is predicted faster), for the JSON and the last line;
+    nothing for the other planners."""
+    if not hasattr(planner, "exact"):
+        return {}
+    return {"proved_optimal": bool(planner.exact), "outer_plans_solved": int(planner.solved)}

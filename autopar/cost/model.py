@@ -180,15 +180,17 @@ def _links(cluster, pa: PlanArrays, coeffs: Coefficients) -> dict[str, np.ndarra
             "pp_bw": t[:, 4], "pp_lat": t[:, 5], "tied_bw": t[:, 6], "tied_lat": t[:, 7]}
 
 
-def _pipeline(workload, g: PlanArrays, c: Coefficients) -> dict[str, np.ndarray]:
+def _pipeline(workload, g: PlanArrays, c: Coefficients, floors: bool = False) -> dict[str, np.ndarray]:
     """Everything that does not depend on the data-parallel knobs (ZeRO, buckets, gradient dtype,
     offload): computed once per group of plans sharing degrees, micro-batching, schedule,
     recompute, sequence parallel, precision and mesh order. In named steps, each adding its
     figures to the group's (`x`): the group's columns and links, one micro-batch of each block kind
     on one GPU, of each representative pipeline rank by part, the host's pace, the schedule, the
-    activations in flight, the tied embedding, then the parts."""
+    activations in flight, the tied embedding, (with `floors`, what the per-stage search's bound reads of
+    each layer kind,) then the parts."""
     x = _group(workload, g, c)
-    for step in (_per_kind, _per_rank, _host_paced, _schedule, _activations, _tied):
+    steps = (_per_kind, _per_rank, _host_paced, _schedule, _activations, _tied)
+    for step in steps + ((_layer_floors,) if floors else ()):
         x.update(step(workload, g, c, x))
     return _parts(workload, g, x)
 
@@ -416,10 +418,9 @@ def _activations(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     block_params = ((k["tp_params"] / t + k["params"] - k["tp_params"]) * k["is_layer"]).max(axis=1)
     # the least a rank's blocks can keep, whatever their recompute and the rank's place: every block its least
     # activation once (a rank keeps at least one micro-batch in flight, one chunk's worth of its v)
-    least_per_kind = np.minimum(np.minimum(act_full, act_sel), act_ckpt)
-    least = on_layers(least_per_kind) / v
+    least = on_layers(np.minimum(np.minimum(act_full, act_sel), act_ckpt)) / v
     return {"activations": kept + head_act * head_in_flight + working, "block_params": block_params,
-            "least_activations": least, **_layer_floors(x, least_per_kind)}
+            "least_activations": least}
 
 
 def _per_expert_param(experts: dict, expert_local: np.ndarray) -> np.ndarray:
@@ -439,7 +440,7 @@ def micro_batches_kept(sched, pp, m, v, rank):
     return np.where(zero_bubble.applies(sched), zero_bubble.in_flight(sched, pp, m, v, rank)[0], plain)
 
 
-def _layer_floors(x: dict, least_per_kind: np.ndarray) -> dict:
+def _layer_floors(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     """What `stages.recompute_floors` needs of each layer kind (G, K), one layer on one GPU: its parameters
     (dense, and routed experts'), its activations kept without recompute and with the most, its passes'
     seconds, and h(d) = max(r1 d, r2 d + k2) under the seconds of recompute that save d bytes of its
@@ -465,7 +466,8 @@ def _layer_floors(x: dict, least_per_kind: np.ndarray) -> dict:
     params = (k["tp_params"] / split + (k["params"] - k["tp_params"])) * np.ones_like(act_full)
     return {"kind_layers": layers, "kind_params": params,
             "kind_expert_params": x["routed"]["expert_params"] * np.ones_like(act_full),
-            "kind_activations": act_full, "kind_least_activations": least_per_kind, "kind_seconds": passes,
+            "kind_activations": act_full, "kind_least_activations": np.minimum(np.minimum(act_full, act_sel), act_ckpt),
+            "kind_seconds": passes,
             "kind_rate": first, "kind_rate2": second,
             "kind_intercept": np.where(bend, ta - np.where(bend, second, 0.0) * da, 0.0),
             "kind_full_rate": ratio(points[1][1], points[1][0]), "kind_held": act_sel,
@@ -518,7 +520,7 @@ def _parts(workload, g: PlanArrays, x: dict) -> dict[str, np.ndarray]:
         "expert_local": on(routed["expert_params"]),
         "activations": x["activations"],
         "least_activations": x["least_activations"],
-        **{name: x[name] for name in LAYER_FLOORS},
+        **{name: x[name] for name in LAYER_FLOORS if name in x},
         "block_params": x["block_params"],
         "model_flops_per_sample": np.full(len(g), _model_flops(profile, k, total_counts)),
         "recompute_flops_per_sample": (recompute_flops * mult).sum(axis=1),
@@ -569,8 +571,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
     cluster = workload.cluster
     c = coeffs if coeffs is not None else Coefficients.for_cluster(cluster, workload.runtime)
     first, inverse = _groups(pa)
-    part = {name: value[inverse] for name, value in _pipeline(workload, pa.take(first), c).items()
-            if ranks or name not in LAYER_FLOORS}  # those only the per-stage search's bound reads
+    part = {name: value[inverse] for name, value in _pipeline(workload, pa.take(first), c, floors=ranks).items()}
     col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (N,) -> (N, 1)
 
     # -- data parallel and optimizer, per representative rank: (N, J) ----------------------------------

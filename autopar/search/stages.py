@@ -86,6 +86,14 @@ def detail_variants(workload, plan: Plan) -> list[Plan]:
     return out
 
 
+def mesh_variants(workload, plan: Plan) -> list[Plan]:
+    """The plan, its split and per-stage recompute kept, in each other mesh order the space offers it: the
+    order decides which links the groups' collectives cross, not what a rank holds, so a finished plan is
+    priced again in each rather than solved again."""
+    return [plan.with_(mesh_order=order) for order in choices(workload, knob("mesh_order"), values_of(plan))
+            if order != plan.mesh_order]
+
+
 def worth_solving(plan: Plan, profile) -> bool:
     """Whether the solver can find a plan no uniform plan is: not for one stage of a model of one block kind,
     whose one recompute setting is a uniform plan's (the uniform search has those)."""
@@ -660,9 +668,10 @@ def _allocation_floors(pa: PlanArrays, res: dict, budget: float, layer: dict, co
     and n_r <= B / (s + f_r c); h is convex, so those savings cost at least n_r h(D_r / n_r) = max(e1 D_r,
     e2 D_r + k n_r): convex and piecewise linear in n_r, free up to B / (s + f_r a) layers. Dropping
     integrality and the contiguity of stages, the least total over sum n_r = L is a convex allocation (the
-    ranks' pieces, cheapest first); the slowest rank is at least the least M at which the layers each rank
-    can take within M seconds (its p2p and end blocks, n_r t, its recompute) cover L. The ends' memory, tied
-    copies, gathered blocks and buffers are left out: they only add memory, so both floors hold."""
+    ranks' pieces, cheapest first); the slowest rank is at least the least M at which the whole layers each
+    rank can take within M seconds (its p2p and end blocks, n_r t, its recompute) cover L (`_whole_layers`).
+    The ends' memory, tied copies, gathered blocks and buffers are left out: they only add memory, so both
+    floors hold."""
     n = len(pa)
     col = lambda x: np.asarray(x, dtype=float)[:, None]  # noqa: E731
     finite = lambda x: np.where(np.isfinite(x), x, 0.0)  # noqa: E731  (nothing saves: then cap = free)
@@ -713,8 +722,44 @@ def _allocation_floors(pa: PlanArrays, res: dict, budget: float, layer: dict, co
     # caps that cover L only to rounding: every rank at its cap, so the slowest at the last piece's end
     ends = np.where(on, starts[-1], 0.0).max(axis=1)
     least = np.where(at_i >= HUGE / 2, ends, np.minimum(least, ends))
+    least = _whole_layers(least, base, t, lengths, slopes, on, L[:, 0])
     slowest = np.where(feasible, np.maximum(least, np.where(on, base, 0.0).max(axis=1)), np.inf)
     return forced, slowest
+
+
+def _whole_layers(least: np.ndarray, base, t, lengths: list, slopes: list, on, L: np.ndarray) -> np.ndarray:
+    """The least slowest rank with whole layers on each rank: at `least` (the fractional crossing) the ranks
+    hold their layers rounded down, and the layers still to place go, one at a time, to the rank whose next
+    layer ends soonest (each rank's times to hold k layers rise with k: so the last placed is the least M at
+    which the ranks can hold L whole layers)."""
+    steps = [(length, t + slope) for length, slope in zip(lengths, slopes)]
+
+    def held(M):  # layers each rank takes within M
+        room, out = np.maximum(M[:, None] - base, 0.0), np.zeros_like(base)
+        for length, each in steps:
+            part = np.minimum(room / each, length)
+            out, room = out + part, room - part * each
+        return np.where(on & (M[:, None] >= base), out, 0.0)
+
+    def time_to_hold(k):  # inf beyond a rank's cap
+        out, left = base.copy(), k.astype(float)
+        for length, each in steps:
+            part = np.minimum(left, length)
+            out, left = out + part * each, left - part
+        return np.where(on & (left <= 1e-9), out, np.inf)
+
+    cap = np.floor(sum(length for length, _ in steps) + 1e-9)
+    count = np.minimum(np.floor(held(least) + 1e-9), cap)
+    missing = L - count.sum(axis=1)
+    rows = np.arange(len(L))
+    for _ in range(int(missing.max(initial=0))):
+        nxt = time_to_hold(count + 1)
+        r = np.argmin(nxt, axis=1)
+        due = (missing > 0) & np.isfinite(nxt[rows, r])
+        least = np.where(due, np.maximum(least, nxt[rows, r]), least)
+        count[rows[due], r[due]] += 1
+        missing = missing - due
+    return least
 
 
 def outer_bounds(workload, plans: list[Plan], coeffs: Coefficients | None = None) -> np.ndarray:
