@@ -66,14 +66,16 @@ def make_planners(names: list[str], seed: int, policy: str | None, console: Cons
 
 
 def oracle(workload, cache: dict) -> dict:
-    """The exhaustive oracle's best time, with its evaluations and wall time (cached by workload)."""
+    """The exhaustive oracle's best time, with its evaluations, wall time and whether it proved its plan the
+    space's optimum (`exact`, after `solved` outer plans solved per stage), cached by workload."""
     key = workload_key(workload)
-    if key not in cache or "pp" not in cache[key]:  # (entries before pp was kept: asked again)
+    if key not in cache or "exact" not in cache[key]:  # (entries before exact was kept: asked again)
         planner, started = get_planner("exhaustive"), time.perf_counter()
         plan = planner.propose(workload, 1)[0]
         cache[key] = {"time_s": estimate(workload, plan).iteration_time_s, "plan": plan.describe(),
                       "evaluations": planner.evaluations, "wall_s": time.perf_counter() - started,
-                      "non_uniform": bool(plan.stage_recompute or plan.layer_split), "pp": plan.pp}
+                      "non_uniform": bool(plan.stage_recompute or plan.layer_split), "pp": plan.pp,
+                      "exact": bool(planner.exact), "solved": int(planner.solved)}
     return cache[key]
 
 
