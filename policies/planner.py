@@ -213,8 +213,10 @@ class RLPlanner(Planner):
         res = evaluate(workload, PlanArrays.from_plans(variants, workload.profile))
         self.evaluations += len(variants)
         for i in np.argsort(res["iteration_time"], kind="stable"):
-            if not res["fits"][i] or res["iteration_time"][i] >= time_s:
+            if res["iteration_time"][i] >= time_s:
                 break
+            if not res["fits"][i]:
+                continue
             try:
                 variants[int(i)].validate(workload)
             except PlanError:
