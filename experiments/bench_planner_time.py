@@ -25,6 +25,7 @@ from rich.table import Table
 
 from autopar.cli import build_parser
 from autopar.cli.common import load_workload
+from autopar.cli.search import exactness
 from autopar.cost import estimate
 from autopar.search import get_planner
 from autopar.search.fixed import parse_fixes, with_fixes
@@ -88,8 +89,8 @@ def main() -> None:
         for p in planners:
             wall, plan, _ = results[p]
             row += [f"{wall:.2f}", f"{exact_time / estimate(workload, plan).iteration_time_s:.4f}"]
-        reference = results[planners[-1]][2]
-        proved = f"{'yes' if reference.exact else 'no'} ({reference.solved})" if hasattr(reference, "exact") else "-"
+        proof = exactness(results[planners[-1]][2])
+        proved = f"{'yes' if proof['proved_optimal'] else 'no'} ({proof['outer_plans_solved']})" if proof else "-"
         row += [proved, f"{uniform_time / exact_time - 1:+.2%}", results[planners[-1]][1].describe()]
         table.add_row(*row)
         console.print(f"{name}: done")

@@ -418,9 +418,9 @@ def _activations(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     block_params = ((k["tp_params"] / t + k["params"] - k["tp_params"]) * k["is_layer"]).max(axis=1)
     # the least a rank's blocks can keep, whatever their recompute and the rank's place: every block its least
     # activation once (a rank keeps at least one micro-batch in flight, one chunk's worth of its v)
-    least = on_layers(np.minimum(np.minimum(act_full, act_sel), act_ckpt)) / v
+    least_per_kind = np.minimum(np.minimum(act_full, act_sel), act_ckpt)  # one block, whatever its recompute
     return {"activations": kept + head_act * head_in_flight + working, "block_params": block_params,
-            "least_activations": least}
+            "least_per_kind": least_per_kind, "least_activations": on_layers(least_per_kind) / v}
 
 
 def _per_expert_param(experts: dict, expert_local: np.ndarray) -> np.ndarray:
@@ -466,8 +466,7 @@ def _layer_floors(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     params = (k["tp_params"] / split + (k["params"] - k["tp_params"])) * np.ones_like(act_full)
     return {"kind_layers": layers, "kind_params": params,
             "kind_expert_params": x["routed"]["expert_params"] * np.ones_like(act_full),
-            "kind_activations": act_full, "kind_least_activations": np.minimum(np.minimum(act_full, act_sel), act_ckpt),
-            "kind_seconds": passes,
+            "kind_activations": act_full, "kind_least_activations": x["least_per_kind"], "kind_seconds": passes,
             "kind_rate": first, "kind_rate2": second,
             "kind_intercept": np.where(bend, ta - np.where(bend, second, 0.0) * da, 0.0),
             "kind_full_rate": ratio(points[1][1], points[1][0]), "kind_held": act_sel,

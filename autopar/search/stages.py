@@ -603,7 +603,7 @@ def lower_bound(pa: PlanArrays, res: dict, budget: float = np.inf, rows: np.ndar
     least their mean, (max(D, 0) + O) / pp. Memory: every rank within the budget needs the ranks' least memory
     (`rank_least_memory`: states, workspace, each block's least activation once) summed within pp budgets."""
     if rows is not None:
-        pa, res = pa.take(rows), {k: res[k][rows] for k in BOUND_INPUTS}
+        pa, res = _bound_rows(pa, res, rows)
     mult = res["rank_mult"]
     pp, m, v = (np.asarray(pa.columns[n], dtype=float) for n in ("pp", "num_micro_batches", "virtual_stages"))
     gpu, host = (res["rank_gpu_mb"] * mult).sum(axis=1), (res["rank_host_mb"] * mult).sum(axis=1)
@@ -622,11 +622,16 @@ def lower_bound(pa: PlanArrays, res: dict, budget: float = np.inf, rows: np.ndar
     out = np.where(fits, bound(slice(None)), np.inf)
     sharpen = np.flatnonzero(out < below)
     if len(sharpen):
-        forced, least_slowest = recompute_floors(pa.take(sharpen), {k: res[k][sharpen] for k in BOUND_INPUTS}, budget)
+        forced, least_slowest = recompute_floors(*_bound_rows(pa, res, sharpen), budget)
         feasible = np.isfinite(forced)
         out[sharpen] = np.where(feasible, bound(sharpen, np.where(feasible, forced, 0.0),
                                                 np.where(feasible, least_slowest, 0.0)), np.inf)
     return out
+
+
+def _bound_rows(pa: PlanArrays, res: dict, rows: np.ndarray) -> tuple[PlanArrays, dict]:
+    """The plans `rows` of `pa` with what `lower_bound` reads of their results."""
+    return pa.take(rows), {k: res[k][rows] for k in BOUND_INPUTS}
 
 
 KIND_FLOORS = {"s": "kind_states", "a": "kind_activations", "c": "kind_least_activations", "t": "kind_seconds",
