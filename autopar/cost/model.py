@@ -257,7 +257,8 @@ def _per_kind(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     io_f = b * act_scale * k["io_bytes"] * (shard / split + (1 - shard) / sp_div) / hbm * scale["elementwise"]
     base = c.collective_latency_s
     # per pass: a layer's backward mirrors its forward, the ends do not (cost/tensor_parallel.py)
-    tp_fwd, tp_bwd = tensor_parallel.pass_times(k, workload, b, act_scale, t, tp_bw, tp_lat, base)
+    tp_fwd, tp_bwd = tensor_parallel.pass_times(k, workload, b, act_scale, t, tp_bw, tp_lat, base,
+                                                fp8.tp_forward_scale(workload, g))
     compute_f = flops_f * scale["gemm"] / rate + io_f + scale["cast_f"]
     # a fused attention backward recomputes q·kᵀ: half its forward FLOPs again
     compute_b = (flops_b * scale["gemm"] + 0.5 * b * k["fused_attn_flops"] / t) / rate + 2 * io_f + scale["cast_b"]

@@ -7,10 +7,10 @@ core, norms, the output head, weights, gradients, optimizer) stays in bf16. It c
 - the GEMMs at the fp8 rate: `fp8_gemm_speedup` times the bf16 rate for a large GEMM (the
   measured ceilings differ: fp8 reaches a lower share of its doubled peak), and a size curve
   whose half point scales with the doubled peak (small GEMMs gain little or lose);
-- the casts: each GEMM input read in bf16 and written in fp8, per tensor (tensorwise: one more
-  read for the amax reduction), per row (rowwise: the row's amax in the same pass) or per block
-  of 32 (MXFP8); Transformer Engine fuses the amax into a cast-transpose and keeps the weights'
-  fp8 copies for the whole iteration;
+- the casts: torchao's per GEMM operand and pass as its own roofline counts them (`CAST_BYTES`;
+  rowwise transposes in bf16 and casts again, so it moves more than tensorwise), tensorwise TP's on
+  the sequence shard before an fp8 all-gather (`tp_forward_scale`); Transformer Engine fuses the amax
+  into a cast-transpose and keeps the weights' fp8 copies for the whole iteration;
 - memory: Transformer Engine saves the fp8 copies of GEMM inputs for backward (torchao saves the
   bf16 input and casts again; `te_saved_credit` says which copies replace which bf16 tensors) and
   keeps an fp8 copy of the weights next to the bf16 ones for the iteration (cast once, at the
@@ -36,11 +36,21 @@ from autopar.runtime import is_megatron
 
 FP8 = PRECISIONS.index("fp8")
 RECIPE_CODES = ("none",) + FP8_RECIPES
-# HBM bytes per element cast from bf16 to fp8: read 2, write 1, plus (tensorwise, dynamic scaling)
-# one more read of 2 for the amax; rowwise and MXFP8 find a row's / a 32-block's amax in the same
-# pass (MXFP8 also writes one e8m0 scale per 32 elements). Transformer Engine's cast-transpose reads
-# once and writes the fp8 tensor and its transpose (Hopper's fp8 GEMMs take only the TN layout).
-CAST_BYTES = {"tensorwise": 5.0, "rowwise": 3.0, "mxfp8": 3.0 + 1 / 32}
+# HBM bytes per element of each GEMM operand that torchao's casts move under torch.compile, forward and
+# backward: (input, weight, output gradient) x (forward, backward), as torchao's own float8 roofline counts
+# them (torchao/testing/training/roofline_utils.py `get_tensor_memory_traffic_ovhd_s`, fusion modelled: an
+# input's or output gradient's first read is fused into the op that produced it). Tensorwise: the amax
+# pass (a read of the weight; fused for the others) and one kernel that writes the fp8 tensor and its
+# transpose. Rowwise: a row's scale cannot serve the transposed operand, so the bf16 tensor is transposed
+# (written in bf16) and cast again along the other dimension: more traffic than tensorwise, not less;
+# and its backward GEMMs (full-precision accumulation) run torchao's workaround for the slow CUTLASS
+# rowwise kernel, cuBLAS's tensorwise GEMM and a rescale of the output (torchao PR #1325; issue #2184:
+# "at least one extra triton kernel per GEMM"): a read and a write of the input gradient (the input's
+# shape) and of the weight gradient, 4 bytes each, beyond the roofline's 3 + 3 and 3 + 7.
+# MXFP8: each dimension cast from bf16 separately (32-element blocks).
+CAST_BYTES = {"tensorwise": ((4.0, 0.0), (5.0, 3.0), (0.0, 4.0)),
+              "rowwise": ((3.0, 7.0), (3.0, 11.0), (0.0, 6.0)),
+              "mxfp8": ((1.0, 3.0), (3.0, 3.0), (0.0, 4.0))}
 TE_CAST_BYTES = 4.0
 # torch.compile (Inductor) fuses chains of pointwise ops into one kernel: of the HBM traffic the
 # eager ops make, about half remains (a norm, a residual add and an activation read their input
@@ -141,13 +151,19 @@ def compute_scale(workload, g, b: np.ndarray, sp_div: np.ndarray, flops_f: np.nd
     outputs = b * (lin["outputs"] + lin["outputs_tp"] / t)
     weights = lin["weights"] / t * ones
     hbm = gpu.hbm_bytes_per_s * c.hbm_efficiency
-    per_element = np.array([0.0] + [CAST_BYTES[r] for r in FP8_RECIPES])[recipe][:, None]
     if megatron:  # inputs forward, output gradients backward; weights cast once per iteration (cached)
         cast_f, cast_b = TE_CAST_BYTES * inputs / hbm, TE_CAST_BYTES * outputs / hbm
-    else:  # forward: inputs and weights; backward: output gradients, and both again transposed
+    else:
+        # torchtitan's tensorwise TP (torchao's Float8ColwiseParallel) casts a column-parallel GEMM's input
+        # on its sequence shard and all-gathers it in fp8; rowwise gathers in bf16 and casts the whole
         eager = np.where(col(compiled) > 0, 1.0, 1 / c.compile_elementwise)
-        cast_f = eager * per_element * (inputs + weights) / hbm
-        cast_b = eager * per_element * (outputs + inputs + weights) / hbm
+        tensorwise = col(recipe == RECIPE_CODES.index("tensorwise")) > 0
+        cast_in = b * (lin["inputs"] / np.where(tensorwise, sp_div, 1.0) + lin["inputs_tp"] / t)
+        per = {r: np.array(v) for r, v in CAST_BYTES.items()}
+        pick = lambda role, p: sum(np.where(col(recipe == RECIPE_CODES.index(r)) > 0, per[r][role, p], 0.0)  # noqa: E731
+                                   for r in FP8_RECIPES)
+        cast_f = eager * (pick(0, 0) * cast_in + pick(1, 0) * weights) / hbm
+        cast_b = eager * (pick(0, 1) * cast_in + pick(1, 1) * weights + pick(2, 1) * outputs) / hbm
     on = col(fp8) > 0
     saved = np.where(on & megatron, te_saved_credit(workload, g, b, t, sp_div, lin), 0.0)
     elementwise = np.where(col(compiled) > 0, c.compile_elementwise, 1.0) * ones
@@ -179,6 +195,20 @@ def gather_scale(workload, pa) -> np.ndarray:
     on = ((np.asarray(pa.precision) == FP8) & (np.asarray(pa.fp8_recipe) == tensorwise)
           & (np.asarray(pa.zero) == 3))[:, None]
     return np.where(on, 1 - 0.5 * _linear_param_share(workload.profile), 1.0)
+
+
+def tp_forward_scale(workload, g) -> np.ndarray:
+    """Factor on a transformer layer's forward tensor-parallel bytes, shape (G, 1): torchtitan's tensorwise
+    float8 TP (torchao's `PrepareFloat8ModuleInput` / `Float8ColwiseParallel`) casts a region's input on its
+    sequence shard and all-gathers it in fp8, so of the forward's all-gather and reduce-scatter (priced
+    together as one all-reduce of the bytes, cost/tensor_parallel.py) the gather moves half: 0.75. Rowwise
+    gathers in bf16 (torchtitan: "float8 all-gather with TP is only supported for tensorwise");
+    Transformer Engine's TP gathers bf16 under Megatron's flags autopar prices."""
+    if is_megatron(workload.runtime):
+        return np.ones((len(g), 1))
+    on = ((np.asarray(g.precision) == FP8) & (np.asarray(g.fp8_recipe) == RECIPE_CODES.index("tensorwise"))
+          & np.asarray(g.sequence_parallel, dtype=bool))[:, None]
+    return np.where(on, 0.75, 1.0)
 
 
 def _linear_param_share(profile) -> float:

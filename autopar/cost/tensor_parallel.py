@@ -50,11 +50,13 @@ def pass_bytes(k: dict[str, np.ndarray], workload) -> dict[str, np.ndarray]:
     return {"reduce_f": reduce_f, "gather_f": gather_f, "reduce_b": reduce_b, "loss": loss}
 
 
-def pass_times(k: dict[str, np.ndarray], workload, b, act_scale, t, bw, lat, base):
+def pass_times(k: dict[str, np.ndarray], workload, b, act_scale, t, bw, lat, base, layer_fwd=1.0):
     """Seconds of tensor-parallel collectives per micro-batch and block kind (G, K), forward and
     backward: `b` samples per rank, activations scaled by `act_scale`, a ring of `t` ranks at
-    `bw` / `lat` plus `base` per call. A kind that sends nothing costs nothing."""
+    `bw` / `lat` plus `base` per call, the layers' forward bytes by `layer_fwd` (G, 1) (fp8 gathers,
+    cost/precision.py `tp_forward_scale`). A kind that sends nothing costs nothing."""
     sent = pass_bytes(k, workload)
+    sent["reduce_f"] = sent["reduce_f"] * np.where(k["is_layer"] > 0, layer_fwd, 1.0)
 
     def timed(collective, nbytes, calls=1):
         return np.where((t > 1) & (nbytes > 0), calls * collective(nbytes, t, bw, lat, base), 0.0)
