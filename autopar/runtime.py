@@ -67,6 +67,10 @@ MEGATRON_SWITCHES = {
                 "torch._inductor's micro-pipelined all-gather-matmul and matmul-reduce-scatter on symmetric memory): "
                 "under sequence parallelism each pass's tensor-parallel collective runs in tp chunks under that "
                 "pass's GEMMs; torch runtime only",
+    "float8_tp": "torchtitan's tensorwise float8 tensor parallelism (torchao's Float8ColwiseParallel, "
+                 "Float8RowwiseParallel and PrepareFloat8ModuleInput, its TP plan for tensorwise float8): a region's "
+                 "input is cast to fp8 on its sequence shard and all-gathered in fp8; autopar's executor gathers in "
+                 "bf16 and casts after the gather; torch runtime only",
     "op_sac": "torchtitan's per-op selective activation checkpointing (--activation-checkpoint.mode selective "
               "--selective-ac-option op): every second matmul of a block and its elementwise ops are recomputed, "
               "attention's kernel is kept; it replaces the attention-core recompute of plan recompute 'selective'; "
@@ -77,7 +81,7 @@ NAMED_RUNTIMES = {"megatron-core": NEMO_SWITCHES, "megatron-lm-2021": ()}  # nam
 MOE_SWITCHES = ("deepep", "moe_a2a_overlap")  # MoE only; allowed under the torch runtime too
 ANY_RUNTIME = (*MOE_SWITCHES, "megatron_softmax", "megatron_cross_entropy")  # switches that name kernels,
 # not Megatron-Core's scheduling
-TORCH_SWITCHES = ("async_tp", "op_sac")  # what torch runs and Megatron-Core does not (its own are the flags above)
+TORCH_SWITCHES = ("async_tp", "float8_tp", "op_sac")  # what torch runs and Megatron-Core does not (its own are the flags above)
 
 
 MEGATRON_VOCAB_MULTIPLE = 128  # --make-vocab-size-divisible-by's default

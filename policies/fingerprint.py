@@ -36,6 +36,9 @@ PROBES = (  # the runtime is the trainer's (torch); models, precisions and sizes
     WorkloadSpec("gpt", (("size", "1.7b"),), "l40s-pcie", nodes=3, global_batch=48),
     WorkloadSpec("llama", (("seq_len", 4096), ("size", "llama3-8b")), "dgx-b200", nodes=2, global_batch=64),
     WorkloadSpec("gpt", (("size", "3.6b"),), "gb200-nvl72", gpus_per_node=16, global_batch=64),
+    # fp8: torchao's recipes, their casts, compile and tensorwise TP's fp8 gathers (cost/precision.py), which
+    # no probe above prices (a change of them left the fingerprint as it was on 2026-12-07)
+    WorkloadSpec("llama", (("seq_len", 4096), ("size", "llama3-8b")), "dgx-h100", global_batch=64, precision="fp8"),
 )
 PLANS_PER_PROBE = 2048  # spread evenly over the space's order; a few milliseconds of evaluation each
 OUTPUTS = ("iteration_time", "peak_memory", "fits")

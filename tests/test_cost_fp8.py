@@ -208,24 +208,25 @@ def test_torchao_casts_move_the_bytes_its_roofline_counts():
     assert np.all(moved["rowwise"] > moved["tensorwise"]) and np.all(moved["tensorwise"] > moved["mxfp8"])
 
 
-def test_tensorwise_tp_casts_on_the_sequence_shard_and_gathers_fp8():
-    """torchtitan's tensorwise TP casts a region's input before its all-gather (1/tp of it) and gathers fp8:
-    the forward's layer collectives at 0.75 of their bytes; rowwise gathers bf16 and casts the whole."""
-    w = Workload(profile("llama", size="small"), load_cluster("dgx-h100", nodes=1), 64, runtime="torch", fp8=True)
-    space = enumerate_plans(w)
+def test_float8_tp_casts_on_the_sequence_shard_and_gathers_fp8():
+    """torchtitan's tensorwise float8 TP (the `float8_tp` switch) casts a region's input before its all-gather
+    (1/tp of it) and gathers fp8: the forward's layer collectives at 0.75 of their bytes. Rowwise, and
+    tensorwise as autopar's executor runs it (torch's own styles, no switch), gather bf16 and cast the whole."""
+    base = Workload(profile("llama", size="small"), load_cluster("dgx-h100", nodes=1), 64, runtime="torch", fp8=True)
+    titan = dataclasses.replace(base, switches=("float8_tp",))
+    space = enumerate_plans(base)
     tp = space.take(np.flatnonzero((space.tp == 4) & (space.pp == 1))[:40])
     assert len(tp) == 40
     sp, no_sp = _as(tp, sequence_parallel=True), _as(tp, sequence_parallel=False)
-    for recipe, sharded in (("tensorwise", True), ("rowwise", False)):
+    for w, recipe, sharded in ((titan, "tensorwise", True), (titan, "rowwise", False), (base, "tensorwise", False)):
         f, _, inputs, weights, _ = _casts(w, _as(sp, precision="fp8", fp8_recipe=recipe, compile=True), sharded)
         (i_f, _), (w_f, _), _ = TORCHAO_CASTS[recipe]
         np.testing.assert_allclose(f, i_f * inputs + w_f * weights, rtol=1e-12)
-    scale = lambda pa, recipe, work=w: fp8.tp_forward_scale(work, _as(pa, precision="fp8", fp8_recipe=recipe))  # noqa: E731
-    assert np.all(scale(sp, "tensorwise") == 0.75) and np.all(scale(sp, "rowwise") == 1.0)
-    assert np.all(scale(no_sp, "tensorwise") == 1.0)
-    assert np.all(scale(sp, "tensorwise", dataclasses.replace(w, runtime="megatron")) == 1.0)
+    scale = lambda work, pa, recipe: fp8.tp_forward_scale(work, _as(pa, precision="fp8", fp8_recipe=recipe))  # noqa: E731
+    assert np.all(scale(titan, sp, "tensorwise") == 0.75) and np.all(scale(titan, sp, "rowwise") == 1.0)
+    assert np.all(scale(titan, no_sp, "tensorwise") == 1.0) and np.all(scale(base, sp, "tensorwise") == 1.0)
     total = lambda r: r["tp_comm"] + r["hidden_tp_comm"]  # noqa: E731
-    tw, rw = (evaluate(w, _as(sp, precision="fp8", fp8_recipe=r)) for r in ("tensorwise", "rowwise"))
-    assert np.all(total(tw) < total(rw))
-    tw, rw = (evaluate(w, _as(no_sp, precision="fp8", fp8_recipe=r)) for r in ("tensorwise", "rowwise"))
-    np.testing.assert_array_equal(total(tw), total(rw))
+    plans = _as(sp, precision="fp8", fp8_recipe="tensorwise")
+    assert np.all(total(evaluate(titan, plans)) < total(evaluate(base, plans)))
+    plans = _as(no_sp, precision="fp8", fp8_recipe="tensorwise")
+    np.testing.assert_array_equal(total(evaluate(titan, plans)), total(evaluate(base, plans)))

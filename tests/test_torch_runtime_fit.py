@@ -102,3 +102,14 @@ def test_op_sac_recomputes_every_second_matmul_of_a_llama_layer():
     assert estimate(sac, plan).breakdown["recompute"] > estimate(w, plan).breakdown["recompute"]
     full = plan.with_(recompute="full", recompute_blocks=32)
     assert estimate(sac, full).iteration_time_s == estimate(w, full).iteration_time_s
+
+
+def test_torchtitan_tensorwise_rows_under_tp_run_its_float8_tp_plan():
+    """torchtitan applies torchao's float8 TP styles whenever float8 is tensorwise and tp > 1 (its
+    `enable_float8_tensorwise_tp`): those rows, and no other, carry the float8_tp switch."""
+    with_switch = {r.line for r in pt.ROWS if "float8_tp" in pt.switches(r)}
+    assert with_switch == {r.line for r in pt.ROWS if r.tp > 1 and r.precision == "float8-tensorwise"}
+    assert with_switch == {8, 9, 10, 11, 14, 15, 20, 21}
+    with pytest.raises(AutoparError, match="need runtime 'torch'"):
+        Workload(pt.torch_workload(pt.ROWS[0]).profile, pt.torch_workload(pt.ROWS[0]).cluster, 16,
+                 runtime="megatron", switches=("float8_tp",))

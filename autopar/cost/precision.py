@@ -8,8 +8,9 @@ core, norms, the output head, weights, gradients, optimizer) stays in bf16. It c
   measured ceilings differ: fp8 reaches a lower share of its doubled peak), and a size curve
   whose half point scales with the doubled peak (small GEMMs gain little or lose);
 - the casts: torchao's per GEMM operand and pass as its own roofline counts them (`CAST_BYTES`;
-  rowwise transposes in bf16 and casts again, so it moves more than tensorwise), tensorwise TP's on
-  the sequence shard before an fp8 all-gather (`tp_forward_scale`); Transformer Engine fuses the amax
+  rowwise transposes in bf16 and casts again, so it moves more than tensorwise), under torchtitan's
+  float8 TP (the `float8_tp` switch) on the sequence shard before an fp8 all-gather
+  (`float8_tp_gathers`); Transformer Engine fuses the amax
   into a cast-transpose and keeps the weights' fp8 copies for the whole iteration;
 - memory: Transformer Engine saves the fp8 copies of GEMM inputs for backward (torchao saves the
   bf16 input and casts again; `te_saved_credit` says which copies replace which bf16 tensors) and
@@ -154,11 +155,10 @@ def compute_scale(workload, g, b: np.ndarray, sp_div: np.ndarray, flops_f: np.nd
     if megatron:  # inputs forward, output gradients backward; weights cast once per iteration (cached)
         cast_f, cast_b = TE_CAST_BYTES * inputs / hbm, TE_CAST_BYTES * outputs / hbm
     else:
-        # torchtitan's tensorwise TP (torchao's Float8ColwiseParallel) casts a column-parallel GEMM's input
-        # on its sequence shard and all-gathers it in fp8; rowwise gathers in bf16 and casts the whole
+        # a column-parallel GEMM's input is cast whole after the gather, but on its sequence shard before an
+        # fp8 gather under torchtitan's tensorwise float8 TP (`float8_tp_gathers`)
         eager = np.where(col(compiled) > 0, 1.0, 1 / c.compile_elementwise)
-        tensorwise = col(recipe == RECIPE_CODES.index("tensorwise")) > 0
-        cast_in = b * (lin["inputs"] / np.where(tensorwise, sp_div, 1.0) + lin["inputs_tp"] / t)
+        cast_in = b * (lin["inputs"] / np.where(float8_tp_gathers(workload, g), sp_div, 1.0) + lin["inputs_tp"] / t)
         per = {r: np.array(v) for r, v in CAST_BYTES.items()}
         pick = lambda role, p: sum(np.where(col(recipe == RECIPE_CODES.index(r)) > 0, per[r][role, p], 0.0)  # noqa: E731
                                    for r in FP8_RECIPES)
@@ -197,18 +197,23 @@ def gather_scale(workload, pa) -> np.ndarray:
     return np.where(on, 1 - 0.5 * _linear_param_share(workload.profile), 1.0)
 
 
+def float8_tp_gathers(workload, g) -> np.ndarray:
+    """Which plans gather their regions' inputs in fp8, shape (G, 1): tensorwise fp8 under sequence-parallel
+    tp with the `float8_tp` switch (torchtitan's TP plan for tensorwise float8: torchao's
+    `PrepareFloat8ModuleInput` and `Float8ColwiseParallel` cast a region's input on its sequence shard
+    and all-gather fp8; "float8 all-gather with TP is only supported for tensorwise"). autopar's executor
+    applies torch's own parallel styles, which gather bf16, and Transformer Engine's TP gathers bf16 under
+    the Megatron flags autopar prices: no switch, no fp8 gather."""
+    on = ("float8_tp" in workload.switches) & (np.asarray(g.precision) == FP8) \
+        & (np.asarray(g.fp8_recipe) == RECIPE_CODES.index("tensorwise")) & np.asarray(g.sequence_parallel, dtype=bool)
+    return on[:, None]
+
+
 def tp_forward_scale(workload, g) -> np.ndarray:
-    """Factor on a transformer layer's forward tensor-parallel bytes, shape (G, 1): torchtitan's tensorwise
-    float8 TP (torchao's `PrepareFloat8ModuleInput` / `Float8ColwiseParallel`) casts a region's input on its
-    sequence shard and all-gathers it in fp8, so of the forward's all-gather and reduce-scatter (priced
-    together as one all-reduce of the bytes, cost/tensor_parallel.py) the gather moves half: 0.75. Rowwise
-    gathers in bf16 (torchtitan: "float8 all-gather with TP is only supported for tensorwise");
-    Transformer Engine's TP gathers bf16 under Megatron's flags autopar prices."""
-    if is_megatron(workload.runtime):
-        return np.ones((len(g), 1))
-    on = ((np.asarray(g.precision) == FP8) & (np.asarray(g.fp8_recipe) == RECIPE_CODES.index("tensorwise"))
-          & np.asarray(g.sequence_parallel, dtype=bool))[:, None]
-    return np.where(on, 0.75, 1.0)
+    """Factor on a transformer layer's forward tensor-parallel bytes, shape (G, 1): where a plan gathers
+    fp8 (`float8_tp_gathers`), of the forward's all-gather and reduce-scatter (priced together as one
+    all-reduce of the bytes, cost/tensor_parallel.py) the gather moves half: 0.75."""
+    return np.where(float8_tp_gathers(workload, g), 0.75, 1.0)
 
 
 def _linear_param_share(profile) -> float:

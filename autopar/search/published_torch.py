@@ -5,7 +5,7 @@ torchtitan's Llama 3.1 tables on Meta's Grand Teton H100s and torchao's float8 /
 rows: FSDP2 (ZeRO-3), DTensor tensor parallelism with sequence parallel norms, async TP, pipelining,
 torch.compile of each block, torchao's float8 recipes. autopar prices a row as that setup runs:
 runtime ``torch`` with the row's switches (`op_sac` for torchtitan's per-op selective checkpoint,
-`async_tp`), the row's degrees, the local batch as one micro-batch (as many as stages under pp,
+`async_tp`, `float8_tp` for its tensorwise float8 TP plan), the row's degrees, the local batch as one micro-batch (as many as stages under pp,
 torchtitan's default), the row's recompute, compile and precision, on the preset of the row's GPU
 (`PRESETS_BY_GPU`). The torch runtime's coefficients are fitted to these rows alone
 (autopar/cost/torch_runtime.py, experiments/fit_torch_runtime.py); a row whose setup autopar cannot
@@ -130,8 +130,12 @@ def torch_workload(row: TorchNativeRow) -> Workload:
 
 
 def switches(row: TorchNativeRow) -> tuple[str, ...]:
-    """The torch runtime's switches the row ran: torchtitan's per-op selective checkpoint, async TP."""
-    return (("op_sac",) if row.ac.startswith("selective") else ()) + (("async_tp",) if row.async_tp else ())
+    """The torch runtime's switches the row ran: torchtitan's per-op selective checkpoint, async TP, and its
+    float8 TP plan wherever a tensorwise float8 row has tp (torchtitan applies it whenever float8 is
+    tensorwise: `enable_float8_tensorwise_tp`)."""
+    float8_tp = row.tp > 1 and PRECISIONS.get(row.precision, ("", ""))[1] == "tensorwise"
+    return ((("op_sac",) if row.ac.startswith("selective") else ()) + (("async_tp",) if row.async_tp else ())
+            + (("float8_tp",) if float8_tp else ()))
 
 
 def torch_plan(row: TorchNativeRow, workload: Workload) -> Plan:
