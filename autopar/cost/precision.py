@@ -52,6 +52,7 @@ RECIPE_CODES = ("none",) + FP8_RECIPES
 CAST_BYTES = {"tensorwise": ((4.0, 0.0), (5.0, 3.0), (0.0, 4.0)),
               "rowwise": ((3.0, 7.0), (3.0, 11.0), (0.0, 6.0)),
               "mxfp8": ((1.0, 3.0), (3.0, 3.0), (0.0, 4.0))}
+_CAST_TABLE = np.array([np.zeros((3, 2))] + [CAST_BYTES[r] for r in FP8_RECIPES])  # by RECIPE_CODES
 TE_CAST_BYTES = 4.0
 # torch.compile (Inductor) fuses chains of pointwise ops into one kernel: of the HBM traffic the
 # eager ops make, about half remains (a norm, a residual add and an activation read their input
@@ -159,11 +160,9 @@ def compute_scale(workload, g, b: np.ndarray, sp_div: np.ndarray, flops_f: np.nd
         # fp8 gather under torchtitan's tensorwise float8 TP (`float8_tp_gathers`)
         eager = np.where(col(compiled) > 0, 1.0, 1 / c.compile_elementwise)
         cast_in = b * (lin["inputs"] / np.where(float8_tp_gathers(workload, g), sp_div, 1.0) + lin["inputs_tp"] / t)
-        per = {r: np.array(v) for r, v in CAST_BYTES.items()}
-        pick = lambda role, p: sum(np.where(col(recipe == RECIPE_CODES.index(r)) > 0, per[r][role, p], 0.0)  # noqa: E731
-                                   for r in FP8_RECIPES)
-        cast_f = eager * (pick(0, 0) * cast_in + pick(1, 0) * weights) / hbm
-        cast_b = eager * (pick(0, 1) * cast_in + pick(1, 1) * weights + pick(2, 1) * outputs) / hbm
+        (in_f, in_b), (w_f, w_b), (_, grad_b) = np.moveaxis(_CAST_TABLE[recipe], 0, -1)[..., None]  # each (G, 1)
+        cast_f = eager * (in_f * cast_in + w_f * weights) / hbm
+        cast_b = eager * (in_b * cast_in + w_b * weights + grad_b * outputs) / hbm
     on = col(fp8) > 0
     saved = np.where(on & megatron, te_saved_credit(workload, g, b, t, sp_div, lin), 0.0)
     elementwise = np.where(col(compiled) > 0, c.compile_elementwise, 1.0) * ones
