@@ -11,6 +11,7 @@ import pytest
 
 from autopar.calibrate import torch_runtime as fit
 from autopar.cost import Coefficients, estimate, op_sac, torch_runtime
+from autopar.cost.arrays import PlanArrays
 from autopar.cost.coefficients import gpu_calibration
 from autopar.errors import AutoparError
 from autopar.search import published_torch as pt
@@ -113,3 +114,20 @@ def test_torchtitan_tensorwise_rows_under_tp_run_its_float8_tp_plan():
     with pytest.raises(AutoparError, match="need runtime 'torch'"):
         Workload(pt.torch_workload(pt.ROWS[0]).profile, pt.torch_workload(pt.ROWS[0]).cluster, 16,
                  runtime="megatron", switches=("float8_tp",))
+
+
+def test_op_sac_reruns_the_gathers_share_of_the_forward_collectives():
+    """Under sequence parallelism op SAC reruns the forward's all-gathers, not its reduce-scatters: half
+    of the pass's collective time, a third where float8_tp gathers fp8 (0.75 of the bytes, 0.25 of them
+    the gather's)."""
+    row = next(r for r in pt.ROWS if r.source == "TTATP" and r.model == "Llama3-8B" and r.precision == "float8-tensorwise")
+    w = pt.torch_workload(row)
+    assert {"op_sac", "float8_tp"} <= set(w.switches)
+    plan = pt.torch_plan(row, w)
+    pa = PlanArrays.from_plans([plan, plan.with_(sequence_parallel=False)], w.profile)
+    k = len(w.profile.blocks)
+    rerun = lambda work: op_sac.recompute_time(work, pa, np.ones((2, 1)), np.full((2, 1), 8.0), np.inf,  # noqa: E731
+                                               np.ones((2, k)), np.ones((2, k)), np.zeros((2, k)), np.ones((2, k)))
+    np.testing.assert_allclose(rerun(w), [[1 / 3] * k, [1.0] * k])
+    bf16_gathers = dataclasses.replace(w, switches=("op_sac",))
+    np.testing.assert_allclose(rerun(bf16_gathers), [[0.5] * k, [1.0] * k])
