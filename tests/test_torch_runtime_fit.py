@@ -11,6 +11,7 @@ import pytest
 
 from autopar.calibrate import torch_runtime as fit
 from autopar.cost import Coefficients, estimate, op_sac, torch_runtime
+from autopar.cost import precision as fp8
 from autopar.cost.arrays import PlanArrays
 from autopar.cost.coefficients import gpu_calibration
 from autopar.errors import AutoparError
@@ -127,7 +128,8 @@ def test_op_sac_reruns_the_gathers_share_of_the_forward_collectives():
     pa = PlanArrays.from_plans([plan, plan.with_(sequence_parallel=False)], w.profile)
     k = len(w.profile.blocks)
     rerun = lambda work: op_sac.recompute_time(work, pa, np.ones((2, 1)), np.full((2, 1), 8.0), np.inf,  # noqa: E731
-                                               np.ones((2, k)), np.ones((2, k)), np.zeros((2, k)), np.ones((2, k)))
+                                               np.ones((2, k)), np.ones((2, k)), np.zeros((2, k)), np.ones((2, k)),
+                                               fp8.tp_forward_scale(work, pa))
     np.testing.assert_allclose(rerun(w), [[1 / 3] * k, [1.0] * k])
     bf16_gathers = dataclasses.replace(w, switches=("op_sac",))
     np.testing.assert_allclose(rerun(bf16_gathers), [[0.5] * k, [1.0] * k])

@@ -257,8 +257,8 @@ def _per_kind(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
     io_f = b * act_scale * k["io_bytes"] * (shard / split + (1 - shard) / sp_div) / hbm * scale["elementwise"]
     base = c.collective_latency_s
     # per pass: a layer's backward mirrors its forward, the ends do not (cost/tensor_parallel.py)
-    tp_fwd, tp_bwd = tensor_parallel.pass_times(k, workload, b, act_scale, t, tp_bw, tp_lat, base,
-                                                fp8.tp_forward_scale(workload, g))
+    fwd_scale = fp8.tp_forward_scale(workload, g)  # the layers' forward TP bytes (fp8 gathers)
+    tp_fwd, tp_bwd = tensor_parallel.pass_times(k, workload, b, act_scale, t, tp_bw, tp_lat, base, fwd_scale)
     compute_f = flops_f * scale["gemm"] / rate + io_f + scale["cast_f"]
     # a fused attention backward recomputes q·kᵀ: half its forward FLOPs again
     compute_b = (flops_b * scale["gemm"] + 0.5 * b * k["fused_attn_flops"] / t) / rate + 2 * io_f + scale["cast_b"]
@@ -289,7 +289,7 @@ def _per_kind(workload, g: PlanArrays, c: Coefficients, x: dict) -> dict:
                 - scale["saved"] + cross_entropy.saved_as_run(k, workload, b, act_scale, split))
     act_sel = act_full - b * act_scale * k["attn_core_bytes"] / t
     if op_sac.applies(workload):  # torchtitan's per-op checkpoint instead of the attention core's
-        selective_f = op_sac.recompute_time(workload, g, b, t, rate, scale["gemm"], flops_f, io_f, tp_f)
+        selective_f = op_sac.recompute_time(workload, g, b, t, rate, scale["gemm"], flops_f, io_f, tp_f, fwd_scale)
         act_sel = op_sac.kept_bytes(workload, b, act_scale, t, sp_div, act_sel)
     act_ckpt = b * act_scale * k["out_bytes"] / sp_div
     return dict(base=base, scale=scale, tp_fwd=tp_fwd, tp_bwd=tp_bwd, compute_f=compute_f, compute_b=compute_b,

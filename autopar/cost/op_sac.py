@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.cost import precision
 from autopar.cost.gemm import layer_gemms
 from autopar.knobs import DTYPE_BYTES
 
@@ -60,20 +59,19 @@ def saved_elements(profile) -> np.ndarray:
     return out
 
 
-def recompute_time(workload, g, b, t, rate, gemm_scale, flops_f, io_f, tp_f) -> np.ndarray:
+def recompute_time(workload, g, b, t, rate, gemm_scale, flops_f, io_f, tp_f, fwd_scale) -> np.ndarray:
     """(G, K) seconds per micro-batch of what op SAC reruns before each layer's backward: its
     recomputed matmuls at the pass's GEMM rate (fp8's factor on the linears where it applies), every
     elementwise op of the forward, and the forward's tensor-parallel all-gathers (under sequence
-    parallelism the gather's part of the pass's collectives, half of their bytes, a third where the
-    gathers move fp8, cost/precision.py `tp_forward_scale`; without it the all-reduces, none of which is
-    saved)."""
+    parallelism the gather's part of the pass's collectives: of `fwd_scale` (G, 1), the pass's bytes as a
+    share of bf16's (cost/precision.py `tp_forward_scale`), the gather holds scale - 0.5, so half of them, a
+    third where the gathers move fp8; without it the all-reduces, none of which is saved)."""
     profile = workload.profile
     lin = b * recomputed_flops(profile) / t
     linear_share = np.divide(b * _mm_flops(profile) / t, flops_f, out=np.zeros_like(flops_f), where=flops_f > 0)
     factor = 1 - np.divide(1 - gemm_scale, linear_share, out=np.zeros_like(flops_f), where=linear_share > 0)
     sp = np.asarray(g.sequence_parallel, dtype=bool)[:, None]
-    scale = precision.tp_forward_scale(workload, g)  # the gather's bytes as a share of the pass's: (scale - 0.5) / scale
-    return lin * factor / rate + io_f + np.where(sp, (scale - 0.5) / scale, 1.0) * tp_f
+    return lin * factor / rate + io_f + np.where(sp, (fwd_scale - 0.5) / fwd_scale, 1.0) * tp_f
 
 
 def _mm_flops(profile, which: slice = slice(None)) -> np.ndarray:

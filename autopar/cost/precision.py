@@ -149,11 +149,11 @@ def compute_scale(workload, g, b: np.ndarray, sp_div: np.ndarray, flops_f: np.nd
     gemm = np.where(col(gains) > 0, 1 - share * (1 - factor), ones)
 
     megatron = is_megatron(workload.runtime)
-    inputs = b * (lin["inputs"] + lin["inputs_tp"] / t)
     outputs = b * (lin["outputs"] + lin["outputs_tp"] / t)
     weights = lin["weights"] / t * ones
     hbm = gpu.hbm_bytes_per_s * c.hbm_efficiency
     if megatron:  # inputs forward, output gradients backward; weights cast once per iteration (cached)
+        inputs = b * (lin["inputs"] + lin["inputs_tp"] / t)
         cast_f, cast_b = TE_CAST_BYTES * inputs / hbm, TE_CAST_BYTES * outputs / hbm
     else:
         # a column-parallel GEMM's input is cast whole after the gather, but on its sequence shard before an
