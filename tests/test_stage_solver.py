@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from autopar.cluster import load_cluster
 from autopar.cost import PlanArrays, evaluate
@@ -327,3 +329,28 @@ def test_exact_search_proves_gpt3_175b_optimal_within_a_few_outer_plans():
     plan = planner.propose(w, 1)[0]
     assert planner.exact and planner.solved <= 24, (planner.exact, planner.solved)
     assert plan.virtual_stages > 1 and plan.stage_recompute  # the per-stage plan (README's table)
+
+
+def _all_pairs_front(dom, b, S, M, sig, T) -> np.ndarray:
+    """The dominance front by its definition (`_Dominance.front`'s docstring): in the order (b, S, c, T), a
+    point is dropped when any earlier point of its b dominates it; every pair compared."""
+    c = S - sig + dom.m * M
+    order = np.lexsort((T, c, S, b))
+    b, S, M, c, T = b[order], S[order], M[order], c[order], T[order]
+    ok = (b[:, None] == b[None, :]) & (c[:, None] <= c[None, :]) & (T[:, None] <= T[None, :])
+    ok &= ~(M[:, None] < M[None, :]) | (S[:, None] + (dom.m - dom.low) * M[None, :] <= c[None, :] * (1 + 1e-12))
+    ok &= ~(M[:, None] > M[None, :]) | (c[:, None] <= S[None, :] + (dom.m - dom.high) * M[None, :])
+    return order[~np.triu(ok, k=1).any(axis=0)]
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(1, 700), st.integers(1, 5), st.integers(0, 2))
+@settings(max_examples=60, deadline=None)
+def test_dominance_front_is_the_all_pairs_front(seed, n, groups, decimals):
+    """`front` compares a large group's points with the group's kept ones and then its survivors with every earlier
+    point (not all pairs: under the interleaved schedule a group of thousands of patterns keeps one), and must
+    keep exactly what the all-pairs comparison keeps, ties (rounded values) and groups of every size included."""
+    rng = np.random.default_rng(seed)
+    dom = stages._Dominance(float(rng.integers(1, 64)), float(rng.uniform(0.1, 1.0)), float(rng.uniform(1.0, 3.0)))
+    value = lambda: np.round(rng.uniform(0, 10, n), decimals)  # noqa: E731
+    b, S, M, sig, T = rng.integers(0, groups, n).astype(float), value(), value(), 0.1 * value(), value()
+    assert np.array_equal(dom.front(b, S, M, sig, T), _all_pairs_front(dom, b, S, M, sig, T))

@@ -350,28 +350,64 @@ class _Dominance:
         B when A completes no worse whatever the later ranks: with c = S - sigma + m M (the objective if no
         later rank is slower), S_A <= S_B (a later rank slower than both), c_A <= c_B (none slower), T_A <= T_B,
         and where their slowest differ, for a later slowest x between them (its share within [low, high] x):
-        M_A < M_B needs S_A + (m - low) M_B <= c_B, M_A > M_B needs c_A <= S_B + (m - high) M_B."""
+        M_A < M_B needs S_A + (m - low) M_B <= c_B, M_A > M_B needs c_A <= S_B + (m - high) M_B.
+        In the order (b, S, c, T) a point is dropped when any point before it dominates it."""
         c = S - sig + self.m * M
         order = np.lexsort((T, c, S, b))
-        bs, Ss, Ms, cs, Ts = b[order], S[order], M[order], c[order], T[order]
-        starts = np.concatenate([[0], np.flatnonzero(np.diff(bs)) + 1]) if len(order) else np.zeros(0, dtype=np.int64)
-        # groups of the same b compared in blocks of about PACK points (a pair from two groups never counts):
-        # fewer, larger numpy calls than one per group
-        firsts = starts[np.flatnonzero(np.diff(np.concatenate([[-1], starts // PACK])))]
+        pts = (b[order], S[order], M[order], c[order], T[order])
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(pts[0])) + 1]) if len(order) else np.zeros(0, dtype=np.int64)
+        ends = np.append(starts[1:], len(order))
         keep = np.ones(len(order), dtype=bool)
-        for lo, hi in zip(firsts, np.append(firsts[1:], len(order))):
-            if hi - lo < 2:
-                continue
-            sl = slice(lo, hi)
-            gS, gM, gc, gT, gb = Ss[sl], Ms[sl], cs[sl], Ts[sl], bs[sl]
-            i, j = gS[:, None], gS[None, :]  # earlier (row) against later (column): S_i <= S_j by the order
-            ok = (gb[:, None] == gb[None, :]) & (gc[:, None] <= gc[None, :]) & (gT[:, None] <= gT[None, :])
-            lower = gM[:, None] < gM[None, :]
-            higher = gM[:, None] > gM[None, :]
-            ok &= ~lower | (i + (self.m - self.low) * gM[None, :] <= gc[None, :] * (1 + 1e-12))
-            ok &= ~higher | (gc[:, None] <= j + (self.m - self.high) * gM[None, :])
-            keep[sl] = ~np.triu(ok, k=1).any(axis=0)
+        big = ends - starts > 2 * PACK
+        for lo, hi in zip(starts[big], ends[big]):
+            keep[lo:hi] = self._large_group(pts, lo, hi)
+        # the other groups compared in blocks of about PACK points (a pair from two groups never counts):
+        # fewer, larger numpy calls than one per group
+        blocks, block, size = [], [], 0
+        for lo, hi in zip(starts[~big].tolist(), ends[~big].tolist()):
+            block.append(np.arange(lo, hi))
+            size += hi - lo
+            if size >= PACK:
+                blocks.append(np.concatenate(block))
+                block, size = [], 0
+        if block:
+            blocks.append(np.concatenate(block))
+        for idx in blocks:
+            if len(idx) > 1:
+                keep[idx] = ~np.triu(self._dominates(pts, idx, idx), k=1).any(axis=0)
         return order[keep]
+
+    def _dominates(self, pts, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """(len(rows), len(cols)): whether each point of `rows` dominates each of `cols` (positions in the sorted
+        points `pts`; a row must come before its column in that order, which gives S_row <= S_col)."""
+        b, S, M, c, T = pts
+        ok = (b[rows][:, None] == b[cols][None, :]) & (c[rows][:, None] <= c[cols][None, :]) \
+            & (T[rows][:, None] <= T[cols][None, :])
+        Mr, Mc = M[rows][:, None], M[cols][None, :]
+        ok &= ~(Mr < Mc) | (S[rows][:, None] + (self.m - self.low) * Mc <= c[cols][None, :] * (1 + 1e-12))
+        ok &= ~(Mr > Mc) | (c[rows][:, None] <= S[cols][None, :] + (self.m - self.high) * Mc)
+        return ok
+
+    def _large_group(self, pts, lo: int, hi: int) -> np.ndarray:
+        """The kept mask of the sorted positions [lo, hi) of one b, as the all-pairs comparison gives it, without
+        comparing all pairs: a first pass drops, chunk by chunk, what an earlier kept point or an earlier point of
+        its chunk dominates (both are earlier points: dropping is right); what survives is then compared with
+        every earlier point of the group, so a point stays exactly when no earlier point dominates it. Fronts are
+        small against their groups (one point of thousands under the interleaved schedule's patterns)."""
+        kept = np.zeros(0, dtype=np.int64)
+        for a in range(lo, hi, PACK):
+            chunk = np.arange(a, min(a + PACK, hi))
+            out = np.triu(self._dominates(pts, chunk, chunk), k=1).any(axis=0)
+            if len(kept):
+                out |= self._dominates(pts, kept, chunk).any(axis=0)
+            kept = np.concatenate([kept, chunk[~out]])
+        mask = np.zeros(hi - lo, dtype=bool)
+        for a in range(0, len(kept), PACK):
+            cols = kept[a:a + PACK]
+            rows = np.arange(lo, int(cols.max()))
+            beaten = self._dominates(pts, rows, cols) & (rows[:, None] < cols[None, :])
+            mask[cols[~beaten.any(axis=0)] - lo] = True
+        return mask
 
 
 def _sequence_ids(kinds: np.ndarray) -> np.ndarray:
