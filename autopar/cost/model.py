@@ -708,7 +708,10 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
         out.update(rank_per_mb=part["per_mb"], rank_gpu_mb=part["gpu_mb"], rank_host_mb=part["host_mb"],
                    rank_mult=part["mult"], rank_share=part["share"], rank_weight=part["weight"],
                    rank_tail=dp_time + optimizer, rank_optimizer=optimizer, rank_memory=peak_rank,
-                   rank_dp_floor=exposed_floor(hide_b, hide_f),  # dp_time >= it (a MoE's edp only hides less)
+                   # dp_time >= it: `exposed` is at least its affine floor, which falls at least 1 s a second of
+                   # hiding (every ZeRO stage), so the experts' collectives (edp, affine in the rank's experts:
+                   # shared with the dense ones' hiding, or exposed past it) add at least edp
+                   rank_dp_floor=exposed_floor(hide_b, hide_f) + np.where(dpn > 1, edp, 0.0),
                    # what no split or recompute lowers below, summed over the ranks (`stages.lower_bound`): the
                    # model states (linear in the blocks a rank holds), the workspace, the least activations
                    rank_least_memory=sum(mem[n] for n in ("gradients", "master_weights", "optimizer_states",
