@@ -15,6 +15,7 @@ cost/op_sac.py), read from the compiled graphs themselves on the CPU: no GPU, no
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -122,6 +123,7 @@ def test_op_sac_reruns_every_second_matmul_in_fp8_as_in_bf16(precision):
     forward, backward = (_calls(graphs[k])[str(gemm)] for k in ("forward", "backward"))
     # the cost model's count: a gated MLP's matmuls in torchtitan's order (w1, w3, w2), every second rerun
     dims = {"hidden": 256, "heads": 1, "ffn": 512}
-    mlp = _forward_mms(dims, 1, type("Block", (), {"experts": 0, "params": 4 * 256 * 256 + 3 * 256 * 512})())[4:]
+    block = SimpleNamespace(experts=0, params=4 * 256 * 256 + 3 * 256 * 512)  # attention's four and the MLP's three
+    mlp = _forward_mms(dims, 1, block)[4:]
     assert len(mlp) == forward == 3
     assert backward == 2 * forward + len(mlp[1::2])  # input and weight gradients, and the one rerun
