@@ -354,6 +354,8 @@ def test_dominance_front_is_the_all_pairs_front(seed, n, groups, decimals):
     value = lambda: np.round(rng.uniform(0, 10, n), decimals)  # noqa: E731
     b, S, M, sig, T = rng.integers(0, groups, n).astype(float), value(), value(), 0.1 * value(), value()
     assert np.array_equal(dom.front(b, S, M, sig, T), _all_pairs_front(dom, b, S, M, sig, T))
+    empty = np.zeros(0)
+    assert len(dom.front(empty, empty, empty, empty, empty)) == 0
 
 
 @pytest.mark.heavy

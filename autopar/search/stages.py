@@ -355,9 +355,10 @@ class _Dominance:
         c = S - sig + self.m * M
         order = np.lexsort((T, c, S, b))
         pts = (b[order], S[order], M[order], c[order], T[order])
-        starts = (np.concatenate([[0], np.flatnonzero(np.diff(pts[0])) + 1]) if len(order)
-                  else np.zeros(0, dtype=np.int64))
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(pts[0])) + 1]).astype(np.int64)
         ends = np.append(starts[1:], len(order))
+        if not len(order):  # no point: no group
+            starts = ends = np.zeros(0, dtype=np.int64)
         keep = np.ones(len(order), dtype=bool)
         big = ends - starts > 2 * PACK
         for lo, hi in zip(starts[big], ends[big]):
