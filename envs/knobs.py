@@ -88,6 +88,7 @@ class PlanSpace:
         self.capacity = workload.memory_budget
         self.table = SplitTable(workload.profile)
         self._memo: dict[tuple, StepInfo] = {}
+        self.choices_memo: dict = {}  # walker.walk's knob choices per dependency values, for this workload
         self.evaluations = 0  # plans evaluated by the cost model for steps not yet memoised
 
     def decided(self, prefix: tuple) -> dict:
@@ -159,7 +160,7 @@ class PlanSpace:
         pick[expand] = _among(choices)
         if lean:
             pick.update({k.name: k.lean for k in self.knobs[len(prefix) + 1:]})
-        w = walker.walk(self.workload, pick)
+        w = walker.walk(self.workload, pick, self.choices_memo)
         if w.size == 0:
             return PlanArrays.empty(self.table), np.zeros(0, dtype=np.int64)
         index = np.array([choices.index(v) for v in w.values[expand]], dtype=np.int64)

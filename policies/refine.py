@@ -47,7 +47,7 @@ def neighbours(space: PlanSpace, prefix: tuple, changed: tuple[int, ...]):
     """The plans that change the decisions at indices `changed` of `prefix` (every other decision
     kept where still valid, re-opened where the change made it invalid), as a Walk and PlanArrays."""
     pick = {name: _keep_or_reopen(v) for n, (name, v) in enumerate(zip(space.names, prefix)) if n not in changed}
-    w = walker.walk(space.workload, pick)
+    w = walker.walk(space.workload, pick, space.choices_memo)
     return w, walker.to_arrays(w, space.table)
 
 

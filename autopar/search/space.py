@@ -78,9 +78,12 @@ def holds(workload, plan: Plan) -> bool:
     return all(narrow(value, [knob(name).value_of(plan)]) for name, value in getattr(workload, "fixed", ()))
 
 
-def walk(workload, pick: dict[str, Pick] | None = None) -> Walk:
-    """Every plan of the space, each knob narrowed by `pick` where given."""
+def walk(workload, pick: dict[str, Pick] | None = None, memo: dict | None = None) -> Walk:
+    """Every plan of the space, each knob narrowed by `pick` where given. `memo` keeps a knob's choices
+    per value of its dependencies across walks of one workload (the RL planner walks one space a
+    thousand times, each walk asking some forty knobs' choices that earlier walks already asked)."""
     pick = pick or {}
+    memo = {} if memo is None else memo
     w = Walk({}, {}, 1)
     for k in knobs():
         deps = depends_of(k)
@@ -94,7 +97,10 @@ def walk(workload, pick: dict[str, Pick] | None = None) -> Walk:
         known: dict = {}
         table: list[np.ndarray] = []
         for row in first:
-            opts = choices(workload, k, {d: w.value(d, row) for d in deps})
+            given = tuple(w.value(d, row) for d in deps)
+            opts = memo.get((k.name, given))
+            if opts is None:
+                opts = memo[k.name, given] = choices(workload, k, dict(zip(deps, given)))
             if k.name in pick:
                 opts = pick[k.name](opts)
             table.append(np.array([known.setdefault(v, len(known)) for v in opts], dtype=np.int64))
