@@ -190,8 +190,12 @@ class Plan:
             raise PlanError(f"dp x micro_batch_size x num_micro_batches = {self.global_batch} but the global "
                             f"batch is {workload.global_batch}; set num_micro_batches = "
                             f"{workload.global_batch / (self.dp * self.micro_batch_size):g}")
-        profile = workload.profile
-        layers = profile.num_layers
+        self.validate_parts(workload)
+
+    def validate_parts(self, workload) -> None:
+        """Every check of `validate` but the world size and the global batch: what each segment of a
+        mixed cluster's lane across groups passes (it holds only its own stages' ranks)."""
+        layers = workload.profile.num_layers
         empty_ends = sum(1 for n in self.layer_split if n == 0)
         if self.stages - empty_ends > layers:
             raise PlanError(f"pp x virtual_stages = {self.stages} exceeds the model's {layers} blocks; "

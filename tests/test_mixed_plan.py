@@ -87,10 +87,10 @@ def test_validation_is_one_line_per_problem(mw):
     refused(mw, MixedPlan((Lane((Segment(A, 1, 2),), plan(pp=2, layer_split=(1, 1))),
                            Lane((Segment(H, 1, 1),), plan(dp=8, micro_batch_size=1)))),
             r"lane 1: layer_split sums to 2 but the model has 4 blocks")
-    # a lane across groups: the per-group checks on each segment (tp must divide the 4 heads)
+    # a lane across groups: Plan.validate_parts on each segment, prefixed with its group (tp must divide the 4 heads)
     refused(mw, MixedPlan((Lane((Segment(H, 8, 1), Segment(A, 8, 1)), plan(dp=1, tp=8, pp=2,
                                                                             num_micro_batches=32)),)),
-            r"lane 1: tp=8 does not divide")
+            rf"lane 1: group {H}: tp=8 does not divide")
 
 
 def test_bad_documents_are_one_line(tmp_path):

@@ -15,11 +15,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from autopar import axes, capability
 from autopar.atomic import write_text_atomic
 from autopar.capability.mixed import lane_problem, segment_tp_problem
 from autopar.errors import PlanError
-from autopar.knobs import check_stage_blocks, device_blocks
 from autopar.plan import Plan
 from autopar.schema import MAX_GPUS, load_document, loads, read_file
 
@@ -257,35 +255,16 @@ def _check_groups(lane: Lane, mw) -> None:
 def check_lane(lane: Lane, mw) -> None:
     """One lane alone against the mixed workload (PlanError, one line). A lane on one group is the
     homogeneous plan on that group's part (Plan.validate, exactly); a lane across groups passes every
-    check of Plan.validate but the world size (a segment holds only its own stages' ranks) on each
-    segment's group, at that segment's tp."""
+    check of Plan.validate but the world size and batch (`Plan.validate_parts`: a segment holds only its own
+    stages' ranks) on each segment's group, at that segment's tp, prefixed with the group."""
     _check_groups(lane, mw)
     if not lane.spans:
         s = lane.segments[0]
         lane.plan.validate(mw.on_group(s.group, lane.gpus(), lane.share))
         return
-    layers = mw.profile.num_layers
     for s in lane.segments:
         plan = lane.segment_plan(s)
-        workload = mw.spanning(s.group, plan.world_size, lane.share)
-        if plan.stages - sum(1 for n in plan.layer_split if n == 0) > layers:
-            raise PlanError(f"pp = {plan.stages} exceeds the model's {layers} blocks; use fewer pipeline stages")
-        plan.dims.check_workload(workload)
-        for folded in axes.FOLDED.values():
-            why = folded.allowed(workload, getattr(plan, folded.name))
-            if why:
-                raise PlanError(why)
         try:
-            capability.check(plan, capability.Target.of(workload))
+            plan.validate_parts(mw.spanning(s.group, plan.world_size, lane.share))
         except PlanError as e:
             raise PlanError(f"group {s.group}: {e}") from None
-    plan = lane.plan
-    if plan.layer_split and sum(plan.layer_split) != layers:
-        raise PlanError(f"layer_split sums to {sum(plan.layer_split)} but the model has {layers} blocks")
-    if plan.recompute == "full":
-        most = max(device_blocks(plan.split_for(layers), plan.pp, plan.schedule))
-        if plan.recompute_blocks > most:
-            raise PlanError(f"recompute_blocks={plan.recompute_blocks} exceeds the {most} blocks on the busiest "
-                            f"pipeline rank; use at most {most}")
-    if plan.stage_recompute:
-        check_stage_blocks(plan.stage_recompute, plan.split_for(layers))
