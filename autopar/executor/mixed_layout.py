@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from autopar.errors import PlanError
-from autopar.mixed.plan import Lane, MixedPlan, Segment, is_mixed_plan_dict
+from autopar.mixed.plan import Lane, MixedPlan, Segment, consecutive, is_mixed_plan_dict
 from autopar.plan import Plan
 from autopar.replan import mix_text
 
@@ -123,11 +123,7 @@ def rank_labels(mixed_plan) -> list[RankLabel]:
 
 def lane_samples(mixed_plan) -> list[range]:
     """Each lane's samples of the global batch: consecutive shares in lane order."""
-    out, start = [], 0
-    for lane in mixed_plan.lanes:
-        out.append(range(start, start + lane.share))
-        start += lane.share
-    return out
+    return consecutive([lane.share for lane in mixed_plan.lanes])
 
 
 def rank_samples(mixed_plan, label: RankLabel) -> range:

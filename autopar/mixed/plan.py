@@ -11,6 +11,7 @@ one. JSON: {"mixed_plan_version": 1, "lanes": [{"segments": [{"group", "tp", "st
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,12 @@ def _count(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_GPUS:
         raise PlanError(f"{what} must be a positive integer, got {value!r}")
     return value
+
+
+def consecutive(sizes: list[int]) -> list[range]:
+    """Ranges of these sizes laid end to end from 0: a lane's stages by segment, the lanes' samples of a batch."""
+    ends = list(itertools.accumulate(sizes))
+    return [range(end - n, end) for n, end in zip(sizes, ends)]
 
 
 @dataclass(frozen=True)
@@ -99,11 +106,7 @@ class Lane:
 
     def stage_ranges(self) -> list[range]:
         """The pipeline stages (ranks) each segment holds, in order."""
-        out, first = [], 0
-        for s in self.segments:
-            out.append(range(first, first + s.stages))
-            first += s.stages
-        return out
+        return consecutive([s.stages for s in self.segments])
 
     def describe(self) -> str:
         where = " | ".join(f"{s.group} tp{s.tp} x{s.stages}" for s in self.segments)
