@@ -120,36 +120,64 @@ class PlanSpace:
     def advance(self, prefix: tuple, last: int | None = None) -> tuple:
         """Apply the decisions whose mask leaves a single choice, up to decision index `last`: they
         are no decision (a model without a tensor-parallel plan never decides tp)."""
+        return self.advance_each([prefix], last)[0]
+
+    def advance_each(self, prefixes: list[tuple], last: int | None = None) -> list[tuple]:
+        """`advance` of each prefix, their steps priced together decision by decision (`prefetch`)."""
         last = len(self.knobs) if last is None else last
-        while len(prefix) < last:
-            info = self.step(prefix)
-            if info.allowed.sum() != 1:
-                break
-            prefix += (info.values[int(np.flatnonzero(info.allowed)[0])],)
-        return prefix
+        out, live = list(prefixes), [i for i, p in enumerate(prefixes) if len(p) < last]
+        while live:
+            self.prefetch([out[i] for i in live])
+            moved = []
+            for i in live:
+                info = self.step(out[i])
+                if info.allowed.sum() == 1:
+                    out[i] += (info.values[int(np.flatnonzero(info.allowed)[0])],)
+                    if len(out[i]) < last:
+                        moved.append(i)
+            live = moved
+        return out
 
     def step(self, prefix: tuple) -> StepInfo:
         info = self._memo.get(prefix)
         if info is None:
-            info = self._step(tuple(prefix))
-            if len(self._memo) >= self.MEMO_LIMIT:
-                self._memo.clear()
-            self._memo[tuple(prefix)] = info
-            self.evaluations += info.evaluations
+            self.prefetch([prefix])
+            info = self._memo[tuple(prefix)]
         return info
 
-    def _step(self, prefix: tuple) -> StepInfo:
-        k = self.knobs[len(prefix)]
-        choices = self.choices(prefix)
-        pa, cand = self._completions(prefix, choices)
-        memory, time = np.full(len(choices), np.inf), np.full(len(choices), np.inf)
-        if len(pa):
-            res = evaluate(self.workload, pa, self.coeffs)
-            np.minimum.at(memory, cand, res["peak_memory"])
-            fit = res["fits"]
-            np.minimum.at(time, cand[fit], res["iteration_time"][fit])
-        slots = np.array([k.slot_of(c, choices) for c in choices], dtype=np.int64)
-        return StepInfo(k.name, tuple(choices), slots, np.isfinite(time), memory, time, len(pa))
+    def prefetch(self, prefixes: list[tuple]) -> None:
+        """Memoise the steps of these prefixes, those not yet memoised priced in one cost-model call: a call's
+        fixed cost (about a millisecond) is most of one step's, and lockstep decoding asks many at once."""
+        todo = list(dict.fromkeys(tuple(p) for p in prefixes if tuple(p) not in self._memo))
+        if not todo:
+            return
+        if len(self._memo) + len(todo) > self.MEMO_LIMIT:
+            self._memo.clear()
+        for prefix, info in zip(todo, self._steps(todo)):
+            self._memo[prefix] = info
+            self.evaluations += info.evaluations
+
+    def _steps(self, prefixes: list[tuple]) -> list[StepInfo]:
+        """The decision after each prefix, every prefix's lean completions evaluated in one call."""
+        built = []
+        for prefix in prefixes:
+            choices = self.choices(prefix)
+            built.append((prefix, choices, *self._completions(prefix, choices)))
+        batch = [pa for _, _, pa, _ in built if len(pa)]
+        res = evaluate(self.workload, _concatenated(batch, self.table), self.coeffs) if batch else {}
+        out, start = [], 0
+        for prefix, choices, pa, cand in built:
+            k = self.knobs[len(prefix)]
+            memory, time = np.full(len(choices), np.inf), np.full(len(choices), np.inf)
+            if len(pa):
+                rows = slice(start, start + len(pa))
+                start += len(pa)
+                np.minimum.at(memory, cand, res["peak_memory"][rows])
+                fit = res["fits"][rows]
+                np.minimum.at(time, cand[fit], res["iteration_time"][rows][fit])
+            slots = np.array([k.slot_of(c, choices) for c in choices], dtype=np.int64)
+            out.append(StepInfo(k.name, tuple(choices), slots, np.isfinite(time), memory, time, len(pa)))
+        return out
 
     def _completions(self, prefix: tuple, choices: list, lean: bool = True) -> tuple[PlanArrays, np.ndarray]:
         """Every choice of decision len(prefix) completed by the lean values of the later decisions
@@ -194,6 +222,13 @@ class PlanSpace:
 
 
 _MISSING = object()
+
+
+def _concatenated(batch: list[PlanArrays], table: SplitTable) -> PlanArrays:
+    """Plans of several walks of one space (one split table) as one batch."""
+    if len(batch) == 1:
+        return batch[0]
+    return PlanArrays({name: np.concatenate([pa.columns[name] for pa in batch]) for name in batch[0].columns}, table)
 
 
 def _only(value):

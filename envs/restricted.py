@@ -111,8 +111,11 @@ class RestrictedSpace(PlanSpace):
         return {knob: label(knob, self.prefixes[0][s]) for s, knob in enumerate(self.names)
                 if len({p[s] for p in self.prefixes}) == 1}
 
-    def _step(self, prefix: tuple) -> StepInfo:
-        info = super()._step(prefix)
+    def _steps(self, prefixes: list[tuple]) -> list[StepInfo]:
+        return [self._restricted(prefix, info) for prefix, info in zip(prefixes, super()._steps(prefixes))]
+
+    def _restricted(self, prefix: tuple, info: StepInfo) -> StepInfo:
+        """A step's choices allowed only where some plan of the restricted space continues them."""
         nxt = self._next.get(tuple(prefix), set())
         allowed = np.array([ok and v in nxt for v, ok in zip(info.values, info.allowed)], dtype=bool)
         return StepInfo(info.knob, info.values, info.slots, allowed, info.memory, info.time, info.evaluations)

@@ -40,13 +40,24 @@ def beam_search(actor, space: PlanSpace, workload_vector, width: int, start: tup
     """The `width` most probable complete decisions sequences (width 1: greedy decoding) that begin
     with the decisions `start` (their probabilities then conditional on it); none when no plan that
     fits begins with it."""
-    pool = [Decoded(space.advance(start))]
-    while not all(d.complete(space) for d in pool):
-        live = [d for d in pool if not d.complete(space)]
-        pool = [d for d in pool if d.complete(space)] + _expand(actor, space, workload_vector, live)
-        best = sorted(pool, key=lambda d: -d.probability)[:width]
-        pool = [replace(d, prefix=space.advance(d.prefix)) for d in best]
-    return pool
+    return beam_searches(actor, space, workload_vector, width, [start])[0]
+
+
+def beam_searches(actor, space: PlanSpace, workload_vector, width: int, starts: list[tuple]) -> list[list[Decoded]]:
+    """`beam_search` from each start, the searches in lockstep: each decision's steps of every live beam of
+    every search are priced in one cost-model call (`PlanSpace.prefetch`), the same beams as one by one."""
+    pools = [[Decoded(p)] for p in space.advance_each(list(starts))]
+    while True:
+        live = [[d for d in pool if not d.complete(space)] for pool in pools]
+        if not any(live):
+            return pools
+        space.prefetch([d.prefix for beams in live for d in beams])
+        for n, beams in enumerate(live):
+            if beams:
+                pool = [d for d in pools[n] if d.complete(space)] + _expand(actor, space, workload_vector, beams)
+                pools[n] = sorted(pool, key=lambda d: -d.probability)[:width]
+        advanced = iter(space.advance_each([d.prefix for pool in pools for d in pool]))
+        pools = [[replace(d, prefix=next(advanced)) for d in pool] for pool in pools]
 
 
 def sample(actor, space: PlanSpace, workload_vector, k: int, rng: np.random.Generator,

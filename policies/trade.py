@@ -28,12 +28,13 @@ from autopar.envs.knobs import PlanSpace
 from autopar.errors import PlanError
 from autopar.knobs import knobs
 from autopar.plan import Plan
-from autopar.policies.decode import beam_search
+from autopar.policies.decode import beam_searches
 from autopar.policies.refine import GAIN, Refined, refine
 from autopar.search import stages
 from autopar.search.space import choices, plan_of, values_of
 
-Completion = Callable[[tuple], "tuple | None"]  # a layout -> a complete decision sequence (None: none fits)
+Completion = Callable[[list[tuple]], "list[tuple | None]"]  # layouts -> their complete decision sequences (None:
+# none fits), all at once: the policy's decodes run in lockstep
 MAX_CHANGED = 2  # explicit degrees one trade changes (dp, derived, takes up the difference)
 BUDGET = 20_000  # cost-model evaluations of the trades (completions' masks, refinements): no round starts
 # past it; a round itself is not cut short (one round may complete every layout: up to about 15,000 more)
@@ -67,12 +68,13 @@ def is_trade(a: tuple, b: tuple) -> bool:
 
 
 def policy_completion(actor, space: PlanSpace, features) -> Completion:
-    """The policy's plan for a layout: greedy decoding of the decisions after the degrees (None:
-    no plan of this layout fits)."""
-    def complete(layout: tuple) -> tuple | None:
-        if not space.step(layout).allowed.any():
-            return None
-        return beam_search(actor, space, features, 1, start=layout)[0].prefix
+    """The policy's plan for each layout: greedy decoding of the decisions after the degrees (None: no plan of
+    the layout fits), the layouts' decodes in lockstep (`decode.beam_searches`)."""
+    def complete(targets: list[tuple]) -> list[tuple | None]:
+        space.prefetch(targets)
+        open_ = [t for t in targets if space.step(t).allowed.any()]
+        decoded = dict(zip(open_, beam_searches(actor, space, features, 1, open_)))
+        return [decoded[t][0].prefix if decoded.get(t) else None for t in targets]
     return complete
 
 
@@ -93,7 +95,7 @@ def trade(space: PlanSpace, start: Refined, complete: Completion, seen: dict | N
         tried.add(best.prefix[:n])
         targets = [t for t in all_layouts if t not in tried and is_trade(best.prefix[:n], t)]
         tried.update(targets)
-        completed = [p for p in map(complete, targets) if p is not None]
+        completed = [p for p in complete(targets) if p is not None]
         if completions is not None:
             completions.extend(completed)
         if not completed:

@@ -12,12 +12,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.cost import estimate, evaluate
+from autopar.envs.features import workload_features
 from autopar.envs.knobs import PlanSpace
+from autopar.policies.decode import beam_search, beam_searches
+from autopar.policies.load import load_policy
 from autopar.policies.refine import refine
 from autopar.policies.trade import MAX_CHANGED, degree_count, is_trade, layouts, trade
 from autopar.search import get_planner
 from autopar.search.simplicity import TIE
 from autopar.search.space import enumerate_plans
+
+
+def each(complete_one):
+    """A completion of one layout as `trade` takes them (layouts -> their decision sequences)."""
+    return lambda targets: [complete_one(t) for t in targets]
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +50,23 @@ def test_a_trade_reaches_the_oracle_where_coordinate_descent_stops(pcie):
     start = space.best_completion(next(t for t in layouts(space) if t[:2] == (1, 2)))
     stuck = refine(space, start)
     assert stuck.time_s > oracle_s * 1.2  # coordinate descent alone: the local optimum
-    traded = trade(space, stuck, space.best_completion)
+    traded = trade(space, stuck, each(space.best_completion))
     assert traded.time_s == pytest.approx(oracle_s, rel=1e-9)
     assert traded.prefix[:n] != stuck.prefix[:n] and traded.evaluations > 0
     assert space.plan(traded.prefix).pp == 1
+
+
+def test_lockstep_decoding_decodes_each_start_as_alone(pcie):
+    """The trades decode every layout at once (`beam_searches`: one cost-model call per decision for all the
+    live beams); each start's beams and probabilities, and the plans the masks evaluate, are those of
+    decoding the starts one after another."""
+    w = pcie[0]
+    actor, features = load_policy(), workload_features(w)
+    starts = [*layouts(PlanSpace(w)), ()]
+    one, together = PlanSpace(w), PlanSpace(w)
+    alone = [beam_search(actor, one, features, 3, start=s) for s in starts]
+    assert beam_searches(actor, together, features, 3, starts) == alone
+    assert sum(map(len, alone)) > len(starts) and together.evaluations == one.evaluations
 
 
 @pytest.mark.heavy
@@ -87,7 +108,7 @@ def test_trades_never_lose_and_count_their_evaluations(pcie, pick):
     if start is None:
         return
     begun = refine(space, start)
-    traded = trade(space, begun, space.best_completion)
+    traded = trade(space, begun, each(space.best_completion))
     plan = space.plan(traded.prefix)
     plan.validate(w)
     assert estimate(w, plan).iteration_time_s == pytest.approx(traded.time_s, rel=1e-9)

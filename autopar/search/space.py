@@ -94,10 +94,12 @@ def walk(workload, pick: dict[str, Pick] | None = None, memo: dict | None = None
             uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
         else:
             first, inverse = np.zeros(1, dtype=np.int64), np.zeros(w.size, dtype=np.int64)
+        # the dependencies' values at each distinct row, column by column (a Python loop per row is most of a walk)
+        given_at = list(zip(*([w.values[d][c] for c in w.codes[d][first].tolist()] for d in deps))) if deps \
+            else [()]
         known: dict = {}
         table: list[np.ndarray] = []
-        for row in first:
-            given = tuple(w.value(d, row) for d in deps)
+        for given in given_at:
             opts = memo.get((k.name, given))
             if opts is None:
                 opts = memo[k.name, given] = choices(workload, k, dict(zip(deps, given)))
