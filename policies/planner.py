@@ -185,8 +185,9 @@ class RLPlanner(Planner):
             firsts = list({layout(rest[i]): i for i in reversed(order)}.values())[::-1]
             firsts.sort(key=order.index)
             outer += [rest[i] for i in (firsts + [i for i in order if i not in firsts])[:NEIGHBOURS]]
-        target = best_time * (1 - TIE)
-        found = [s for s in stages.solve(workload, outer, target=target) if s is not None and s.fits]
+        target, skeletons = best_time * (1 - TIE), {}  # what the two solves' outer plans of one pp share
+        found = [s for s in stages.solve(workload, outer, target=target, skeletons=skeletons)
+                 if s is not None and s.fits]
         # the best outer plan finished with its data-parallel details changed: memory its split frees can
         # drop an offload or a ZeRO stage its uniform plans needed
         lead = min(found, key=lambda s: s.iteration_time).plan if found else outer[0] if outer else None
@@ -194,7 +195,8 @@ class RLPlanner(Planner):
         if variants:
             bound = stages.outer_bounds(workload, variants)
             variants = [v for v, b in zip(variants, bound) if b < min([target] + [s.iteration_time for s in found])]
-            found += [s for s in stages.solve(workload, variants, target=target) if s is not None and s.fits]
+            found += [s for s in stages.solve(workload, variants, target=target, skeletons=skeletons)
+                      if s is not None and s.fits]
         self.finished = outer + variants
         self.evaluations += len(outer) + len(variants)
         for s in sorted(found, key=lambda s: s.iteration_time):

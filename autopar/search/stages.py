@@ -191,20 +191,33 @@ class _Problem:
         kind priced at full:1 and full:n only, the least K that fits found from them: `refine`), as arrays
         (rank, blocks by kind with the ends, fully and selectively recomputed), with each key's (from, to)
         offsets into them, its (blocks, recompute) entries and, for a range of one kind, what `refine` needs."""
-        parts, offsets, entries, one_kind, size = [], {}, {}, {}, 0
+        cum, kinds = self.cum, self.kinds
+        run_end = np.arange(1, len(kinds) + 1)  # per block, the end of the run of its kind that it starts
+        for b in range(len(kinds) - 2, -1, -1):
+            if kinds[b] == kinds[b + 1]:
+                run_end[b] = run_end[b + 1]
+        menus: dict = {}  # (n, one kind) -> its options, their full-recompute counts and selective flags
+        columns: tuple[list, ...] = ([], [], [], [], [])  # per row: rank, first block, blocks, K, selective
+        offsets, entries, one_kind, size = {}, {}, {}, 0
         for key, (r, a, n) in keys.items():
-            options = stage_options(n, self.selective)
-            single = n > 3 and bool((self.kinds[a:a + n] == self.kinds[a]).all())
-            if single:
-                options = [o for o in options if not o.startswith("full:")] + ["full:1", f"full:{n}"]
-            held, full, sel = self._range(a, n, options)
-            parts.append((np.full(len(options), r), np.broadcast_to(held + self.ends(r), (len(options), len(held))),
-                          full, sel))
+            single = n > 3 and a + n <= run_end[a]
+            if (n, single) not in menus:
+                options = stage_options(n, self.selective)
+                if single:
+                    options = [o for o in options if not o.startswith("full:")] + ["full:1", f"full:{n}"]
+                menus[n, single] = (options, [int(o[5:]) if o.startswith("full:") else 0 for o in options],
+                                    [o == "selective" for o in options])
+            options, ks, sels = menus[n, single]
+            for column, values in zip(columns, ([r] * len(options), [a] * len(options), [n] * len(options), ks, sels)):
+                column.extend(values)
             offsets[key] = (size, size + len(options))
             size += len(options)
             entries[key] = [(n, o) for o in options]
-            one_kind[key] = (r, a, n, held) if single else None
-        arrays = tuple(np.concatenate([part[j] for part in parts]) for j in range(4))
+            one_kind[key] = (r, a, n, cum[a + n] - cum[a]) if single else None
+        rank, a, n, k, sel = (np.array(c, dtype=np.int64) for c in columns)
+        held = cum[a + n] - cum[a]
+        ends = np.array([self.ends(r) for r in range(self.pp)])
+        arrays = (rank, held + ends[rank], cum[a + k] - cum[a], held * sel[:, None])
         return arrays, offsets, entries, one_kind
 
     def _skeleton(self) -> tuple[list[tuple], dict]:
