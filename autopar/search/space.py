@@ -84,10 +84,27 @@ def walk(workload, pick: dict[str, Pick] | None = None, memo: dict | None = None
     thousand times, each walk asking some forty knobs' choices that earlier walks already asked)."""
     pick = pick or {}
     memo = {} if memo is None else memo
+
+    def options(k: Knob, given: tuple) -> list:
+        opts = memo.get((k.name, given))
+        if opts is None:
+            opts = memo[k.name, given] = choices(workload, k, dict(zip(depends_of(k), given)))
+        return pick[k.name](opts) if k.name in pick else opts
+
     w = Walk({}, {}, 1)
     for k in knobs():
         deps = depends_of(k)
-        if deps and w.size > 1:
+        if w.size == 1:  # one partial plan so far (a prefix's values, held knobs): no grouping to do
+            opts = options(k, tuple(w.values[d][int(w.codes[d][0])] for d in deps))
+            known: dict = {}
+            column = np.array([known.setdefault(v, len(known)) for v in opts], dtype=np.int64)
+            if len(opts) != 1:
+                w.codes = {name: np.repeat(col, len(opts)) for name, col in w.codes.items()}
+            w.codes[k.name], w.values[k.name], w.size = column, list(known), len(opts)
+            if not opts:
+                break
+            continue
+        if deps:
             key = np.zeros(w.size, dtype=np.int64)
             for d in deps:
                 key = key * (len(w.values[d]) + 1) + w.codes[d]
@@ -97,15 +114,10 @@ def walk(workload, pick: dict[str, Pick] | None = None, memo: dict | None = None
         # the dependencies' values at each distinct row, column by column (a Python loop per row is most of a walk)
         given_at = list(zip(*([w.values[d][c] for c in w.codes[d][first].tolist()] for d in deps))) if deps \
             else [()]
-        known: dict = {}
+        known = {}
         table: list[np.ndarray] = []
         for given in given_at:
-            opts = memo.get((k.name, given))
-            if opts is None:
-                opts = memo[k.name, given] = choices(workload, k, dict(zip(deps, given)))
-            if k.name in pick:
-                opts = pick[k.name](opts)
-            table.append(np.array([known.setdefault(v, len(known)) for v in opts], dtype=np.int64))
+            table.append(np.array([known.setdefault(v, len(known)) for v in options(k, given)], dtype=np.int64))
         counts = np.array([len(t) for t in table], dtype=np.int64)[inverse.reshape(-1)]
         flat = np.concatenate(table) if table else np.zeros(0, dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum([len(t) for t in table])[:-1]]).astype(np.int64)
