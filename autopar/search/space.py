@@ -26,6 +26,7 @@ from autopar.knobs import Knob, depends_of, knob, knobs
 from autopar.plan import Plan
 
 Pick = Callable[[list], list]  # a knob's choices -> the ones to walk
+FEW = 64  # partial plans up to which `walk` steps in Python lists (`_grow_few`)
 MAX_PLANS = 10_000_000  # rows one walk may build (~1.5 GB of PlanArrays); a 175B GPT on 1,024 GPUs has 1.5M
 
 
@@ -94,14 +95,9 @@ def walk(workload, pick: dict[str, Pick] | None = None, memo: dict | None = None
     w = Walk({}, {}, 1)
     for k in knobs():
         deps = depends_of(k)
-        if w.size == 1:  # one partial plan so far (a prefix's values, held knobs): no grouping to do
-            opts = options(k, tuple(w.values[d][int(w.codes[d][0])] for d in deps))
-            known: dict = {}
-            column = np.array([known.setdefault(v, len(known)) for v in opts], dtype=np.int64)
-            if len(opts) != 1:
-                w.codes = {name: np.repeat(col, len(opts)) for name, col in w.codes.items()}
-            w.codes[k.name], w.values[k.name], w.size = column, list(known), len(opts)
-            if not opts:
+        if w.size <= FEW:
+            _grow_few(w, k, deps, options)
+            if w.size == 0:
                 break
             continue
         if deps:
@@ -139,6 +135,25 @@ def walk(workload, pick: dict[str, Pick] | None = None, memo: dict | None = None
         if total == 0:
             break
     return w
+
+
+def _grow_few(w: Walk, k: Knob, deps: tuple, options: Callable[[Knob, tuple], list]) -> None:
+    """`walk`'s step for a few partial plans (a prefix's values, a neighbour's), in Python lists: numpy's
+    grouping costs more than it saves on a few rows (the RL planner's walks: median 6 plans). Codes come
+    out as the grouped step numbers them: choices in the order of their dependencies' codes."""
+    dep_codes = list(zip(*(w.codes[d].tolist() for d in deps))) if deps else [()] * w.size
+    known: dict = {}
+    coded = {}
+    for group in sorted(set(dep_codes)):  # np.unique's order of the mixed-radix keys
+        given = tuple(w.values[d][c] for d, c in zip(deps, group))
+        coded[group] = [known.setdefault(v, len(known)) for v in options(k, given)]
+    per_row = [coded[group] for group in dep_codes]
+    counts = [len(c) for c in per_row]
+    if any(n != 1 for n in counts):
+        w.codes = {name: np.repeat(col, counts) for name, col in w.codes.items()}
+    w.codes[k.name] = np.array([c for row in per_row for c in row], dtype=np.int64)
+    w.values[k.name] = list(known)
+    w.size = sum(counts)
 
 
 def to_arrays(w: Walk, table: SplitTable) -> PlanArrays:
