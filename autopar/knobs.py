@@ -220,6 +220,7 @@ def _gloo(workload) -> bool:
     return workload.cluster.node.intra == "shm"
 
 
+@cache  # a few hundred (blocks, stages) pairs, asked thousands of times a search
 def balanced_split(num_blocks: int, stages: int) -> tuple[int, ...]:
     """Blocks per stage, as even as possible; the extra blocks go to the middle stages,
     because the first stage also holds the embedding and the last one the head."""

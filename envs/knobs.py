@@ -88,7 +88,7 @@ class PlanSpace:
         self.capacity = workload.memory_budget
         self.table = SplitTable(workload.profile)
         self._memo: dict[tuple, StepInfo] = {}
-        self.choices_memo: dict = {}  # walker.walk's knob choices per dependency values, for this workload
+        self.choices_memo: dict = {}  # each knob's choices per value of its dependencies (walker.choices, walk)
         self.evaluations = 0  # plans evaluated by the cost model for steps not yet memoised
 
     def decided(self, prefix: tuple) -> dict:
@@ -101,7 +101,7 @@ class PlanSpace:
                     break
                 out[k.name] = value
             else:
-                out[k.name] = walker.choices(self.workload, k, out)[0]
+                out[k.name] = walker.choices(self.workload, k, out, self.choices_memo)[0]
         return out
 
     def dp_of(self, prefix: tuple) -> int:
@@ -111,7 +111,7 @@ class PlanSpace:
     def choices(self, prefix: tuple) -> list:
         """The choices of decision len(prefix) given the earlier ones, in slot order."""
         k = self.knobs[len(prefix)]
-        opts = walker.choices(self.workload, k, self.decided(prefix))
+        opts = walker.choices(self.workload, k, self.decided(prefix), self.choices_memo)
         return thin(opts) if indexed(k) else sorted(opts, key=lambda v: k.slot_of(v, opts))
 
     def slot_of(self, knob: str, value, choices: list) -> int:

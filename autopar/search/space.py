@@ -42,12 +42,19 @@ class Walk:
         return self.values[name][int(self.codes[name][row])]
 
 
-def choices(workload, k: Knob, decided: dict) -> list:
+def choices(workload, k: Knob, decided: dict, memo: dict | None = None) -> list:
     """A knob's choices given the values decided so far (only its dependencies are read), narrowed
-    to the value the workload holds it at (`Workload.fixed`, `search --fix`)."""
-    opts = k.choices(workload, {d: decided[d] for d in depends_of(k)})
+    to the value the workload holds it at (`Workload.fixed`, `search --fix`). `memo` keeps them per
+    value of the dependencies, for one workload (see `walk`)."""
+    given = tuple(decided[d] for d in depends_of(k))
+    if memo is not None and (k.name, given) in memo:
+        return memo[k.name, given]
+    opts = k.choices(workload, dict(zip(depends_of(k), given)))
     held = dict(getattr(workload, "fixed", ()))
-    return narrow(held[k.name], opts) if k.name in held else opts
+    opts = narrow(held[k.name], opts) if k.name in held else opts
+    if memo is not None:
+        memo[k.name, given] = opts
+    return opts
 
 
 def narrow(value, opts: list) -> list:
@@ -89,7 +96,7 @@ def walk(workload, pick: dict[str, Pick] | None = None, memo: dict | None = None
     def options(k: Knob, given: tuple) -> list:
         opts = memo.get((k.name, given))
         if opts is None:
-            opts = memo[k.name, given] = choices(workload, k, dict(zip(depends_of(k), given)))
+            opts = choices(workload, k, dict(zip(depends_of(k), given)), memo)
         return pick[k.name](opts) if k.name in pick else opts
 
     w = Walk({}, {}, 1)
