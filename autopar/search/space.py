@@ -26,6 +26,7 @@ from autopar.knobs import Knob, depends_of, knob, knobs
 from autopar.plan import Plan
 
 Pick = Callable[[list], list]  # a knob's choices -> the ones to walk
+CODE = np.int16  # a knob's value codes: a few hundred values at most, and a walk repeats them for every row
 FEW = 64  # partial plans up to which `walk` steps in Python lists (`_grow_few`)
 MAX_PLANS = 10_000_000  # rows one walk may build (~1.5 GB of PlanArrays); a 175B GPT on 1,024 GPUs has 1.5M
 
@@ -120,9 +121,9 @@ def walk(workload, pick: dict[str, Pick] | None = None, memo: dict | None = None
         known = {}
         table: list[np.ndarray] = []
         for given in given_at:
-            table.append(np.array([known.setdefault(v, len(known)) for v in options(k, given)], dtype=np.int64))
+            table.append(np.array([known.setdefault(v, len(known)) for v in options(k, given)], dtype=CODE))
         counts = np.array([len(t) for t in table], dtype=np.int64)[inverse.reshape(-1)]
-        flat = np.concatenate(table) if table else np.zeros(0, dtype=np.int64)
+        flat = np.concatenate(table) if table else np.zeros(0, dtype=CODE)
         offsets = np.concatenate([[0], np.cumsum([len(t) for t in table])[:-1]]).astype(np.int64)
         total = int(counts.sum())
         if total > MAX_PLANS:  # bounded memory and time, whatever the workload
@@ -158,7 +159,7 @@ def _grow_few(w: Walk, k: Knob, deps: tuple, options: Callable[[Knob, tuple], li
     counts = [len(c) for c in per_row]
     if any(n != 1 for n in counts):
         w.codes = {name: np.repeat(col, counts) for name, col in w.codes.items()}
-    w.codes[k.name] = np.array([c for row in per_row for c in row], dtype=np.int64)
+    w.codes[k.name] = np.array([c for row in per_row for c in row], dtype=CODE)
     w.values[k.name] = list(known)
     w.size = sum(counts)
 
