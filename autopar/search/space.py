@@ -90,7 +90,7 @@ def holds(workload, plan: Plan) -> bool:
 def walk(workload, pick: dict[str, Pick] | None = None, memo: dict | None = None) -> Walk:
     """Every plan of the space, each knob narrowed by `pick` where given. `memo` keeps a knob's choices
     per value of its dependencies across walks of one workload (the RL planner walks one space a
-    thousand times, each walk asking some forty knobs' choices that earlier walks already asked)."""
+    thousand times, each walk asking its knobs' choices some 45 times, mostly as earlier walks did)."""
     pick = pick or {}
     memo = {} if memo is None else memo
 
