@@ -1,5 +1,6 @@
 """The walker's two steps build the same walks: a few partial plans stepped in Python lists (`_grow_few`,
-what the RL planner's small walks take), many grouped with numpy (the exhaustive enumeration)."""
+what the RL planner's small walks take), many grouped with numpy (the exhaustive enumeration); and the
+choices a walk keeps for later walks (`memo`) are the knob's own, not what that walk narrowed them to."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ def _walks(w, pick) -> list[walker.Walk]:
     for few in (0, walker.FEW, 10**9):  # grouped only, as shipped, lists only
         with mock.patch.object(walker, "FEW", few):
             out.append(walker.walk(w, pick))
-    return out
+    memo: dict = {}  # and with choices kept from a walk narrowed otherwise (what the RL planner's space keeps)
+    walker.walk(w, {k: (lambda opts: opts[:1]) for k in pick}, memo)
+    return out + [walker.walk(w, pick, memo)]
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -29,13 +32,14 @@ def _walks(w, pick) -> list[walker.Walk]:
        stride=st.integers(2, 3))
 def test_few_and_grouped_steps_build_the_same_walk(case, narrowed, stride):
     """Every knob narrowed or not, the three ways give the same values, codes and size: the small step numbers
-    its choices as the grouped one does (in the order of the dependencies' codes)."""
+    its choices as the grouped one does (in the order of the dependencies' codes); and choices memoised by an
+    earlier walk, narrowed otherwise, narrow this one as asked."""
     family, cluster, nodes, batch = case
     w = workload(family, size="tiny", cluster=cluster, nodes=nodes, global_batch=batch)
     pick = {name: (lambda opts: opts[::stride]) for name in narrowed}
-    grouped, shipped, lists = _walks(w, pick)
+    grouped, shipped, lists, memoised = _walks(w, pick)
     assert grouped.size > 1
-    for other in (shipped, lists):
+    for other in (shipped, lists, memoised):
         assert other.size == grouped.size and other.values == grouped.values
         assert other.codes.keys() == grouped.codes.keys()
         assert all(np.array_equal(other.codes[k], grouped.codes[k]) for k in grouped.codes)
