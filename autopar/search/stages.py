@@ -38,7 +38,7 @@ import numpy as np
 from autopar.cost import Coefficients, PlanArrays, evaluate, zero_bubble
 from autopar.cost.model import LAYER_FLOORS, micro_batches_kept
 from autopar.cost.arrays import RankTable, unique_rows
-from autopar.knobs import SCHEDULES, V_SCHEDULES, balanced_split, knob, rank_stages, stage_rank
+from autopar.knobs import SCHEDULES, V_SCHEDULES, balanced_split, knob, rank_stages, stage_full_blocks, stage_rank
 from autopar.errors import PlanError
 from autopar.plan import Plan
 from autopar.search.space import choices, plan_of, values_of
@@ -165,11 +165,15 @@ class _Problem:
 
     def _range(self, a: int, n: int, options: list[str]):
         """Blocks [a, a + n) and, per option, those fully and selectively recomputed (by kind)."""
-        cum = self.cum
-        held = cum[a + n] - cum[a]
-        full = np.array([cum[a + (int(o[5:]) if o.startswith("full:") else 0)] - cum[a] for o in options])
-        sel = np.array([held if o == "selective" else 0 * held for o in options])
-        return held, full, sel
+        m = len(options)
+        held, full, sel = self._blocks(np.full(m, a), np.full(m, n), *_menu(options))
+        return held[0], full, sel
+
+    def _blocks(self, a: np.ndarray, n: np.ndarray, k: np.ndarray, sel: np.ndarray):
+        """Per row (first block, blocks, K of full:K, selective or not), by kind: the blocks held, fully
+        recomputed (the first K) and selectively recomputed."""
+        held = self.cum[a + n] - self.cum[a]
+        return held, self.cum[a + k] - self.cum[a], held * sel[:, None]
 
     def _build_looped(self, cands: _Candidates, index: int, skeletons: dict) -> bool:
         if self.pp not in skeletons:
@@ -205,8 +209,7 @@ class _Problem:
                 options = stage_options(n, self.selective)
                 if single:
                     options = [o for o in options if not o.startswith("full:")] + ["full:1", f"full:{n}"]
-                menus[n, single] = (options, [int(o[5:]) if o.startswith("full:") else 0 for o in options],
-                                    [o == "selective" for o in options])
+                menus[n, single] = (options, *(part.tolist() for part in _menu(options)))
             options, ks, sels = menus[n, single]
             for column, values in zip(columns, ([r] * len(options), [a] * len(options), [n] * len(options), ks, sels)):
                 column.extend(values)
@@ -215,10 +218,9 @@ class _Problem:
             entries[key] = [(n, o) for o in options]
             one_kind[key] = (r, a, n, cum[a + n] - cum[a]) if single else None
         rank, a, n, k, sel = (np.array(c, dtype=np.int64) for c in columns)
-        held = cum[a + n] - cum[a]
+        held, full, selective = self._blocks(a, n, k, sel)
         ends = np.array([self.ends(r) for r in range(self.pp)])
-        arrays = (rank, held + ends[rank], cum[a + k] - cum[a], held * sel[:, None])
-        return arrays, offsets, entries, one_kind
+        return (rank, held + ends[rank], full, selective), offsets, entries, one_kind
 
     def _skeleton(self) -> tuple[list[tuple], dict]:
         """Per rank, its keys and the (from, to, key index) arrays of each range of blocks it may hold, and each
@@ -326,6 +328,12 @@ class _Problem:
             out.append(((np.full(n, r), np.broadcast_to(held + self.ends(r), (n, len(held))), full, sel),
                         list(itertools.product(*per_stage))))
         return out
+
+
+def _menu(options: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Per recompute option of a stage, the K of its full:K (0 for none and selective) and whether selective."""
+    return (np.array([stage_full_blocks(o) for o in options], dtype=np.int64),
+            np.array([o == "selective" for o in options], dtype=np.int64))
 
 
 def _selective(workload, outer: Plan) -> bool:
