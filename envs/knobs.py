@@ -164,7 +164,7 @@ class PlanSpace:
             choices = self.choices(prefix)
             built.append((prefix, choices, *self._completions(prefix, choices)))
         batch = [pa for _, _, pa, _ in built if len(pa)]
-        res = evaluate(self.workload, _concatenated(batch, self.table), self.coeffs) if batch else {}
+        res = evaluate(self.workload, PlanArrays.joined(batch), self.coeffs) if batch else {}
         out, start = [], 0
         for prefix, choices, pa, cand in built:
             k = self.knobs[len(prefix)]
@@ -222,13 +222,6 @@ class PlanSpace:
 
 
 _MISSING = object()
-
-
-def _concatenated(batch: list[PlanArrays], table: SplitTable) -> PlanArrays:
-    """Plans of several walks of one space (one split table) as one batch."""
-    if len(batch) == 1:
-        return batch[0]
-    return PlanArrays({name: np.concatenate([pa.columns[name] for pa in batch]) for name in batch[0].columns}, table)
 
 
 def _only(value):

@@ -109,10 +109,7 @@ def _fastest_each(space: PlanSpace, walks: list) -> list[tuple[tuple | None, flo
     sizes = [len(pa) for _, pa in walks]
     if not sum(sizes):
         return [(None, np.inf)] * len(walks)
-    first = next(pa for _, pa in walks if len(pa))
-    joined = PlanArrays({k: np.concatenate([pa.columns[k] for _, pa in walks if len(pa)]) for k in first.columns},
-                        first.splits)
-    res = evaluate(space.workload, joined, space.coeffs)
+    res = evaluate(space.workload, PlanArrays.joined([pa for _, pa in walks if len(pa)]), space.coeffs)
     out, start = [], 0
     for (w, _), n in zip(walks, sizes):
         fits, times = res["fits"][start:start + n], res["iteration_time"][start:start + n]

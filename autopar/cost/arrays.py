@@ -282,6 +282,13 @@ class PlanArrays:
         most = np.array([e["layers"].max() for e in self.splits.entries]) if self.splits.entries else np.zeros(0)
         return self.recompute_blocks == most[self.split] if len(self) else np.zeros(0, dtype=bool)
 
+    @classmethod
+    def joined(cls, parts: list[PlanArrays]) -> PlanArrays:
+        """Plans of several batches sharing one split table (walks of one space), as one batch."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls({k: np.concatenate([pa.columns[k] for pa in parts]) for k in parts[0].columns}, parts[0].splits)
+
     def take(self, index: np.ndarray) -> PlanArrays:
         """A subset (by boolean mask or indices) sharing the split table."""
         return PlanArrays({k: v[index] for k, v in self.columns.items()}, self.splits)
