@@ -41,6 +41,18 @@ def test_a_bad_fix_is_one_line_and_exit_2_before_the_model_is_read(capsys, tmp_p
     assert not (tmp_path / "plan.json").exists()
 
 
+@pytest.mark.parametrize("fix, held", [("recompute=none", ("none", 0)), ("recompute=selective", ("selective", 0)),
+                                       ("recompute=3", ("full", 3)), ("recompute=full", ("full", None))])
+def test_every_recompute_setting_can_be_held(fix, held):
+    """none and selective hold recompute_blocks at 0, its default (only a degree must be at least 1): the
+    planners then return only plans with that setting."""
+    assert parse_fixes([fix]) == (("recompute", held),)
+    w = with_fixes(workload("gpt", "cpu", gpus_per_node=2, global_batch=16, dtype="fp32", size="tiny"),
+                   parse_fixes([fix]))
+    for plan in get_planner("exhaustive").propose(w, 3):
+        assert plan.recompute == held[0] and (held[1] is None or plan.recompute_blocks == held[1])
+
+
 def test_one_knob_held_at_two_values_is_refused():
     with pytest.raises(AutoparError, match="holds compile at two values"):
         parse_fixes(["compile=true", "compile=false"])

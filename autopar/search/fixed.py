@@ -60,8 +60,10 @@ def _static_problem(k, value) -> str | None:
     for f, v in zip(k.fields, parts):
         if v is None:
             continue
-        if f.kind is int and (isinstance(v, bool) or v < 1) and f.values is None:
-            return f"{f.name} must be a positive integer"
+        if f.kind is int and f.values is None:
+            least = min(1, f.default)  # a count whose default is 0 (recompute_blocks of none, selective) may be 0
+            if isinstance(v, bool) or v < least:
+                return f"{f.name} must be a {'positive' if least else 'non-negative'} integer"
         if f.values is not None and f.kind is not tuple and v not in f.values:
             return f"{f.name} must be one of {', '.join(map(str, f.values))}"
     if k.slots is not None and value not in k.slots and not (isinstance(value, tuple) and None in value):
