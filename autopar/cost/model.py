@@ -563,6 +563,22 @@ def _groups(pa: PlanArrays) -> tuple[np.ndarray, np.ndarray]:
     return unique_rows([v for k, v in pa.columns.items() if k not in DP_ONLY])
 
 
+class _Expanded(dict):
+    """The groups' figures (`_pipeline`), each expanded to the plans (`inverse`) when first read: a search
+    without the per-rank figures (`ranks`) never pays for them."""
+
+    def __init__(self, groups: dict[str, np.ndarray], inverse: np.ndarray):
+        super().__init__()
+        self.groups, self.inverse = groups, inverse
+
+    def __missing__(self, name: str) -> np.ndarray:
+        self[name] = value = self.groups[name][self.inverse]
+        return value
+
+    def __contains__(self, name) -> bool:
+        return name in self.groups
+
+
 def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
              ranks: bool = False) -> dict[str, np.ndarray]:
     """Iteration time, its breakdown, and peak memory per GPU with its breakdown, for every
@@ -571,7 +587,7 @@ def evaluate(workload, pa: PlanArrays, coeffs: Coefficients | None = None,
     cluster = workload.cluster
     c = coeffs if coeffs is not None else Coefficients.for_cluster(cluster, workload.runtime)
     first, inverse = _groups(pa)
-    part = {name: value[inverse] for name, value in _pipeline(workload, pa.take(first), c, floors=ranks).items()}
+    part = _Expanded(_pipeline(workload, pa.take(first), c, floors=ranks), inverse)
     col = lambda a: np.asarray(a, dtype=float)[:, None]  # noqa: E731  (N,) -> (N, 1)
 
     # -- data parallel and optimizer, per representative rank: (N, J) ----------------------------------

@@ -10,26 +10,19 @@ import numpy as np
 
 from autopar import axes
 from autopar.cost import Coefficients, PlanArrays, evaluate
-from autopar.cost.arrays import unique_rows
 from autopar.errors import NoValidPlanError
-from autopar.knobs import knobs
 from autopar.plan import Plan
 from autopar.search.base import Planner
 from autopar.errors import PlanError
-from autopar.knobs import RECOMPUTE_MODES
 from autopar.search import stages
 from autopar.search.simplicity import TIE, simplest_first, tie_buckets
+from autopar.search.pricing import PricedSpace, structure_fields
 from autopar.search.space import degree_choices, enumerate_plans
 
 CHUNK = 1 << 17
 SOLVE_BATCH = 16  # outer plans per call of the per-stage solver
 MAX_OUTER = 512  # outer plans the per-stage solver finishes at most per search (`exact` says if that cut it short)
 PROMISING = 16  # of those at most, the outer plans of the fastest uniform plans that fit (`_promising`)
-
-
-def structure_fields() -> list[str]:
-    """The fields that make plans distinct alternatives (every knob but the data-parallel details)."""
-    return [f.name for k in knobs() if not k.detail for f in k.fields]
 
 
 def distinct(pa: PlanArrays, order, k: int, fields: list[str] | None = None, accept=None,
@@ -51,10 +44,12 @@ def distinct(pa: PlanArrays, order, k: int, fields: list[str] | None = None, acc
 class ExhaustivePlanner(Planner):
     name = "exhaustive"
 
-    def __init__(self, coeffs: Coefficients | None = None, per_stage: bool = True):
+    def __init__(self, coeffs: Coefficients | None = None, per_stage: bool = True, prune: bool = True):
         super().__init__()
         self.coeffs = coeffs
         self.per_stage = per_stage  # finish the outer plans with the per-stage solver
+        self.prune = prune  # price a plan with recompute only where its floor says it could matter (`pricing`)
+        self.plans = 0  # plans in the space of the last ranked() (`evaluations` of them priced)
         self.solved = 0  # outer plans the per-stage solver finished in the last ranked()
         self.exact = True  # whether it finished every outer plan its lower bound could not rule out
 
@@ -68,32 +63,26 @@ class ExhaustivePlanner(Planner):
         differs from a better one only in a data-parallel detail (ZeRO, buckets, gradient
         dtype, offload, mesh order) is left out, so the runners-up are real alternatives."""
         space = enumerate_plans(workload)
-        self.evaluations = len(space)
         if len(space) == 0:
             raise no_plan_error(workload)
-        keep_per_chunk = max(64, 32 * k)
         per_stage = self.per_stage and "recompute" not in dict(getattr(workload, "fixed", ()))
-        rows, least_memory, outer, bounds, fitting, fastest = [], np.inf, [], [], [], np.inf
-        for start in range(0, len(space), CHUNK):
-            index = np.arange(start, min(start + CHUNK, len(space)))
-            chunk = space.take(index)
-            res = evaluate(workload, chunk, self.coeffs, ranks=per_stage)
-            least_memory = min(least_memory, float(res["peak_memory"].min()))
-            fit = np.flatnonzero(res["fits"])
-            rows.append(index[fit[np.argsort(res["iteration_time"][fit], kind="stable")[:keep_per_chunk]]])
-            fastest = min(fastest, float(res["iteration_time"][fit].min(initial=np.inf)))
-            if per_stage:  # the plans without recompute stand for their outer plans (recompute is the solver's)
-                plain = np.flatnonzero(chunk.recompute == RECOMPUTE_MODES.index("none"))
+        priced = PricedSpace(workload, space, self.coeffs, CHUNK, k, keep=max(64, 32 * k), ranks=per_stage,
+                             promising=PROMISING if per_stage else 0, outers=4 * PROMISING, prune=self.prune)
+        self.evaluations, self.plans = priced.count, len(space)
+        rows, fitting = priced.shortlist()
+        fastest = float(priced.time[priced.fits].min(initial=np.inf))
+        least_memory = float(np.nanmin(priced.memory))
+        outer, bounds = [np.zeros(0, dtype=np.int64)], [np.zeros(0)]
+        if per_stage:  # the plans without recompute stand for their outer plans (recompute is the solver's)
+            for plain, ranked in priced.ranked:
                 # the per-stage target is below the fastest uniform plan: an outer plan bounded above it never runs
-                bound = stages.lower_bound(chunk, res, workload.memory_budget, rows=plain, below=fastest)
+                bound = stages.lower_bound(space.take(plain), ranked, workload.memory_budget, below=fastest)
                 keep = bound < fastest
-                outer.append(index[plain[keep]])
+                outer.append(plain[keep])
                 bounds.append(bound[keep])
-                fitting.append(_fastest_per_outer(chunk, index, res))
-        rows = np.concatenate(rows)
         self.solved, self.exact = 0, True
         if len(rows) == 0:
-            staged = self._per_stage(workload, space, [], outer, bounds, fitting, np.inf) if per_stage else None
+            staged = self._per_stage(workload, space, priced, [], outer, bounds, fitting, np.inf) if per_stage else None
             if staged is None:
                 raise memory_error(workload, least_memory)
             best = PlanArrays.from_plans([staged], workload.profile)
@@ -114,7 +103,7 @@ class ExhaustivePlanner(Planner):
         staged = None
         if per_stage:  # worth a place only beyond the tie band of the best uniform plan (which is simpler)
             first = [shortlist.plan(int(j)) for j in distinct(shortlist, order, SOLVE_BATCH)]
-            staged = self._per_stage(workload, space, first, outer, bounds, fitting,
+            staged = self._per_stage(workload, space, priced, first, outer, bounds, fitting,
                                      float(results["iteration_time"][0]) * (1 - TIE))
         if staged is not None:
             best = PlanArrays.from_plans([staged] + [best.plan(i) for i in range(min(k - 1, len(best)))],
@@ -122,8 +111,8 @@ class ExhaustivePlanner(Planner):
             results = evaluate(workload, best, self.coeffs)
         return best, results
 
-    def _per_stage(self, workload, space: PlanArrays, first: list, outer: list, bounds: list, fitting: list,
-                   target: float) -> Plan | None:
+    def _per_stage(self, workload, space: PlanArrays, priced: PricedSpace, first: list, outer: list, bounds: list,
+                   fitting: np.ndarray, target: float) -> Plan | None:
         """The best per-stage plan faster than `target`, or None. The outer plans of the best uniform plans
         (`first`) come first; then, batch by batch, up to PROMISING outer plans of the fastest uniform plans
         that fit (`fitting`: an outer plan whose uniform plan is fast is often fastest per stage, whatever its
@@ -133,7 +122,7 @@ class ExhaustivePlanner(Planner):
         outer, bounds = np.concatenate(outer), np.concatenate(bounds)
         order = np.argsort(bounds, kind="stable")
         outer, bounds = outer[order], bounds[order]
-        promising = self._promising(workload, space, fitting)
+        promising = self._promising(workload, space, priced, fitting)
         best, best_time, seen, skeletons = None, target, set(), {}
         queue = [stages.outer_of(p) for p in first]
         position = 0
@@ -169,35 +158,14 @@ class ExhaustivePlanner(Planner):
                 best, best_time = found.plan, found.iteration_time
         return best
 
-    def _promising(self, workload, space: PlanArrays, fitting: list) -> list[tuple[Plan, float]]:
+    def _promising(self, workload, space: PlanArrays, priced: PricedSpace, fitting: np.ndarray
+                   ) -> list[tuple[Plan, float]]:
         """The distinct outer plans (worth solving) of the fastest uniform plans that fit, fastest first, at
         most PROMISING, each with its lower bound."""
-        rows = np.concatenate([r for r, _ in fitting]) if fitting else np.zeros(0, dtype=np.int64)
-        times = np.concatenate([t for _, t in fitting]) if fitting else np.zeros(0)
-        plans: dict[Plan, None] = {}
-        for i in rows[np.argsort(times, kind="stable")]:
-            plan = stages.outer_of(space.plan(int(i)))
-            if stages.worth_solving(plan, workload.profile):
-                plans.setdefault(plan)
-                if len(plans) >= PROMISING:
-                    break
+        plans = [stages.outer_of(space.plan(i)) for i in priced.promising_rows(fitting)]
         if not plans:
             return []
-        return list(zip(plans, stages.outer_bounds(workload, list(plans), self.coeffs).tolist()))
-
-
-def _fastest_per_outer(chunk: PlanArrays, index: np.ndarray, res: dict) -> tuple[np.ndarray, np.ndarray]:
-    """Of one chunk's plans that fit, the fastest of each outer plan (its recompute set aside), at most
-    4 x PROMISING of them, fastest first: (rows of the space, their iteration times)."""
-    fit = np.flatnonzero(res["fits"])
-    if len(fit) == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0)
-    fit = fit[np.argsort(res["iteration_time"][fit], kind="stable")]
-    _, group = unique_rows([chunk.columns[name][fit] for name in chunk.columns
-                            if name not in ("recompute", "recompute_blocks")])
-    _, first = np.unique(group, return_index=True)  # the fastest row of each outer plan
-    first = np.sort(first)[:4 * PROMISING]  # (not all are worth solving: `stages.worth_solving`)
-    return index[fit[first]], res["iteration_time"][fit[first]]
+        return list(zip(plans, stages.outer_bounds(workload, plans, self.coeffs).tolist()))
 
 
 def no_plan_error(workload) -> NoValidPlanError:
