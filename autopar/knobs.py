@@ -362,7 +362,8 @@ def _lean_recompute(choices: list) -> list:
 
 def _recompute_text(value) -> str:
     mode, blocks = value
-    return {"none": "no recompute", "selective": "selective recompute"}.get(mode, f"full recompute of {blocks} blocks")
+    full = f"full recompute of {blocks} block{'s' * (blocks != 1)}"
+    return {"none": "no recompute", "selective": "selective recompute"}.get(mode, full)
 
 
 def _parse_recompute(text: str):

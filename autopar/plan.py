@@ -187,9 +187,13 @@ class Plan:
         gpus = workload.cluster.num_gpus
         self.dims.check_world(gpus, f"the cluster has {gpus} GPUs", f"choose degrees whose product is {gpus}")
         if self.global_batch != workload.global_batch:
+            per_step = self.dp * self.micro_batch_size
+            fix = (f"set num_micro_batches = {workload.global_batch // per_step}"
+                   if workload.global_batch % per_step == 0 else
+                   f"dp x micro_batch_size = {per_step} does not divide it: change micro_batch_size or the global "
+                   f"batch (or plan it with `autopar search`)")
             raise PlanError(f"dp x micro_batch_size x num_micro_batches = {self.global_batch} but the global "
-                            f"batch is {workload.global_batch}; set num_micro_batches = "
-                            f"{workload.global_batch / (self.dp * self.micro_batch_size):g}")
+                            f"batch is {workload.global_batch}; {fix}")
         self.validate_parts(workload)
 
     def validate_parts(self, workload) -> None:
@@ -252,6 +256,14 @@ class Plan:
             raise PlanError(f"a plan must be a JSON object, got {type(d).__name__}")
         d = dict(d)
         version = d.pop("schema_version", None)
+        if "mixed_plan_version" in d:  # autopar.mixed.plan's document: lanes over GPU groups
+            raise PlanError("this is a mixed-cluster plan (lanes over GPU groups), which only `autopar run` and "
+                            "`autopar estimate --plan` read; for this command plan one cluster with `autopar search "
+                            "--cluster PRESET`")
+        if version is None:
+            keys = ", ".join(sorted(map(str, d))[:6]) or "none"
+            raise PlanError(f"not an autopar plan: it has no schema_version (its keys: {keys}); write one with "
+                            f"`autopar search ... -o plan.json`")
         if version not in READ_VERSIONS:
             raise PlanError(f"plan schema_version is {version!r}, this autopar reads versions "
                             f"{', '.join(map(str, READ_VERSIONS))}; re-create the plan with `autopar search`")

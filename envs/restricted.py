@@ -77,6 +77,10 @@ class RestrictedSpace(PlanSpace):
             info = full.step(prefix)
             knob, found = full.names[len(prefix)], False
             wanted = self.restrict.get(knob)
+            seen = offered.setdefault(knob, {})
+            for value in info.values:
+                text = label(knob, value)
+                seen[text] = seen.get(text, False) or _matches(knob, value, wanted or (), info.values)
             for value, ok in zip(info.values, info.allowed):
                 if not ok or (wanted is not None and not _matches(knob, value, wanted, info.values)):
                     continue
@@ -88,8 +92,13 @@ class RestrictedSpace(PlanSpace):
                     found = True
             return found
 
+        offered: dict[str, dict[str, bool]] = {}  # per knob reached, the values offered and whether one was wanted
         walk(())
         if not self.prefixes:
+            for knob in full.names:  # a value the space never offers: name it, not the space's fit
+                if knob in self.restrict and knob in offered and not any(offered[knob].values()):
+                    raise AutoparError(f"--restrict {knob}={','.join(self.restrict[knob])}: the plan space offers "
+                                       f"{knob} = {', '.join(offered[knob])} for {workload.describe()}")
             raise AutoparError(f"no plan of the restricted space fits {workload.describe()}; relax --restrict")
         self.plans = [self.plan(p) for p in self.prefixes]
 

@@ -94,6 +94,8 @@ BAD_INPUTS = [
     (["estimate", GPT, *TINY, "--plan", "{d}/plan_unknown.json"], "unknown plan key(s) ['foo']"),
     (["estimate", GPT, *TINY, "--plan", "{d}/plan_4.json", "--nodes", "1"], "= 4 but the cluster has 8 GPUs"),
     (["estimate", GPT, *TINY, "--plan", "{d}/plan_4.json", "--global-batch", "6"], "global batch is 6"),
+    (["estimate", GPT, *TINY, "--plan", "{d}/plan_4.json", "--cluster", "cpu", "--gpus-per-node", "8"],
+     "the plan needs 4 GPUs, fewer than --gpus-per-node 8"),
     (["estimate", GPT, *TINY, "--dp", "8", "--tp", "3", "--micro-batch", "1", "--nodes", "3"],
      "tp=3 does not divide"),
     (["search", GPT, *TINY, "--model-arg", "oops"], "--model-arg expects KEY=VALUE"),
@@ -111,6 +113,18 @@ def test_bad_input_is_one_line_and_exit_2(capsys, bad_files, argv, message):
     assert len(lines) == 1 and lines[0].startswith("autopar: error: ") and message in lines[0], err
 
 
+@pytest.mark.parametrize("argv", [["search", GPT, "--precision", "bf8"], ["estimate", GPT, "--zero", "5"],
+                                  ["export", "plan.json", "--to", "Megatron"], ["run", "--backend", "mpi"],
+                                  ["frob"], []])
+def test_a_misused_flag_is_one_line_and_exit_2(capsys, argv):
+    """argparse's own errors too: one line that says where the usage is, not the usage itself."""
+    with pytest.raises(SystemExit) as stop:
+        run_cli(capsys, *argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("autopar") and ": error: " in err and "--help)" in err and "usage:" not in err
+
+
 @pytest.mark.slow
 def test_bad_input_in_a_real_process_has_no_traceback(bad_files):
     proc = subprocess.run([sys.executable, "-m", "autopar", "search", str(bad_files / "raises.py")],
@@ -124,3 +138,20 @@ def test_nothing_written_when_search_fails(capsys, bad_files):
     out_path.write_text("keep me")
     code, _, _ = run_cli(capsys, "search", GPT, *TINY, "--nodes", "8", "--global-batch", "6", "-o", out_path)
     assert code == 2 and out_path.read_text() == "keep me"
+
+
+def test_a_failed_parity_check_is_said_in_the_title_and_the_last_line(capsys):
+    """`autopar run --check-parity`: ranks that ran but left one process's losses do not read "ok"; the exit code
+    (1) comes with a line saying why."""
+    from types import SimpleNamespace
+
+    from autopar.cli.run import _parity_exit, _title
+
+    launched = SimpleNamespace(outcome="ok", wall_s=5.0)
+    verdict = "differs from one process by 3.1e-02 (> 1e-05): dropout draws other masks on every rank"
+    failed = {"parity_ok": False, "parity_verdict": verdict}
+    assert _title(launched, failed) == "autopar run: ran, parity check failed in 5.0 s"
+    assert _parity_exit(failed) == 1 and capsys.readouterr().err == f"autopar: parity check failed: {verdict}\n"
+    for held in ({"parity_ok": True}, {}):
+        assert _title(launched, held, " (mixed plan)") == "autopar run (mixed plan): ok in 5.0 s"
+        assert _parity_exit(held) == 0 and capsys.readouterr().err == ""

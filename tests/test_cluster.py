@@ -139,6 +139,8 @@ BAD_DOCUMENTS = [
     ({"preset": "dgx-9000"}, "preset is 'dgx-9000'; use one of"),
     ({"name": "x", "gpu": "h100", "gpus_per_node": 8, "links": {}}, "missing key node"),
     ([1, 2], "the cluster document must be a JSON object"),
+    ({"preset": "dgx-a100-80g", "node": 2}, 'node is the layout of one node .*got 2; the number of nodes is "nodes"'),
+    ({"nodes": 2}, 'no preset and no cluster of its own: add "preset": one of cpu, '),
 ]
 
 

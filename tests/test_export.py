@@ -220,3 +220,24 @@ def test_exports_map_ep_or_say_they_cannot():
     assert_exports_degree(plan, "ep=4", "--expert-model-parallel-size", "--parallelism.expert_parallel_degree", 4)
     dense = Plan(dp=8, zero=2, micro_batch_size=1)
     assert "expert" not in export_plan(dense, "megatron").text + export_plan(dense, "torchtitan").text
+
+
+@pytest.mark.parametrize("document, message", [
+    ({"mixed_plan_version": 1, "groups": []}, "this is a mixed-cluster plan"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 2}}, "not an autopar plan: it has no schema_version "
+                                                                 "(its keys: train_batch_size, zero_optimization)"),
+])
+def test_cli_export_of_another_document_names_it(tmp_path, capsys, document, message):
+    """A mixed plan or a framework's own config given as the plan: one line that says what it is, not a schema
+    version to re-create."""
+    (tmp_path / "other.json").write_text(json.dumps(document))
+    assert main(["export", str(tmp_path / "other.json"), "--to", "megatron"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_cli_export_never_writes_over_the_plan(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    path.write_text(PLANS[3].to_json())
+    assert main(["export", str(path), "--to", "deepspeed", "-o", str(tmp_path / "." / "plan.json")]) == 2
+    assert "is the plan being exported" in capsys.readouterr().err and Plan.load(path) == PLANS[3]

@@ -96,6 +96,9 @@ def test_bad_budget_and_restrictions(space, model):
     assert "zero" not in parse_restrictions(["zero=*"]) and parse_restrictions([])["zero"] == DEFAULT_RESTRICT["zero"]
     with pytest.raises(AutoparError, match="more than 3 plans"):
         RestrictedSpace(space.workload, parse_restrictions([]), max_plans=3)
+    for item, offered in (("zero=9", "zero = 0, 1, 2, 3"), ("schedule=foo", "schedule = ")):  # named, not 'relax'
+        with pytest.raises(AutoparError, match=f"--restrict {item}: the plan space offers {offered}"):
+            RestrictedSpace(space.workload, parse_restrictions([item]))
 
 
 def test_the_restrict_help_shows_the_default_restriction(capsys):

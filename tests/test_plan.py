@@ -60,6 +60,7 @@ def test_validate_against_workload():
     cases = [
         (good.with_(dp=1), "= 4 but the cluster has 8 GPUs"),
         (good.with_(num_micro_batches=2), "global batch is 16; set num_micro_batches = 4"),
+        (good.with_(micro_batch_size=3, num_micro_batches=2), "dp x micro_batch_size = 6 does not divide it"),
         (Plan(dp=1, tp=8, pp=1, micro_batch_size=2, num_micro_batches=8), "tp=8 does not divide"),
         (Plan(dp=1, tp=1, pp=8, micro_batch_size=1, num_micro_batches=16), "exceeds the model's 4 blocks"),
         (good.with_(recompute="full", recompute_blocks=3), "exceeds the 2 blocks on the busiest pipeline rank"),

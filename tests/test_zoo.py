@@ -131,6 +131,9 @@ def test_vit_sequence_and_size_errors():
         vit.config("vit-x")
     with pytest.raises(TypeError, match="unknown model argument"):
         MODELS["gpt"].module.config(hiddne=3)
+    with pytest.raises(ValueError, match="model argument layers=-1: layers must be at least 1"):
+        MODELS["gpt"].module.config(layers=-1)  # named, not a tensor-parallel plan that then matches nothing
+    assert MODELS["gpt"].module.config(layers=2).layers == 2
 
 
 def test_zoo_paths():

@@ -20,8 +20,16 @@ SUBCOMMANDS = ("search", "estimate", "memory", "explain", "export", "run", "trai
                "profile-cluster")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A misused flag gets one line on stderr and exit code 2, as all bad input does (argparse prints the whole
+    usage first); the line names where the usage is."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="autopar",
         description="Pick, explain and apply a parallel training plan for a PyTorch model.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

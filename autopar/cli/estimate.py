@@ -64,6 +64,9 @@ def _fit_cluster_to(args, world: int) -> int:
     if world % gpn == 0:
         return world // gpn
     if world < gpn:
+        if args.gpus_per_node is not None:  # said, not the preset's: a node the plan does not fill is not priced
+            raise PlanError(f"the plan needs {world} GPUs, fewer than --gpus-per-node {gpn}; drop --gpus-per-node "
+                            f"(the plan then runs on one node of {world}) or plan for {gpn} GPUs")
         args.gpus_per_node = world
         return 1
     raise PlanError(f"the plan needs {world} GPUs, not a multiple of {gpn} GPUs per node; "

@@ -4,8 +4,10 @@ or accelerate reads, and one line naming the knobs that framework cannot express
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from autopar.atomic import write_text_atomic
+from autopar.errors import AutoparError
 from autopar.export import FRAMEWORKS, export_plan
 from autopar.plan import Plan
 
@@ -22,6 +24,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    if args.output and Path(args.output).resolve() == Path(args.plan).resolve():
+        raise AutoparError(f"-o {args.output} is the plan being exported; write the {args.to} settings to "
+                           f"another file")
     exported = export_plan(Plan.load(args.plan), args.to)
     if args.output:
         write_text_atomic(args.output, exported.text)

@@ -39,9 +39,28 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _parity_failed(m: dict | None) -> bool:
+    """The ranks ran, but their losses left the single process's by more than the precision allows."""
+    return bool(m) and not m.get("parity_ok", True)
+
+
+def _title(launched, m: dict | None, mixed: str = "") -> str:
+    outcome = "ran, parity check failed" if launched.outcome == "ok" and _parity_failed(m) else launched.outcome
+    return f"autopar run{mixed}: {outcome} in {launched.wall_s:.1f} s"
+
+
+def _parity_exit(m: dict) -> int:
+    """1 with one line on stderr when the parity check failed (the table's row says by how much), else 0."""
+    if not _parity_failed(m):
+        return 0
+    print(f"autopar: parity check failed: {m.get('parity_verdict', 'losses differ from one process')}",
+          file=sys.stderr, flush=True)
+    return 1
+
+
 def _show(console, record, launched, note: str) -> None:
     m, pred = record.measured, record.predicted
-    title = f"autopar run: {launched.outcome} in {launched.wall_s:.1f} s"
+    title = _title(launched, m)
     if m:
         table = Table(title=title, title_justify="left")
         table.add_column("")
@@ -95,9 +114,7 @@ def run(args) -> int:
         return 1
     if logs:
         print(f"autopar: note: ranks wrote to stderr{logs}", file=sys.stderr, flush=True)
-    if record is not None and not record.measured.get("parity_ok", True):  # beyond the precision's tolerance
-        return 1
-    return 0
+    return _parity_exit(record.measured) if record is not None else 0
 
 
 def _run_mixed(args, options: RunOptions, model_args: dict) -> int:
@@ -109,7 +126,7 @@ def _run_mixed(args, options: RunOptions, model_args: dict) -> int:
     console, launched = Console(), ran.launched
     result = launched.result or {}
     m = result.get("measured")
-    table = Table(title=f"autopar run (mixed plan): {launched.outcome} in {launched.wall_s:.1f} s", title_justify="left")
+    table = Table(title=_title(launched, m, " (mixed plan)"), title_justify="left")
     table.add_column("")
     table.add_column("measured", justify="right")
     table.add_column("predicted", justify="right")
@@ -138,4 +155,4 @@ def _run_mixed(args, options: RunOptions, model_args: dict) -> int:
     if launched.outcome != "ok":
         print(f"autopar: run failed ({launched.outcome}): {launched.error}{logs}", file=sys.stderr, flush=True)
         return 1
-    return 0 if not m or m.get("parity_ok", True) else 1
+    return _parity_exit(m)

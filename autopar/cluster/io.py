@@ -68,6 +68,10 @@ def _cluster(d: object) -> Cluster:
     given_links = _object(d.get("links", {}), "links")
     if "preset" in d:
         d = _merge(_preset(d["preset"]), {k: v for k, v in d.items() if k != "preset"})
+    elif "name" not in d and set(d) <= set(_OPTIONAL):  # e.g. {"nodes": 2}: a preset's overrides alone
+        raise ClusterError(f"no preset and no cluster of its own: add \"preset\": one of {', '.join(preset_names())} "
+                           f"(its keys then override the preset's), or give every key of a cluster: "
+                           f"{', '.join(_REQUIRED)}")
     _check_keys(d, "", _REQUIRED, _OPTIONAL)
     version = d.get("schema_version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
@@ -128,6 +132,9 @@ def _gpu(value: object) -> GPUSpec:
 
 
 def _node(value: object) -> NodeLayout:
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise ClusterError(f"node is the layout of one node (an object with {', '.join(_NODE_KEYS)}), got {value}; "
+                           f"the number of nodes is \"nodes\"")
     d = _object(value, "node")
     _check_keys(d, "node", _NODE_KEYS)
     return NodeLayout(

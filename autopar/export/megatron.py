@@ -140,7 +140,8 @@ def _stage_recompute(plan: Plan) -> str | None:
              else all(e == mode for e, _ in held))
     if exact:
         return None
-    said = f"full recompute of {n} blocks per stage" if mode == "full" else f"{mode} recompute in every stage"
+    said = (f"full recompute of {n} block{'s' * (n != 1)} per stage" if mode == "full"
+            else f"{mode} recompute in every stage")
     return (f"stage_recompute={','.join(plan.stage_recompute)}: Megatron gives every stage the same recompute "
             f"(recompute_num_layers per virtual stage); exported as {said}")
 

@@ -27,6 +27,10 @@ def path(name: str) -> Path:
     return Path(__file__).with_name(f"{name}.py")
 
 
+SHAPES = frozenset({"layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "experts", "top_k", "image",
+                    "patch", "width", "classes"})  # model arguments that are sizes: at least 1
+
+
 def sized_config(cls, sizes: dict, size: str, overrides: dict):
     """``cls`` built from the named size with keyword overrides applied (None keeps the size's value)."""
     if size not in sizes:
@@ -35,6 +39,10 @@ def sized_config(cls, sizes: dict, size: str, overrides: dict):
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise TypeError(f"unknown model argument(s) {', '.join(unknown)}; known: size, {', '.join(sorted(known))}")
+    for key, value in overrides.items():  # a shape below 1 (or any count below 0) fails later, somewhere else
+        least = 1 if key in SHAPES else 0
+        if isinstance(value, int) and not isinstance(value, bool) and value < least:
+            raise ValueError(f"model argument {key}={value}: {key} must be at least {least}")
     return cls(**{**sizes[size], **{k: v for k, v in overrides.items() if v is not None}})
 
 
