@@ -139,7 +139,7 @@ README_NAMES = {  # planner -> its row in the README
     "rl-no-trades": "rl without degree trades (8 decoded, refined, ranked)", "rl-top8": "rl top-8 (decoded, ranked)",
     "rl-greedy": "rl greedy (the policy alone)", "optuna-50": "optuna, 50 trials", "optuna-200": "optuna, 200 trials",
     "random-50": "random, 50", "random-200": "random, 200", "rules": "rules",
-    "oracle": "exact search (every uniform plan, the best finished by the per-stage solver)",
+    "oracle": "exact search (every uniform plan priced or bounded, the best finished by the per-stage solver)",
 }
 MARKERS = ("<!-- planner-table:begin", "<!-- planner-table:end -->")
 

@@ -22,8 +22,8 @@ from autopar.search import get_planner
 from autopar.search.fixed import parse_fixes, searched, with_fixes
 from autopar.stage_table import is_per_stage, rank_rows, stage_reason, stage_table
 
-# the exact search: it proves its plan the space's optimum, in 0.3-3.3 s on issue 41's workloads, where the rl
-# planner takes 0.6-0.9 s at 0.995-1.000 of it (experiments/bench_planner_time.py; README "Planners")
+# the exact search: it proves its plan the space's optimum, in 0.3-2.2 s on issue 41's workloads, within 3x of
+# the rl planner's 0.6-0.9 s at 0.995-1.000 of it (experiments/bench_planner_time.py; README "Planners")
 DEFAULT_METHOD = "exhaustive"
 
 
