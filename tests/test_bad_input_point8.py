@@ -190,6 +190,29 @@ def test_a_looping_model_file_shows_what_autopar_waits_for_and_keeps_stdout_clea
     assert err[1].startswith("autopar: error: ") and "did not finish within --profile-timeout 9" in err[1]
 
 
+@pytest.mark.slow
+def test_the_profiler_imports_the_model_files_neighbours_not_the_current_directorys(tmp_path):
+    """The profiling child has the model file's directory on its path (its own helper module imports) and not the
+    current directory, whose numpy.py (or cuda.py, or a checkout's autopar) would shadow the real one."""
+    model, cwd = tmp_path / "model", tmp_path / "elsewhere"
+    model.mkdir()
+    cwd.mkdir()
+    (model / "helper.py").write_text("WIDTH = 16\n")
+    (model / "mymodel.py").write_text(
+        "import torch\nfrom helper import WIDTH\n\n\ndef build_model():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH))\n"
+        "\n\ndef example_batch(batch_size):\n"
+        "    return torch.randn(batch_size, WIDTH), torch.randint(0, WIDTH, (batch_size,))\n")
+    (cwd / "numpy.py").write_text("raise ImportError('the numpy.py of the current directory')\n")
+    env = {**os.environ, "AUTOPAR_CACHE_DIR": str(tmp_path / "cache")}
+    # -P: as the `autopar` script runs, without the current directory on the path (`python -m` would put it there)
+    done = subprocess.run([sys.executable, "-P", "-m", "autopar", "search", str(model / "mymodel.py"), "--cluster",
+                           "cpu", "--global-batch", "8", "--json"], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["plan"]["dp"] >= 1
+
+
 # -- a failed rank is one line; the other ranks' tracebacks go to the log folder it names ---------------------
 def test_the_launch_sends_every_ranks_output_to_files_under_the_log_folder(tmp_path):
     from autopar.executor.launch import torchrun_argv
