@@ -302,6 +302,8 @@ def load_model_file(path) -> ModelFile:
     except SyntaxError as exc:
         raise ModelFileError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from exc
     name = f"autopar_model_{path.stem}_{digest[:12]}_{next(_module_ids)}"
+    if path.parent != Path(zoo.__file__).parent and str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))  # its own modules beside it import, as under `python model.py`
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look classes up here

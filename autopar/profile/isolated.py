@@ -44,7 +44,8 @@ def profile_isolated(path, model_args: dict, dtype: str, timeout: float):
         request = json.dumps({"path": str(path), "args": model_args, "dtype": dtype, "result": str(result),
                               "parent": os.getpid()}, default=str)
         # -P: the current directory is not put on the child's sys.path (a cuda.py or numpy.py there would shadow
-        # the real module, a checkout's autopar the installed one); the model file's own directory is (`main`)
+        # the real module, a checkout's autopar the installed one); the model file's own directory is
+        # (`modelfile.load_model_file`)
         child = subprocess.Popen([sys.executable, "-P", "-m", "autopar.profile.isolated", request],
                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                  start_new_session=True)  # its own process group: killed whole
@@ -99,8 +100,6 @@ def main(argv: list[str]) -> None:
     """The child: profile, write {"profile": ...} or {"error": one line}, exit 0."""
     request = json.loads(argv[0])
     die_with_parent(request["parent"])  # SIGKILL: nothing of a profile half-written is kept (atomic writes)
-    if Path(request["path"]).is_file():  # its own modules beside it import, as under `python model.py`
-        sys.path.insert(0, str(Path(request["path"]).resolve().parent))
     try:
         from autopar.profile.profiler import profile_model  # pulls torch: imported on first use
 
