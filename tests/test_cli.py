@@ -99,6 +99,11 @@ BAD_INPUTS = [
     (["estimate", GPT, *TINY, "--dp", "8", "--tp", "3", "--micro-batch", "1", "--nodes", "3"],
      "tp=3 does not divide"),
     (["search", GPT, *TINY, "--model-arg", "oops"], "--model-arg expects KEY=VALUE"),
+    (["search", GPT, *TINY, "--policy", "pm.zip"], "--policy is the rl planner's, not exhaustive's; add --method rl"),
+    (["search", GPT, *TINY, "--method", "rl", "--policy", "pm.zip", "--cluster", "dgx-a100-80g:1,dgx-h100:1"],
+     "--policy: the rl planner of several GPU types uses the shipped policy"),
+    (["search", GPT, *TINY, "--method", "random", "--storage", "sqlite:///s.db"],
+     "--storage and --study-name are the optuna planner's, not random's"),
     (["search", GPT, *TINY, "--top-k", "0"], "--top-k must be at least 1"),
 ]
 

@@ -61,7 +61,19 @@ def planner_options(args) -> dict:
     }.get(args.method, {})
 
 
+def check_method_flags(args) -> None:
+    """A flag of another method is refused, not ignored."""
+    if args.policy and args.method != "rl":
+        raise AutoparError(f"--policy is the rl planner's, not {args.method}'s; add --method rl")
+    if args.policy and (args.replan_from or args.inventory or is_mixed(args)):
+        raise AutoparError("--policy: the rl planner of several GPU types uses the shipped policy; leave --policy out")
+    if (args.storage or args.study_name) and args.method != "optuna":
+        raise AutoparError(f"--storage and --study-name are the optuna planner's, not {args.method}'s; add "
+                           f"--method optuna")
+
+
 def run(args) -> int:
+    check_method_flags(args)
     if args.inventory and args.replan_from:
         raise AutoparError("--replan-from re-plans on the mix --cluster names; leave --inventory out")
     if args.inventory:  # which nodes to rent, then the plan on them
