@@ -149,18 +149,25 @@ class Plan:
         return Plan(**{**self._values, **changes}).recorded(**self._record)
 
     # -- what it was searched under: the knobs an elastic re-plan keeps (docs/elastic.md) --------------
-    def recorded(self, fixed=(), searched=None) -> Plan:
+    def recorded(self, fixed=(), searched=None, cluster: str | None = None) -> Plan:
         """This plan, recording the knobs the search held (`search --fix`) and the values it chose for
-        every decision (`searched`, JSON values by field), so that a re-plan can tell an edit from them."""
+        every decision (`searched`, JSON values by field), so that a re-plan can tell an edit from them,
+        and the cluster it was searched for (`--cluster` as given; a file's absolute path), so that pricing
+        it on another says so."""
         out = object.__new__(Plan)  # the same (immutable) values, already checked
         object.__setattr__(out, "_values", self._values)
-        record = {"fixed": tuple(fixed), "searched": dict(searched or {})}
+        record = {"fixed": tuple(fixed), "searched": dict(searched or {}), "cluster": cluster}
         object.__setattr__(out, "_record", {k: v for k, v in record.items() if v})
         return out
 
     @property
     def fixed(self) -> tuple[str, ...]:
         return self._record.get("fixed", ())
+
+    @property
+    def searched_on(self) -> str | None:
+        """The cluster the search planned it for (None: not recorded)."""
+        return self._record.get("cluster")
 
     def kept(self) -> tuple[str, ...]:
         """The knobs a re-plan must keep at this plan's values: the ones the search held, and any whose
@@ -270,15 +277,18 @@ class Plan:
         for old, new in ALIASES.items():
             if old in d and new not in d:
                 d[new] = d.pop(old)
-        fixed, searched = d.pop("fixed", []), d.pop("searched", {})
+        fixed, searched, cluster = d.pop("fixed", []), d.pop("searched", {}), d.pop("cluster", None)
+        if cluster is not None and (not isinstance(cluster, str) or not cluster):
+            raise PlanError(f"plan key 'cluster' must be the --cluster the plan was searched for, got {cluster!r}")
         known = {f.name for f in plan_fields()} | {"layer_split"}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise PlanError(f"unknown plan key(s) {unknown}; valid keys are {sorted(known | {'fixed', 'searched'})}")
+            raise PlanError(f"unknown plan key(s) {unknown}; valid keys are "
+                            f"{sorted(known | {'fixed', 'searched', 'cluster'})}")
         missing = [k for k in REQUIRED if k not in d]
         if missing:
             raise PlanError(f"plan is missing required key(s) {missing}")
-        return cls(**check_plan_dict(d, PlanError)).recorded(_fixed_names(fixed), _searched_fields(searched))
+        return cls(**check_plan_dict(d, PlanError)).recorded(_fixed_names(fixed), _searched_fields(searched), cluster)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import ZOO, run_cli, workload
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, PlanError
 from autopar.plan import Plan
 from autopar.search import get_planner
 from autopar.search.fixed import parse_fixes, searched, with_fixes
@@ -138,6 +138,26 @@ def test_search_records_the_held_knobs_in_the_plan_file(capsys, tmp_path):
     assert saved["fixed"] == ["zero", "compile"] and saved["searched"]["compile"] is True
     plan = Plan.load(out_path)
     assert plan == Plan.from_dict(d["plan"]) and plan.kept() == ("zero", "compile")
+    assert saved["cluster"] == "cpu" and plan.searched_on == "cpu"
+    assert Plan.from_dict(plan.to_dict()).searched_on == "cpu"
+
+
+def test_pricing_a_plan_on_another_cluster_than_its_search_says_so(capsys, tmp_path):
+    """The plan records the --cluster it was searched for; explain, estimate and memory on another say so on
+    stderr (one line; stdout's JSON stays clean), and nothing where they are the same."""
+    out_path = tmp_path / "plan.json"
+    assert run_cli(capsys, "search", GPT, *TINY_CPU, "-o", out_path)[0] == 0
+    for command in (["explain", out_path, GPT, "--model-arg", "size=tiny"],
+                    ["estimate", GPT, "--model-arg", "size=tiny", "--plan", out_path],
+                    ["memory", GPT, "--model-arg", "size=tiny", "--plan", out_path]):
+        code, out, err = run_cli(capsys, *command, "--json")
+        assert code == 0 and json.loads(out)
+        assert err == ("autopar: note: the plan was searched for --cluster cpu; this prices it on dgx-a100-80g "
+                       "(pass --cluster cpu to price it where it was planned)\n")
+        code, out, err = run_cli(capsys, *command, "--cluster", "cpu", "--json")
+        assert code == 0 and err == ""
+    with pytest.raises(PlanError, match="plan key 'cluster' must be the --cluster"):
+        Plan.from_dict({**Plan.load(out_path).to_dict(), "cluster": 3})
 
 
 # -- elastic re-plans ---------------------------------------------------------------------------------

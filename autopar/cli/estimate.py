@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from rich.console import Console
 
 from autopar import axes
@@ -112,6 +115,14 @@ def _flag_world(args) -> int:
     return out
 
 
+def warn_other_cluster(plan: Plan, cluster: str) -> None:
+    """One line on stderr when the plan was searched for another cluster than the one it is priced on."""
+    given = str(Path(cluster).resolve()) if Path(cluster).is_file() else cluster
+    if plan.searched_on is not None and plan.searched_on != given:
+        print(f"autopar: note: the plan was searched for --cluster {plan.searched_on}; this prices it on {cluster} "
+              f"(pass --cluster {plan.searched_on} to price it where it was planned)", file=sys.stderr)
+
+
 def plan_and_workload(args):
     """The plan from --plan or the flags, and the workload it runs on (cluster size and global
     batch default to the plan's)."""
@@ -122,6 +133,7 @@ def plan_and_workload(args):
             raise PlanError(f"--precision {args.precision} but the plan trains in {plan.precision}; drop "
                             "--precision or edit the plan")
         args.precision = plan.precision
+        warn_other_cluster(plan, args.cluster)
         workload = load_workload(args, nodes=_fit_cluster_to(args, plan.world_size), global_batch=plan.global_batch)
     else:
         if args.dp is None or args.micro_batch_size is None:

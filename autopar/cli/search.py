@@ -107,7 +107,7 @@ def run(args) -> int:
     reasons = explain(whole, best, fastest=min(e.iteration_time_s for e in estimates)) + stage_reason(whole, best)
     ranks = rank_rows(workload, best) if is_per_stage(workload, best) else None  # the per-stage table
     if args.output:  # with what it was searched under: a re-plan keeps the held knobs and any you edit
-        searched(best, fixed).save(args.output)
+        searched(best, fixed, args.cluster).save(args.output)
     written = draw(args, workload, best, best_est)
     wall = time.perf_counter() - started
     note = getattr(planner, "stale_note", None)  # a policy trained against an older cost model: said once

@@ -10,6 +10,7 @@ names the first held value that leaves none, with the values the space offers in
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from autopar import axes
 from autopar.errors import AutoparError, PlanError
@@ -124,9 +125,13 @@ def with_fixes(workload, fixed: tuple[tuple[str, object], ...]):
     return held
 
 
-def searched(plan, fixed: tuple[tuple[str, object], ...]):
+def searched(plan, fixed: tuple[tuple[str, object], ...], cluster: str | None = None):
     """The plan as `search -o` writes it: the knobs held (`fixed`) and the value it chose for every
-    decision (`searched`), so an elastic re-plan keeps the held knobs and any edited by hand."""
+    decision (`searched`), so an elastic re-plan keeps the held knobs and any edited by hand; and the
+    cluster it was searched for (`--cluster`: a file by its absolute path), which `explain` and `estimate`
+    compare with theirs."""
     values = plan.to_dict()
     chosen = {f.name: values[f.name] for k in knobs() if k.decision for f in k.fields}
-    return plan.recorded(fixed=tuple(name for name, _ in fixed), searched=chosen)
+    if cluster is not None and Path(cluster).is_file():
+        cluster = str(Path(cluster).resolve())
+    return plan.recorded(fixed=tuple(name for name, _ in fixed), searched=chosen, cluster=cluster)
