@@ -4,6 +4,8 @@ every plan of real spaces, and the search answers exactly as when it prices ever
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from conftest import workload
@@ -23,15 +25,23 @@ SPACES = [  # a dense GPT, a large vocabulary, a mixture of experts, a V schedul
     dict(model="moe", cluster="dgx-a100-40g", nodes=2, global_batch=32, size="small", layers=12, seq_len=2048),
     dict(model="llama", cluster="dgx-h100", nodes=4, global_batch=64, size="small", layers=16, seq_len=16384),
 ]
+OTHER_RUNTIMES = [  # Megatron-Core's overlaps and TE's fp8, torch's fp8 (casts replayed by recompute)
+    dict(model="gpt", cluster="dgx-h100", nodes=4, global_batch=128, size="1.7b", layers=24, seq_len=2048,
+         options=dict(runtime="megatron-core", fp8=True)),
+    dict(model="llama", cluster="dgx-h100", nodes=2, global_batch=32, size="small", layers=16, seq_len=4096,
+         options=dict(fp8=True)),
+]
 
 
 def _workload(spec: dict):
     spec = dict(spec)
-    return workload(spec.pop("model"), spec.pop("cluster"), **spec)
+    options = spec.pop("options", {})
+    return dataclasses.replace(workload(spec.pop("model"), spec.pop("cluster"), **spec), **options)
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("spec", SPACES, ids=lambda s: f"{s['model']}-{s['cluster']}-{s['seq_len']}")
+@pytest.mark.parametrize("spec", SPACES + OTHER_RUNTIMES,
+                         ids=lambda s: f"{s['model']}-{s['cluster']}-{s['seq_len']}-{s.get('options', {})}")
 def test_every_plan_with_recompute_takes_at_least_its_siblings_floor(spec):
     """On every plan of each space: a plan with recompute takes at least the floor of its sibling without it,
     and every outer plan has that sibling (a plan without one would always be priced)."""
@@ -47,7 +57,7 @@ def test_every_plan_with_recompute_takes_at_least_its_siblings_floor(spec):
     time = res["iteration_time"]
     assert (time[~plain] >= floor[~plain] - 1e-12 * time[~plain]).all()
     assert (floor[plain] <= time[plain]).all() and (~plain).sum() > 4 * plain.sum()
-    assert len(set(space.schedule.tolist())) >= 3  # schedules of several kinds (zero-bubble ones included)
+    assert len(set(space.schedule.tolist())) >= 2  # schedules of several kinds (zero-bubble ones under torch)
 
 
 def _answers(w, prune: bool, k: int = 3):
@@ -61,7 +71,7 @@ def _answers(w, prune: bool, k: int = 3):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("spec,fix", [(s, None) for s in SPACES] + [
+@pytest.mark.parametrize("spec,fix", [(s, None) for s in SPACES + OTHER_RUNTIMES] + [
     (SPACES[0], "recompute=selective"),  # no plan without recompute: every plan priced
     (dict(SPACES[0], nodes=1, global_batch=8, size="175b", layers=48), None),  # nothing fits: the least memory told
 ])

@@ -11,8 +11,8 @@ and its step on the tail rank, plus the least rank's step (`floor`). Most of a s
 prices the plans in the order of their floors and stops where no plan left could be among the answers
 (`cutoff`): the k best distinct plans with their tie band, and the outer plans of the fastest uniform
 plans that the per-stage solver tries first. The floor is a fact of the cost model's structure, not an
-estimate: tests/test_exhaustive_pricing.py checks it on every plan of four spaces (every schedule kind,
-context and expert parallelism) and that the search answers as when it prices every plan."""
+estimate: tests/test_exhaustive_pricing.py checks it on every plan of six spaces (every schedule kind, both
+runtimes, fp8, context and expert parallelism) and that the search answers as when it prices every plan."""
 
 from __future__ import annotations
 
