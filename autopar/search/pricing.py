@@ -6,10 +6,10 @@ the same plan but for `recompute` and `recompute_blocks`), and more: its pipelin
 the ranks' micro-batch times), step overhead and exposed context-parallel exchange are at least its
 sibling's, its exposed data-parallel collectives at least 0 and its optimizer step at least the least of
 any rank's. So its iteration time is at least its sibling's less the sibling's exposed data-parallel time
-and its step on the tail rank, plus the least rank's step (`floor`). Most of a space recomputes (GPT-3
+and its step on the tail rank, plus the least rank's step (`floor_of`). Most of a space recomputes (GPT-3
 175B on 128 DGX A100: 1,763,168 of 1,876,080 plans) and most of those siblings are slow, so the search
 prices the plans in the order of their floors and stops where no plan left could be among the answers
-(`cutoff`): the k best distinct plans with their tie band, and the outer plans of the fastest uniform
+(`PricedSpace.cutoff`): the k best distinct plans with their tie band, and the outer plans of the fastest uniform
 plans that the per-stage solver tries first. The floor is a fact of the cost model's structure, not an
 estimate: tests/test_exhaustive_pricing.py checks it on every plan of six spaces (every schedule kind, both
 runtimes, fp8, context and expert parallelism) and that the search answers as when it prices every plan."""
