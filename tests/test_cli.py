@@ -99,6 +99,7 @@ BAD_INPUTS = [
     (["estimate", GPT, *TINY, "--dp", "8", "--tp", "3", "--micro-batch", "1", "--nodes", "3"],
      "tp=3 does not divide"),
     (["search", GPT, *TINY, "--model-arg", "oops"], "--model-arg expects KEY=VALUE"),
+    (["search", GPT, *TINY, "--nodes", "0"], "--nodes must be a positive integer, got 0"),
     (["search", GPT, *TINY, "--policy", "pm.zip"], "--policy is the rl planner's, not exhaustive's; add --method rl"),
     (["search", GPT, *TINY, "--method", "rl", "--policy", "pm.zip", "--cluster", "dgx-a100-80g:1,dgx-h100:1"],
      "--policy: the rl planner of several GPU types uses the shipped policy"),

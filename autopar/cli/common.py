@@ -127,16 +127,21 @@ def _parse_value(text: str):
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
+def check_size_flags(args) -> None:
+    """--nodes and --gpus-per-node, named as the user typed them, before any cluster is sized by them."""
+    for flag in ("nodes", "gpus_per_node"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise AutoparError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+
+
 def load_workload(args, nodes: int | None = None, global_batch: int | None = None, mixed: bool = False):
     """Profile the model (cached) and load the cluster; flags win over the given defaults. A mixed
     --cluster gives a MixedWorkload where the command plans for one (`mixed`), else is refused."""
 
     batch = args.global_batch if args.global_batch is not None else global_batch
     check_global_batch(batch)
-    for flag in ("nodes", "gpus_per_node"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise AutoparError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    check_size_flags(args)
     if not 0 <= args.memory_headroom < 1:
         raise AutoparError(f"--memory-headroom must be a fraction in [0, 1), got {args.memory_headroom}")
     cluster = load_any_cluster(args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node)

@@ -9,7 +9,7 @@ import time
 from rich.console import Console
 
 from autopar.capability.mixed import mixed_refusals
-from autopar.cli.common import DEFAULT_GLOBAL_BATCH, load_workload, print_json
+from autopar.cli.common import DEFAULT_GLOBAL_BATCH, check_size_flags, load_workload, print_json
 from autopar.cluster.mixed import MixedCluster, load_any_cluster
 from autopar.cost import estimate
 from autopar.errors import AutoparError
@@ -33,6 +33,7 @@ def add_replan_flag(p) -> None:
 
 def is_mixed(args) -> bool:
     """Whether --cluster names a mixed cluster (a bad one fails here, in one line, as it would later)."""
+    check_size_flags(args)
     return isinstance(load_any_cluster(args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node), MixedCluster)
 
 

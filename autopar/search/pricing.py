@@ -127,7 +127,8 @@ class PricedSpace:
         if len(first) < self.k:
             return np.inf
         kth = times[np.sort(first)[self.k - 1]]
-        cut = float(times[0] * (1 + TIE) ** (np.floor(np.log(kth / times[0]) / np.log1p(TIE)) + 1))
+        # the band's end, a hair beyond: a plan at its edge is in the band or not by rounding (`tie_buckets`)
+        cut = float(times[0] * (1 + TIE) ** (np.floor(np.log(kth / times[0]) / np.log1p(TIE)) + 1)) * (1 + 1e-9)
         if not self.promising:
             return cut
         leads = self.promising_rows(np.concatenate([fastest for _, fastest in parts]))
