@@ -161,3 +161,11 @@ def test_a_failed_parity_check_is_said_in_the_title_and_the_last_line(capsys):
     for held in ({"parity_ok": True}, {}):
         assert _title(launched, held, " (mixed plan)") == "autopar run (mixed plan): ok in 5.0 s"
         assert _parity_exit(held) == 0 and capsys.readouterr().err == ""
+
+
+def test_version(capsys):
+    import autopar
+
+    with pytest.raises(SystemExit) as stop:
+        run_cli(capsys, "--version")
+    assert stop.value.code == 0 and capsys.readouterr().out == f"autopar {autopar.__version__}\n"

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 
+from autopar import __version__
 from autopar.atomic import check_output
 from autopar.cli.train import modernize
 from autopar.errors import AutoparError
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="autopar",
         description="Pick, explain and apply a parallel training plan for a PyTorch model.")
+    parser.add_argument("--version", action="version", version=f"autopar {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(f"autopar.cli.{name.replace('-', '_')}").add_parser(sub)
