@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from rich.console import Console
 
@@ -11,6 +10,7 @@ from autopar import axes
 from autopar.capability.mixed import one_precision_problem
 from autopar.cli.common import add_workload_flags, load_workload, print_json, workload_dict
 from autopar.cluster import load_cluster
+from autopar.cluster.io import spec_identity
 from autopar.cluster.mixed import MixedCluster, load_any_cluster
 from autopar.cost import estimate
 from autopar.cost.regime import json_notes, notes
@@ -117,8 +117,7 @@ def _flag_world(args) -> int:
 
 def warn_other_cluster(plan: Plan, cluster: str) -> None:
     """One line on stderr when the plan was searched for another cluster than the one it is priced on."""
-    given = str(Path(cluster).resolve()) if Path(cluster).is_file() else cluster
-    if plan.searched_on is not None and plan.searched_on != given:
+    if plan.searched_on is not None and plan.searched_on != spec_identity(cluster):
         print(f"autopar: note: the plan was searched for --cluster {plan.searched_on}; this prices it on {cluster} "
               f"(pass --cluster {plan.searched_on} to price it where it was planned)", file=sys.stderr)
 

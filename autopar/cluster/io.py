@@ -41,6 +41,11 @@ def load_cluster(spec: str, nodes: int | None = None, gpus_per_node: int | None 
     return cluster
 
 
+def spec_identity(spec: str) -> str:
+    """A --cluster as a plan file records it and compares it: a preset as named, a file by its absolute path."""
+    return str(Path(spec).resolve()) if Path(spec).is_file() else spec
+
+
 def _read_json(path: str) -> object:
     file = Path(path)
     if not file.is_file():

@@ -16,7 +16,7 @@ from autopar.search.base import Planner
 from autopar.errors import PlanError
 from autopar.search import stages
 from autopar.search.simplicity import TIE, simplest_first, tie_buckets
-from autopar.search.pricing import PricedSpace, structure_fields
+from autopar.search.pricing import PricedSpace, kth_distinct, structure_fields
 from autopar.search.space import degree_choices, enumerate_plans
 
 CHUNK = 1 << 17
@@ -90,12 +90,9 @@ class ExhaustivePlanner(Planner):
         shortlist = space.take(rows)
         times = evaluate(workload, shortlist, self.coeffs)["iteration_time"]
         # only the tie buckets down to the k-th distinct structure can hold the answer: those become Plans
-        buckets, seen, names = tie_buckets(times), set(), structure_fields()
-        for i in np.argsort(times, kind="stable"):
-            seen.add(tuple(float(shortlist.columns[f][i]) for f in names))
-            if len(seen) == k:
-                break
-        band = np.flatnonzero(buckets <= buckets[i])
+        i = kth_distinct(shortlist.columns, times, k)
+        buckets = tie_buckets(times)
+        band = np.flatnonzero(buckets <= (buckets.max() if i is None else buckets[i]))
         plans = [shortlist.plan(int(j)) for j in band]
         order = [band[j] for j in simplest_first(plans, times[band])]
         best = shortlist.take(np.array(distinct(shortlist, order, k)))

@@ -10,9 +10,9 @@ names the first held value that leaves none, with the values the space offers in
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from autopar import axes
+from autopar.cluster.io import spec_identity
 from autopar.errors import AutoparError, PlanError
 from autopar.knobs import knobs
 from autopar.plan import ALIASES
@@ -132,6 +132,5 @@ def searched(plan, fixed: tuple[tuple[str, object], ...], cluster: str | None = 
     compare with theirs."""
     values = plan.to_dict()
     chosen = {f.name: values[f.name] for k in knobs() if k.decision for f in k.fields}
-    if cluster is not None and Path(cluster).is_file():
-        cluster = str(Path(cluster).resolve())
-    return plan.recorded(fixed=tuple(name for name, _ in fixed), searched=chosen, cluster=cluster)
+    return plan.recorded(fixed=tuple(name for name, _ in fixed), searched=chosen,
+                         cluster=None if cluster is None else spec_identity(cluster))

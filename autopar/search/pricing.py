@@ -21,7 +21,7 @@ import numpy as np
 from autopar.cost import Coefficients, PlanArrays, evaluate
 from autopar.cost.arrays import unique_rows
 from autopar.knobs import RECOMPUTE_MODES, knobs
-from autopar.search.simplicity import TIE
+from autopar.search.simplicity import bucket_end
 from autopar.search.stages import worth_solving
 
 RECOMPUTE_FIELDS = ("recompute", "recompute_blocks")
@@ -46,6 +46,15 @@ def structure_fields() -> list[str]:
     return [f.name for k in knobs() if not k.detail for f in k.fields]
 
 
+def kth_distinct(columns: dict, times: np.ndarray, k: int) -> int | None:
+    """The index (into `times` and the `columns` of the same plans) of the plan at which, in time order (ties
+    in given order), the k-th distinct structure (`structure_fields`) first appears; None with fewer."""
+    order = np.argsort(times, kind="stable")
+    _, ident = unique_rows([np.asarray(columns[f])[order] for f in structure_fields()])
+    _, first = np.unique(np.asarray(ident).reshape(-1), return_index=True)
+    return int(order[np.sort(first)[k - 1]]) if len(first) >= k else None
+
+
 class PricedSpace:
     """Iteration time, peak memory and fit of the plans of `space` that could be among the answers (inf, nan
     and False for the rest), and, with `ranks`, what the per-stage bound reads of the plans without recompute
@@ -59,7 +68,7 @@ class PricedSpace:
         self.workload, self.space, self.coeffs, self.chunk = workload, space, coeffs, chunk
         self.k, self.keep, self.promising, self.outers = k, keep, promising, outers
         self.time, self.memory = np.full(n, np.inf), np.full(n, np.nan)
-        self.fits, self.priced = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+        self.fits, self.count = np.zeros(n, dtype=bool), 0  # count: plans priced
         self.group = outer_groups(space)
         plain = np.flatnonzero(space.recompute == RECOMPUTE_MODES.index("none"))
         self.ranked: list[tuple[np.ndarray, dict]] = []  # (plain rows, their evaluate(..., ranks=True))
@@ -85,12 +94,11 @@ class PricedSpace:
                 break
             self._price(np.sort(rest[position:end]), False)
             position = end
-        self.count = int(self.priced.sum())
 
     def _price(self, rows: np.ndarray, ranks: bool) -> dict:
         res = evaluate(self.workload, self.space.take(rows), self.coeffs, ranks=ranks)
         self.time[rows], self.memory[rows], self.fits[rows] = res["iteration_time"], res["peak_memory"], res["fits"]
-        self.priced[rows] = True
+        self.count += len(rows)
         return res
 
     def chunks(self):
@@ -120,15 +128,11 @@ class PricedSpace:
         rows = np.concatenate([first for first, _ in parts])
         if len(rows) == 0:
             return np.inf
-        rows = rows[np.argsort(self.time[rows], kind="stable")]
         times = self.time[rows]
-        _, ident = unique_rows([self.space.columns[f][rows] for f in structure_fields()])
-        _, first = np.unique(np.asarray(ident).reshape(-1), return_index=True)
-        if len(first) < self.k:
+        kth = kth_distinct({f: self.space.columns[f][rows] for f in structure_fields()}, times, self.k)
+        if kth is None:
             return np.inf
-        kth = times[np.sort(first)[self.k - 1]]
-        # the band's end, a hair beyond: a plan at its edge is in the band or not by rounding (`tie_buckets`)
-        cut = float(times[0] * (1 + TIE) ** (np.floor(np.log(kth / times[0]) / np.log1p(TIE)) + 1)) * (1 + 1e-9)
+        cut = bucket_end(float(times.min()), float(times[kth]))
         if not self.promising:
             return cut
         leads = self.promising_rows(np.concatenate([fastest for _, fastest in parts]))

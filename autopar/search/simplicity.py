@@ -55,6 +55,13 @@ def tie_buckets(times) -> np.ndarray:
     return np.floor(np.log(times / times.min()) / np.log1p(TIE)).astype(np.int64)
 
 
+def bucket_end(best: float, time: float) -> float:
+    """The time where `time`'s tie bucket ends (`tie_buckets` with `best` the fastest), a hair beyond it: a
+    plan that rounds into the bucket at its edge is before it."""
+    bucket = np.floor(np.log(time / best) / np.log1p(TIE))
+    return float(best * (1 + TIE) ** (bucket + 1)) * (1 + 1e-9)
+
+
 def simplest_first(plans: list[Plan], times) -> list[int]:
     """Indices of `plans`, fastest tie bucket first, the simplest plan first within a bucket."""
     buckets = tie_buckets(times)
